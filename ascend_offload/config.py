@@ -1,0 +1,186 @@
+"""Every ``kv_connector_extra_config`` schema, parsed and validated in one place.
+
+Why one module: a bad deployment must fail at engine start with a message that
+names the offending key and the values it accepts (invariant I7), and every
+connector must read its settings the same way. Key names follow vllm-ascend
+where a key exists there, so configs can move between the two.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names key and accepted values."""
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _accepted(model: type[BaseModel], key: str) -> str:
+    """Human description of what ``key`` accepts, from the field annotation."""
+    field = model.model_fields.get(key)
+    if field is None:
+        return "one of the keys: " + ", ".join(sorted(model.model_fields))
+    ann = field.annotation
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is Literal:
+        return "one of: " + ", ".join(repr(a) for a in args)
+    literal_args = [a for a in args if typing.get_origin(a) is Literal]
+    if literal_args:
+        vals = [repr(v) for a in literal_args for v in typing.get_args(a)]
+        return "one of: " + ", ".join(vals) + " (or " + " | ".join(
+            getattr(a, "__name__", str(a)) for a in args if typing.get_origin(a) is not Literal
+        ) + ")"
+    name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+    constraints = ", ".join(str(m) for m in field.metadata)
+    return f"{name}" + (f" with {constraints}" if constraints else "")
+
+
+def parse(model: type[_Strict], raw: Mapping[str, Any] | None, *, where: str) -> Any:
+    """Validate ``raw`` against ``model`` or raise :class:`ConfigError`.
+
+    The error lists every problem as ``key=value: reason (accepted: ...)``.
+    """
+    raw = dict(raw or {})
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            top = str(err["loc"][0]) if err["loc"] else ""
+            value = err.get("input")
+            problems.append(
+                f"key '{loc}'={value!r}: {err['msg']} (accepted: {_accepted(model, top)})"
+            )
+        raise ConfigError(f"invalid {where}: " + "; ".join(problems)) from None
+
+
+# --------------------------------------------------------------------------- store
+
+
+class LocalStoreConfig(_Strict):
+    """The embedded host page pool (``backend: local``)."""
+
+    capacity_bytes: int = Field(1 << 30, gt=0)
+    page_bytes: int = Field(64 << 10, gt=0)
+    eviction: Literal["lru", "arc"] = "lru"
+
+
+class StoreConnectorConfig(_Strict):
+    """``AscendStoreConnector`` extra config (whole-prefix and layerwise modes)."""
+
+    backend: Literal["local"] = "local"
+    local: LocalStoreConfig = LocalStoreConfig()
+    use_layerwise: bool = False
+    layerwise_num_shared_buffers: int = Field(2, ge=1)
+    layerwise_independent_layers: list[int] | Literal["all"] = Field(default_factory=lambda: [0])
+    layerwise_prefetch_layers: int = Field(1, ge=0)
+    # Deadlines (I5): a wait on a load, save or gate never blocks longer.
+    load_timeout_s: float = Field(30.0, gt=0)
+    save_timeout_s: float = Field(30.0, gt=0)
+    # Only prefixes of at least this many blocks are worth a store round trip.
+    min_load_blocks: int = Field(1, ge=1)
+    # Shared between instances that may exchange store objects: part of every key.
+    model_tag: str = ""
+    # Test hook: artificial delay per layer save, to prove the reuse gate holds.
+    debug_save_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("layerwise_independent_layers")
+    @classmethod
+    def _no_duplicates(cls, v: list[int] | str) -> list[int] | str:
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError(f"duplicate layer indices in {v}")
+        return v
+
+
+# --------------------------------------------------------------------------- sparse
+
+
+class SparseOffloadConfig(_Strict):
+    """Decode-side sparse offload (host KV pool + per-layer device hot buffer)."""
+
+    enabled: bool = False
+    topk_buffer_size: int = Field(4096, gt=0)
+    dram_size_per_dp_GB: float = Field(128.0, gt=0)
+    index_topk: int = Field(2048, gt=0)
+    use_native: Literal["auto", "on", "off"] = "auto"
+
+    def check_against(self, *, block_size: int, index_topk: int | None = None) -> None:
+        """Cross-field checks that need the model/cache config."""
+        topk = index_topk if index_topk is not None else self.index_topk
+        if self.topk_buffer_size < topk:
+            raise ConfigError(
+                f"key 'topk_buffer_size'={self.topk_buffer_size}: must be >= index_topk={topk}"
+            )
+        if self.topk_buffer_size % block_size:
+            raise ConfigError(
+                f"key 'topk_buffer_size'={self.topk_buffer_size}: must be a multiple of "
+                f"block_size={block_size}"
+            )
+
+
+# --------------------------------------------------------------------------- P/D
+
+
+class RemoteD2HConfig(_Strict):
+    """``SfaRemoteD2HConnector`` extra config (prefill producer / decode consumer)."""
+
+    transfer_backend: Literal["mooncake", "memfabric"] = "mooncake"
+    use_layerwise: bool = True
+    memfabric_transfer_protocol: Literal["sdma", "device_rdma", "device_urma"] = "sdma"
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device_name: str = ""
+    # Deadlines (I5).
+    read_timeout_s: float = Field(30.0, gt=0)
+    ack_timeout_s: float = Field(30.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0)
+    registration_timeout_s: float = Field(30.0, gt=0)
+    registration_retries: int = Field(5, ge=0)
+    read_retries: int = Field(1, ge=0)
+    # Unequal TP: the prefill TP size as seen by decode (None = same as decode).
+    prefill_tp_size: int | None = Field(None, ge=1)
+    sparse_offload: SparseOffloadConfig = SparseOffloadConfig()
+
+
+# --------------------------------------------------------------------------- multi
+
+
+class ChildConnector(_Strict):
+    kv_connector: str
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+    kv_role: str | None = None
+
+
+class MultiConnectorConfig(_Strict):
+    """``AscendMultiConnector``: prefill pairs the RD2H producer with the store."""
+
+    connectors: list[ChildConnector] = Field(min_length=1)
+
+
+SCHEMAS: dict[str, type[_Strict]] = {
+    "AscendStoreConnector": StoreConnectorConfig,
+    "SfaRemoteD2HConnector": RemoteD2HConfig,
+    "AscendMultiConnector": MultiConnectorConfig,
+}
+
+
+def parse_extra_config(connector: str, raw: Mapping[str, Any] | None) -> Any:
+    """Parse the extra config of one of our connectors by its registered name."""
+    try:
+        model = SCHEMAS[connector]
+    except KeyError:
+        raise ConfigError(
+            f"unknown connector {connector!r} (accepted: {', '.join(SCHEMAS)})"
+        ) from None
+    return parse(model, raw, where=f"kv_connector_extra_config of {connector}")

@@ -1,0 +1,121 @@
+"""The host KV store contract every backend implements.
+
+Life of an object (invariant I3):
+
+    allocate(keys, sizes) -> pending handles      (atomic: all or none)
+    write(handle, offset, src)                    (any number of segments)
+    commit(handles) | abort(handles)              (only committed is visible)
+    lookup_prefix(keys) -> n                      (longest committed prefix)
+    pin(keys) -> Pin | None                       (pinned = never evicted)
+    read(pin, key, dst) ...                       (only while pinned)
+    unpin(pin)
+
+Why this shape: a writer that dies half way leaves only pending objects that
+nobody can read; a reader holds a pin for exactly as long as it copies, so
+eviction can never pull bytes from under a load; counters are exact so tests
+and metrics can assert on them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+class StoreError(RuntimeError):
+    """A store operation was used against its contract (e.g. reading unpinned data)."""
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """Exact counters, monotonically increasing except the gauges at the end."""
+
+    lookups: int = 0
+    hit_objects: int = 0
+    miss_objects: int = 0
+    allocated_objects: int = 0
+    committed_objects: int = 0
+    aborted_objects: int = 0
+    skipped_stores: int = 0  # allocations refused because the store was full
+    duplicate_stores: int = 0  # allocations skipped because the key already exists
+    evicted_objects: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    # gauges
+    pinned_objects: int = 0
+    pending_objects: int = 0
+    stored_objects: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteHandle:
+    """A pending object: writable, not readable, not evictable."""
+
+    key: str
+    size: int
+    token: int  # identifies this allocation (a re-allocation of the key gets another)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """A set of committed objects that stay resident until ``unpin``."""
+
+    keys: tuple[str, ...]
+    token: int
+
+
+class KVStore(abc.ABC):
+    """Backend-neutral contract (local page pool, Mooncake Store, Memcache)."""
+
+    @abc.abstractmethod
+    def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
+        """Reserve pending objects. Keys already present (pending or committed)
+        get ``None`` in their position and are not written again. Returns
+        ``None`` when the new objects do not all fit (nothing is reserved)."""
+
+    @abc.abstractmethod
+    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (any dtype, contiguous) into the object at byte ``offset``."""
+
+    @abc.abstractmethod
+    def commit(self, handles: Sequence[WriteHandle]) -> None:
+        """Make objects readable. Committing an aborted or unknown handle raises."""
+
+    @abc.abstractmethod
+    def abort(self, handles: Sequence[WriteHandle]) -> None:
+        """Drop pending objects and free their space (idempotent)."""
+
+    @abc.abstractmethod
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """Number of leading keys that are committed (no side effects but counters)."""
+
+    @abc.abstractmethod
+    def pin(self, keys: Sequence[str]) -> Pin | None:
+        """Pin all ``keys`` (all committed) or none; ``None`` if any is missing."""
+
+    @abc.abstractmethod
+    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
+        """Copy ``dst.nbytes`` bytes of pinned ``key`` starting at ``offset`` into ``dst``."""
+
+    @abc.abstractmethod
+    def unpin(self, pin: Pin) -> None:
+        """Release a pin (idempotent)."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+
+    def contains(self, key: str) -> bool:
+        return self.lookup_prefix([key]) == 1
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release backend resources."""
