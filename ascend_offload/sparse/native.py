@@ -1,0 +1,204 @@
+"""Build-on-first-use loader for the plain C++ residency library (``csrc_npu/``).
+
+Why ctypes and a private build: the library has a C ABI and no torch headers,
+so one build serves every torch/torch_npu version and architecture (x86-64,
+aarch64); it is compiled with the system ``g++`` into a per-user cache keyed by
+a hash of the sources, flags, compiler and machine, so an upgrade or a source
+edit rebuilds and concurrent processes never load a half-written file
+(atomic rename). Anything going wrong returns ``None`` and is logged once; the
+callers then use the pure-torch twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ABI_VERSION = 3
+LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
+
+def source_dir() -> Path:
+    """``csrc_npu/`` next to the package (editable installs and checkouts)."""
+    env = os.environ.get("ASCEND_OFFLOAD_CSRC")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "csrc_npu"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("ASCEND_OFFLOAD_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ascend_offload" / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++")
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def build(sources: tuple[str, ...], name: str, *, quiet: bool = False) -> Path | None:
+    """Compile ``sources`` from :func:`source_dir` into a cached shared library.
+
+    Tries with OpenMP first, then without (a scalar single-thread build is
+    still correct). Returns the library path or ``None``.
+    """
+    cxx = _compiler()
+    src_dir = source_dir()
+    paths = [src_dir / s for s in sources]
+    if cxx is None:
+        _log_once(quiet, "no C++ compiler (g++) found")
+        return None
+    if not all(p.is_file() for p in paths):
+        _log_once(quiet, f"native sources missing under {src_dir}")
+        return None
+    digest = hashlib.sha256()
+    for p in paths:
+        digest.update(p.name.encode())
+        digest.update(p.read_bytes())
+    digest.update(" ".join(BASE_FLAGS).encode())
+    digest.update(_compiler_id(cxx).encode())
+    digest.update(platform.machine().encode())
+    key = digest.hexdigest()[:20]
+    out_dir = cache_dir() / key
+    lib = out_dir / f"lib{name}.so"
+    if lib.is_file():
+        return lib
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _log_once(quiet, f"cannot create native cache dir {out_dir}: {exc}")
+        return None
+    errors = []
+    for extra in (("-fopenmp",), ()):
+        fd, tmp = tempfile.mkstemp(prefix=f".lib{name}-", suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [cxx, *BASE_FLAGS, *extra, *map(str, paths), "-o", tmp]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+            os.unlink(tmp)
+            continue
+        if res.returncode == 0:
+            os.replace(tmp, lib)  # atomic: a concurrent loader sees all or nothing
+            return lib
+        errors.append(res.stderr[-2000:])
+        os.unlink(tmp)
+    _log_once(quiet, "native build failed: " + " | ".join(errors))
+    return None
+
+
+_logged: set[str] = set()
+
+
+def _log_once(quiet: bool, msg: str) -> None:
+    if quiet or msg in _logged:
+        return
+    _logged.add(msg)
+    logger.warning("ascend_offload.sparse: %s; using the pure-torch residency twin", msg)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The residency/row-copy library, or ``None`` when it cannot be built/loaded."""
+    if os.environ.get("ASCEND_OFFLOAD_DISABLE_NATIVE") == "1":
+        _log_once(False, "native residency disabled by ASCEND_OFFLOAD_DISABLE_NATIVE=1")
+        return None
+    path = build(LIB_SOURCES, "ao_sparse")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _log_once(False, f"cannot load {path}: {exc}")
+        return None
+    if lib.ao_res_abi_version() != ABI_VERSION:
+        _log_once(False, f"{path} has ABI {lib.ao_res_abi_version()}, expected {ABI_VERSION}")
+        return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    # Pointers travel as plain integers (tensor.data_ptr()): cheaper than ctypes.cast.
+    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.ao_res_create.restype = vp
+    lib.ao_res_create.argtypes = [i32, i32, i32]
+    lib.ao_res_destroy.restype = None
+    lib.ao_res_destroy.argtypes = [vp]
+    lib.ao_res_release.restype = i32
+    lib.ao_res_release.argtypes = [vp, i32]
+    lib.ao_res_has_openmp.restype = i32
+    lib.ao_res_resolve.restype = i64
+    lib.ao_res_resolve.argtypes = [
+        vp, i32, i32, vp, vp, vp, vp, vp, i32, vp, i32, i32, vp, vp, vp, vp, i32, vp,
+    ]
+    lib.ao_res_inspect.restype = i32
+    lib.ao_res_inspect.argtypes = [vp, i32, i32, vp, vp]
+    lib.ao_copy_rows.restype = i64
+    lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def has_openmp() -> bool:
+    lib = load()
+    return bool(lib is not None and lib.ao_res_has_openmp())
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+              *, nthreads: int = 1) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for host tensors, with row prefetch.
+
+    Both tensors must be contiguous host tensors with the same row layout;
+    indices int32. Raises ``RuntimeError`` if the library is unavailable and
+    ``IndexError`` naming the first out-of-range index.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native row copy unavailable")
+    if src.device.type != "cpu" or dst.device.type != "cpu":
+        raise ValueError("native copy_rows needs host tensors")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("native copy_rows needs contiguous tensors")
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"row layout differs: src {tuple(src.shape)} {src.dtype}, "
+                         f"dst {tuple(dst.shape)} {dst.dtype}")
+    sidx = src_idx.to(torch.int32).contiguous()
+    didx = dst_idx.to(torch.int32).contiguous()
+    n = sidx.numel()
+    if n != didx.numel():
+        raise ValueError(f"copy_rows: {n} source rows but {didx.numel()} destination rows")
+    if n == 0:
+        return
+    rc = lib.ao_copy_rows(src.data_ptr(), src.shape[0], sidx.data_ptr(), dst.data_ptr(),
+                          dst.shape[0], didx.data_ptr(), n, row_bytes, nthreads)
+    if rc < 0:
+        i = -rc - 1
+        raise IndexError(f"copy_rows: index {i} out of range (src row {int(sidx[i])} of "
+                         f"{src.shape[0]}, dst row {int(didx[i])} of {dst.shape[0]})")

@@ -1,0 +1,308 @@
+"""Hot-buffer residency: which logical token sits in which hot-buffer slot.
+
+One table per (layer, request row) of ``hot_size`` slots, exact LRU. One call
+per layer resolves the whole batch: for every top-k position it returns the
+global hot-buffer row (``row * hot_size + slot``), the list of misses (host
+pool row -> hot-buffer row) to copy, and it updates recency.
+
+Two implementations with identical outputs, checked against each other on
+random traces: :class:`NativeResidency` (``csrc_npu/residency.cpp`` through
+ctypes, O(K + misses) per row, parallel over rows) and :class:`TorchResidency`
+(vectorised torch, used when the native build is unavailable). The exact
+semantics are written down at the top of ``csrc_npu/residency.cpp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import torch
+
+from ascend_offload.sparse import native
+
+logger = logging.getLogger(__name__)
+
+MAX_HOT_SIZE = 65535  # slots are stored as uint16 in the native table
+
+
+class ResidencyError(ValueError):
+    """A resolve call was given inconsistent input (names the request and value)."""
+
+
+@dataclasses.dataclass
+class Resolved:
+    """The result of one layer's resolve for a batch."""
+
+    slots: torch.Tensor  # [B, K] int32 global hot-buffer rows, -1 for padding
+    miss_src: torch.Tensor  # [M] int32 host-pool rows to copy
+    miss_dst: torch.Tensor  # [M] int32 hot-buffer rows they go to
+    counts: torch.Tensor  # [B, 2] int32: (valid positions, misses) per batch entry
+
+    @property
+    def num_misses(self) -> int:
+        return int(self.miss_src.numel())
+
+
+class Residency(Protocol):
+    num_layers: int
+    num_rows: int
+    hot_size: int
+    kind: str
+
+    def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
+                block_size: int) -> Resolved: ...
+
+    def release(self, row: int) -> None: ...
+
+    def inspect(self, layer: int, row: int) -> tuple[list[int], list[int]]: ...
+
+
+def _check_dims(num_layers: int, num_rows: int, hot_size: int) -> None:
+    if num_layers <= 0 or num_rows <= 0:
+        raise ResidencyError(f"num_layers={num_layers}, num_rows={num_rows}: must be > 0")
+    if not 0 < hot_size <= MAX_HOT_SIZE:
+        raise ResidencyError(f"topk_buffer_size={hot_size}: must be in [1, {MAX_HOT_SIZE}]")
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+class NativeResidency:
+    """The C++ table (see ``csrc_npu/residency.cpp``)."""
+
+    kind = "native"
+
+    def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, nthreads: int = 1):
+        _check_dims(num_layers, num_rows, hot_size)
+        lib = native.load()
+        if lib is None:
+            raise RuntimeError("native residency library unavailable")
+        self._lib = lib
+        self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
+        self.nthreads = max(1, nthreads)
+        self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
+        if not self._h:
+            raise RuntimeError("ao_res_create failed")
+
+    def __del__(self) -> None:
+        h = getattr(self, "_h", None)
+        if h:
+            self._lib.ao_res_destroy(h)
+            self._h = None
+
+    def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
+                block_size: int) -> Resolved:
+        rows, stable, lens = _i32(rows), _i32(stable), _i32(lens)
+        topk, block_table = _i32(topk), _i32(block_table)
+        tags = tags.to(device="cpu", dtype=torch.int64).contiguous()
+        B, K = topk.shape
+        out = torch.empty((B, K), dtype=torch.int32)
+        msrc = torch.empty(B * K, dtype=torch.int32)
+        mdst = torch.empty(B * K, dtype=torch.int32)
+        counts = torch.empty((B, 2), dtype=torch.int32)
+        err = torch.empty(2, dtype=torch.int32)
+        n = self._lib.ao_res_resolve(
+            self._h, layer, B, rows.data_ptr(), tags.data_ptr(), stable.data_ptr(),
+            lens.data_ptr(), topk.data_ptr(), K, block_table.data_ptr(), block_table.shape[1],
+            block_size, out.data_ptr(), msrc.data_ptr(), mdst.data_ptr(), counts.data_ptr(),
+            self.nthreads, err.data_ptr())
+        if n < 0:
+            _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
+                          block_table, block_size)
+        return Resolved(out, msrc[:n], mdst[:n], counts)
+
+    def release(self, row: int) -> None:
+        if self._lib.ao_res_release(self._h, row) != 0:
+            raise ResidencyError(f"row={row}: out of range [0, {self.num_rows})")
+
+    def inspect(self, layer: int, row: int) -> tuple[list[int], list[int]]:
+        """(slot -> position, live slots from LRU to MRU) for tests."""
+        pos = torch.empty(self.hot_size, dtype=torch.int32)
+        order = torch.empty(self.hot_size, dtype=torch.int32)
+        n = self._lib.ao_res_inspect(self._h, layer, row, pos.data_ptr(), order.data_ptr())
+        if n < 0:
+            raise ResidencyError(f"layer={layer}, row={row}: out of range")
+        return pos.tolist(), order[:n].tolist()
+
+
+def _raise_native(code: int, err: list[int], layer: int, rows: torch.Tensor, stable: torch.Tensor,
+                  lens: torch.Tensor, topk: torch.Tensor, K: int, hot_size: int,
+                  block_table: torch.Tensor, block_size: int) -> None:
+    b, i = err
+    if code == -1:
+        raise ResidencyError(
+            f"layer {layer}, batch entry {b} (row {int(rows[b])}): top-k[{i}]={int(topk[b, i])} "
+            f"outside [-1, len={int(lens[b])})")
+    if code == -2:
+        raise ResidencyError(
+            f"layer {layer}, batch entry {b}: stable={int(stable[b])}, len={int(lens[b])}: need "
+            f"0 <= stable <= len <= block_table width {block_table.shape[1]} * {block_size}")
+    if code == -3:
+        raise ResidencyError(f"layer {layer}, batch entry {b}: row id out of range or repeated")
+    if code == -5:
+        raise ResidencyError(f"layer={layer}, K={K}, block_size={block_size}: bad arguments "
+                             f"(need K <= topk_buffer_size={hot_size}, block_size > 0)")
+    raise RuntimeError(f"native residency internal error {code} at batch entry {b}, index {i}")
+
+
+@dataclasses.dataclass
+class _TwinRow:
+    tag: int
+    slot_pos: torch.Tensor  # [H] int64, -1 = free
+    stamp: torch.Tensor  # [H] int64, recency (larger = newer), 0 for free slots
+    map: torch.Tensor  # [capacity] int64 position -> slot, -1 = absent
+    clock: int = 1
+
+
+class TorchResidency:
+    """Pure-torch twin of the native table: same semantics, same outputs."""
+
+    kind = "torch"
+
+    def __init__(self, num_layers: int, num_rows: int, hot_size: int):
+        _check_dims(num_layers, num_rows, hot_size)
+        self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
+        self._rows: dict[tuple[int, int], _TwinRow] = {}
+
+    def _fresh(self, tag: int, cap: int) -> _TwinRow:
+        H = self.hot_size
+        return _TwinRow(tag, torch.full((H,), -1, dtype=torch.int64),
+                        torch.zeros(H, dtype=torch.int64),
+                        torch.full((max(cap, 1),), -1, dtype=torch.int64))
+
+    def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
+                block_size: int) -> Resolved:
+        topk = topk.to("cpu", torch.int64)
+        bt = block_table.to("cpu", torch.int64)
+        rows_l, tags_l = rows.tolist(), tags.tolist()
+        stable_l, lens_l = stable.tolist(), lens.tolist()
+        B, K = topk.shape
+        if not 0 <= layer < self.num_layers or K > self.hot_size or block_size <= 0:
+            raise ResidencyError(f"layer={layer}, K={K}, block_size={block_size}: bad arguments "
+                                 f"(need K <= topk_buffer_size={self.hot_size}, block_size > 0)")
+        if len(set(rows_l)) != B or any(not 0 <= r < self.num_rows for r in rows_l):
+            bad = next(b for b, r in enumerate(rows_l)
+                       if not 0 <= r < self.num_rows or rows_l.index(r) != b)
+            raise ResidencyError(f"layer {layer}, batch entry {bad}: row id out of range or repeated")
+        out = torch.empty((B, K), dtype=torch.int32)
+        counts = torch.empty((B, 2), dtype=torch.int32)
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        for b in range(B):
+            s_out, msrc, mdst, nvalid = self._resolve_row(
+                layer, b, rows_l[b], tags_l[b], stable_l[b], lens_l[b], topk[b], bt[b],
+                block_size)
+            out[b] = s_out
+            counts[b, 0], counts[b, 1] = nvalid, msrc.numel()
+            srcs.append(msrc)
+            dsts.append(mdst)
+        msrc_all = torch.cat(srcs).to(torch.int32) if srcs else torch.empty(0, dtype=torch.int32)
+        mdst_all = torch.cat(dsts).to(torch.int32) if dsts else torch.empty(0, dtype=torch.int32)
+        return Resolved(out, msrc_all, mdst_all, counts)
+
+    def _resolve_row(self, layer: int, b: int, row: int, tag: int, stable: int, length: int,
+                     topk: torch.Tensor, bt: torch.Tensor, block_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        H = self.hot_size
+        base = row * H
+        if length < 0 or stable < 0 or stable > length or length > bt.numel() * block_size:
+            raise ResidencyError(
+                f"layer {layer}, batch entry {b}: stable={stable}, len={length}: need "
+                f"0 <= stable <= len <= block_table width {bt.numel()} * {block_size}")
+        key = (layer, row)
+        st = self._rows.get(key)
+        if st is None or st.tag != tag:
+            st = self._fresh(tag, length)
+            self._rows[key] = st
+        if st.map.numel() < length:
+            grown = torch.full((max(length, 2 * st.map.numel()),), -1, dtype=torch.int64)
+            grown[: st.map.numel()] = st.map
+            st.map = grown
+        bad = ((topk < -1) | (topk >= length)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            self._rows[key] = self._fresh(tag, length)
+            raise ResidencyError(
+                f"layer {layer}, batch entry {b} (row {row}): top-k[{i}]={int(topk[i])} "
+                f"outside [-1, len={length})")
+        # Forget speculative positions (they may be rolled back).
+        inval = st.slot_pos >= stable
+        if bool(inval.any()):
+            st.map[st.slot_pos[inval]] = -1
+            st.slot_pos[inval] = -1
+            st.stamp[inval] = 0
+        valid = topk >= 0
+        slot = torch.where(valid, st.map[topk.clamp(min=0)], -1)
+        hit = slot >= 0
+        hit_idx = hit.nonzero().flatten()
+        miss_occ = (valid & ~hit).nonzero().flatten()
+        mpos = topk[miss_occ]
+        uniq, inv = torch.unique(mpos, return_inverse=True)
+        first = torch.full((uniq.numel(),), topk.numel(), dtype=torch.int64).scatter_reduce(
+            0, inv, torch.arange(mpos.numel()), "amin")
+        order = first.argsort()
+        miss_pos = uniq[order]
+        m = miss_pos.numel()
+        free = (st.slot_pos < 0).nonzero().flatten()
+        nf = min(m, free.numel())
+        new_slots = free[:nf]
+        if m > nf:
+            cand = st.slot_pos >= 0
+            cand[slot[hit_idx]] = False
+            cand_idx = cand.nonzero().flatten()
+            need = m - nf
+            if cand_idx.numel() < need:
+                raise RuntimeError("torch residency: not enough evictable slots (K > hot size?)")
+            victims = cand_idx[st.stamp[cand_idx].argsort()[:need]]
+            st.map[st.slot_pos[victims]] = -1
+            new_slots = torch.cat([new_slots, victims])
+        st.slot_pos[new_slots] = miss_pos
+        st.map[miss_pos] = new_slots
+        rank = torch.empty(m, dtype=torch.int64)
+        rank[order] = torch.arange(m)
+        occ_slots = new_slots[rank[inv]]
+        res = torch.full((topk.numel(),), -1, dtype=torch.int64)
+        res[hit_idx] = base + slot[hit_idx]
+        res[miss_occ] = base + occ_slots
+        touched = torch.cat([slot[hit_idx], occ_slots])
+        stamps = st.clock + torch.arange(touched.numel())
+        st.stamp.scatter_reduce_(0, touched, stamps, "amax")
+        st.clock += touched.numel()
+        blk = bt[miss_pos // block_size]
+        msrc = blk * block_size + miss_pos % block_size
+        return res.to(torch.int32), msrc, base + new_slots, int(valid.sum())
+
+    def release(self, row: int) -> None:
+        if not 0 <= row < self.num_rows:
+            raise ResidencyError(f"row={row}: out of range [0, {self.num_rows})")
+        for layer in range(self.num_layers):
+            self._rows.pop((layer, row), None)
+
+    def inspect(self, layer: int, row: int) -> tuple[list[int], list[int]]:
+        st = self._rows.get((layer, row))
+        if st is None:
+            return [-1] * self.hot_size, []
+        live = (st.slot_pos >= 0).nonzero().flatten()
+        order = live[st.stamp[live].argsort()]
+        return st.slot_pos.tolist(), order.tolist()
+
+
+def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native: str = "auto",
+                   nthreads: int = 1) -> NativeResidency | TorchResidency:
+    """``use_native``: ``auto`` (native if it builds, else the twin, logged once),
+    ``on`` (native or raise), ``off`` (the twin)."""
+    if use_native not in ("auto", "on", "off"):
+        raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
+    if use_native != "off":
+        if native.available():
+            return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads)
+        if use_native == "on":
+            raise RuntimeError("use_native='on' but the native residency library could not be "
+                               "built or loaded (see the log for the compiler output)")
+    return TorchResidency(num_layers, num_rows, hot_size)
