@@ -1,0 +1,406 @@
+"""Decode side of the P/D pull: validate, read each layer in one batch, answer.
+
+One consumer per decode TP rank binds a ZMQ ROUTER on its port. For each
+``read_ready`` item it checks everything it is about to trust — the sender's
+place in the topology, tensor counts and sizes against its own layout, block
+ids against both sides' block counts, the contributor's main/indexer share —
+then issues one batched transfer-engine read (contiguous runs coalesced) and
+answers ``read_done`` or ``read_failed``. A request is received only when
+every layer is terminal on every contributing prefill rank; anything that
+failed, timed out or finished past its read budget turns into load errors for
+exactly the decode blocks it should have filled (invariant I2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from ascend_offload.pd import protocol as P
+from ascend_offload.pd._loop import IoLoop
+from ascend_offload.pd.layout import extents, incompatibility
+from ascend_offload.pd.topology import Topology
+from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecvOutcome:
+    """A request whose every (layer, contributor) is terminal."""
+
+    request_id: str
+    ok: bool
+    failed_blocks: tuple[int, ...] = ()  # decode block ids that must not be trusted
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass
+class ConsumerStats:
+    items: int = 0
+    reads: int = 0
+    descriptors: int = 0
+    bytes_read: int = 0
+    read_retries: int = 0
+    failed: int = 0
+    rejected: int = 0
+    parked: int = 0
+    acked_empty: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    dst_blocks: list[int]
+    num_layers: int
+    deadline: float
+    done: dict[tuple[int, int], bool] = field(default_factory=dict)  # (layer, p_rank) -> ok
+    failed: set[int] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    engine_id: str
+    p_rank: int
+    budget_s: float
+    received: float
+    item: P.ReadReady
+
+
+class Consumer:
+    """One decode TP rank's reader. Thread-safe; sockets and reads run on its I/O thread."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        d_rank: int,
+        topology: Topology,
+        transfer: TransferEngine,
+        layers: Sequence[P.LayerDesc],
+        host: str = "127.0.0.1",
+        port: int,
+        read_timeout_s: float = 30.0,
+        request_timeout_s: float = 120.0,
+        read_retries: int = 1,
+        register_memory: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        topology.contributors(d_rank)  # validates d_rank
+        self.engine_id = engine_id
+        self.d_rank = d_rank
+        self.topology = topology
+        self.transfer = transfer
+        self.layers = list(layers)
+        self.read_timeout_s = read_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.read_retries = read_retries
+        self.stats = ConsumerStats()
+        self._clock = clock
+        self._registered: list[int] = []
+        if register_memory:
+            for addr, length in extents(self.layers):
+                transfer.register(addr, length)
+                self._registered.append(addr)
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._parked: dict[str, list[_Parked]] = {}
+        self._metas: dict[tuple[str, int], P.MfMeta] = {}
+        self._finished: list[RecvOutcome] = []
+        self._finished_cv = threading.Condition(self._lock)
+        self._ctx = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.bind(f"tcp://{host}:{port}")
+        self.address = f"tcp://{host}:{port}"
+        self._loop = IoLoop(f"pd-consumer-{d_rank}", self._tick, self._next_wait)
+        self._loop.add(self._router)
+        self._loop.start()
+
+    # ------------------------------------------------------------ caller API
+
+    def expect(self, request_id: str, dst_blocks: Sequence[int], num_layers: int | None = None) -> None:
+        """Decode allocated ``dst_blocks`` for this request; reads may start (or resume)."""
+        n = len(self.layers) if num_layers is None else num_layers
+        if not 0 < n <= len(self.layers):
+            raise ValueError(f"request {request_id!r}: num_layers={n} outside 1..{len(self.layers)}")
+        blocks = [int(b) for b in dst_blocks]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"request {request_id!r}: duplicate destination blocks")
+        for layer in self.layers[:n]:
+            for t in (*layer.main, *([layer.indexer] if layer.indexer else [])):
+                bad = [b for b in blocks if not 0 <= b < t.num_blocks]
+                if bad:
+                    raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside "
+                                     f"0..{t.num_blocks - 1}")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} already expected")
+            self._requests[request_id] = _Request(request_id, blocks, n,
+                                                  self._clock() + self.request_timeout_s)
+        self._loop.wake()
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a request (aborted); later items for it are answered ``unknown_request``."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+            self._parked.pop(request_id, None)
+
+    def finished(self) -> list[RecvOutcome]:
+        """Drain requests that became terminal."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait_finished(self, count: int, timeout_s: float) -> list[RecvOutcome]:
+        """Block until ``count`` outcomes are available (or the deadline); drains them."""
+        end = time.monotonic() + timeout_s
+        with self._finished_cv:
+            while len(self._finished) < count:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._finished_cv.wait(left)
+            out, self._finished = self._finished, []
+        return out
+
+    def active(self) -> list[str]:
+        """Requests still being received (for leak checks)."""
+        with self._lock:
+            return sorted(self._requests)
+
+    def close(self) -> None:
+        self._loop.stop()
+        self._router.close(linger=0)
+        for addr in self._registered:
+            try:
+                self.transfer.unregister(addr)
+            except Exception:
+                log.debug("unregister %#x failed", addr, exc_info=True)
+        self._registered.clear()
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _next_wait(self) -> float:
+        now = self._clock()
+        with self._lock:
+            ds = [r.deadline for r in self._requests.values()]
+            ds += [p.received + p.budget_s for ps in self._parked.values() for p in ps]
+        return max(0.0, min(ds) - now) if ds else 0.2
+
+    def _reply(self, ident: bytes, msg: P.ReadDone | P.ReadFailed) -> None:
+        try:
+            self._router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or queue full
+            log.warning("could not answer prefill %r: %s", ident, exc)
+
+    def _fail(self, ident: bytes, p_rank: int, it: P.ReadReady, code: str, reason: str) -> None:
+        self.stats.failed += 1
+        log.warning("read_failed request %r layer %d from prefill rank %d: %s: %s",
+                    it.request_id, it.layer, p_rank, code, reason)
+        self._reply(ident, P.ReadFailed(
+            version=P.PROTOCOL_VERSION, engine_id=self.engine_id, d_rank=self.d_rank, p_rank=p_rank,
+            request_id=it.request_id, layer=it.layer, slot=it.slot, generation=it.generation,
+            code=code, reason=reason[:4000],
+        ))
+
+    def _affected(self, req: _Request, p_rank: int, layer: int) -> set[int]:
+        """Decode blocks that one contributor's item of one layer would have filled."""
+        desc = self.layers[layer]
+        n = len(req.dst_blocks)
+        out: set[int] = set()
+        if self.topology.sends_main(p_rank) and desc.main:
+            out.update(req.dst_blocks)
+        if desc.indexer is not None:
+            lo, hi = self.topology.index_range(p_rank, n)
+            out.update(req.dst_blocks[lo:hi])
+        return out
+
+    def _terminal(self, req: _Request, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
+        """Record one (layer, contributor) result; finish the request when all are in."""
+        key = (layer, p_rank)
+        if key in req.done:
+            return
+        req.done[key] = ok
+        if not ok:
+            req.failed |= self._affected(req, p_rank, layer)
+            req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
+        if len(req.done) >= req.num_layers * self.topology.ratio:
+            self._requests.pop(req.request_id, None)
+            self._finished.append(RecvOutcome(req.request_id, not req.reasons,
+                                              tuple(sorted(req.failed)), tuple(req.reasons)))
+            self._finished_cv.notify_all()
+
+    def _validate(self, meta: P.MfMeta | None, p_rank: int, req: _Request,
+                  it: P.ReadReady) -> tuple[str, str] | None:
+        if meta is None:
+            return P.FAIL_NO_META, f"no mf_meta from prefill rank {p_rank}"
+        if p_rank not in self.topology.contributors(self.d_rank):
+            return P.FAIL_INVALID, (f"prefill rank {p_rank} does not feed decode rank {self.d_rank} "
+                                    f"(prefill tp={self.topology.p_tp}, decode tp={self.topology.d_tp})")
+        if meta.p_tp != self.topology.p_tp:
+            return P.FAIL_INVALID, f"prefill tp={meta.p_tp} but decode expects prefill tp={self.topology.p_tp}"
+        if it.layer >= req.num_layers or it.layer >= len(meta.layers):
+            return P.FAIL_INVALID, (f"layer {it.layer} outside request's {req.num_layers} layers / "
+                                    f"prefill's {len(meta.layers)}")
+        n = len(req.dst_blocks)
+        if len(it.src_blocks) != n:
+            return P.FAIL_INVALID, f"{len(it.src_blocks)} source blocks for {n} destination blocks"
+        if it.main != self.topology.sends_main(p_rank):
+            return P.FAIL_INVALID, f"main={it.main} from member {self.topology.member_of(p_rank)}"
+        if (it.index_lo, it.index_hi) != self.topology.index_range(p_rank, n):
+            return P.FAIL_INVALID, (f"indexer range [{it.index_lo}, {it.index_hi}) != expected "
+                                    f"{self.topology.index_range(p_rank, n)}")
+        src, dst = meta.layers[it.layer], self.layers[it.layer]
+        why = incompatibility(src, dst)
+        if why:
+            return P.FAIL_INVALID, f"layer {it.layer}: {why}"
+        for t in (*src.main, *([src.indexer] if src.indexer else [])):
+            bad = [b for b in it.src_blocks if b >= t.num_blocks]
+            if bad:
+                return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {t.num_blocks}"
+        return None
+
+    def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
+        src, dst = meta.layers[it.layer], self.layers[it.layer]
+        ops: list[ReadOp] = []
+        if it.main:
+            for s_t, d_t in zip(src.main, dst.main, strict=True):
+                ops += [ReadOp(d_t.block_addr(d), s_t.block_addr(s), d_t.block_bytes)
+                        for s, d in zip(it.src_blocks, req.dst_blocks, strict=True)]
+        if src.indexer is not None and dst.indexer is not None:
+            s_t, d_t = src.indexer, dst.indexer
+            ops += [ReadOp(d_t.block_addr(req.dst_blocks[i]), s_t.block_addr(it.src_blocks[i]), d_t.block_bytes)
+                    for i in range(it.index_lo, it.index_hi)]
+        return ops
+
+    def _serve(self, p: _Parked) -> None:
+        """Validate, read and answer one item (I/O thread, lock not held during the read)."""
+        it = p.item
+        with self._lock:
+            req = self._requests.get(it.request_id)
+            meta = self._metas.get((p.engine_id, p.p_rank))
+        if req is None:
+            self._fail(p.ident, p.p_rank, it, P.FAIL_UNKNOWN_REQUEST,
+                       f"request {it.request_id!r} is not (or no longer) expected here")
+            return
+        if (it.layer, p.p_rank) in req.done:
+            self._fail(p.ident, p.p_rank, it, P.FAIL_INVALID,
+                       f"duplicate item for layer {it.layer} from prefill rank {p.p_rank}")
+            return
+        bad = self._validate(meta, p.p_rank, req, it)
+        if bad is not None:
+            self._fail(p.ident, p.p_rank, it, *bad)
+            if it.layer < req.num_layers and p.p_rank in self.topology.contributors(self.d_rank):
+                with self._lock:
+                    if self._requests.get(it.request_id) is req:
+                        self._terminal(req, p.p_rank, it.layer, False, f"{bad[0]}: {bad[1]}")
+            return
+        assert meta is not None
+        ops = self._ops(meta, req, it)
+        budget_end = p.received + min(p.budget_s, self.read_timeout_s)
+        err = ""
+        if ops:
+            for attempt in range(self.read_retries + 1):
+                try:
+                    self.stats.descriptors += self.transfer.read(meta.endpoint, ops)
+                    self.stats.reads += 1
+                    err = ""
+                    break
+                except TransferError as exc:
+                    err = str(exc)
+                    if attempt < self.read_retries and self._clock() < budget_end:
+                        self.stats.read_retries += 1
+                        log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
+                                    attempt + 1, it.request_id, it.layer, exc)
+                        continue
+                    break
+        else:
+            self.stats.acked_empty += 1
+        code = P.FAIL_READ if err else ""
+        if not err and self._clock() > budget_end:
+            code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
+        if code:
+            self._fail(p.ident, p.p_rank, it, code, err)
+        else:
+            self.stats.bytes_read += sum(o.length for o in ops)
+            self._reply(p.ident, P.ReadDone(
+                version=P.PROTOCOL_VERSION, engine_id=self.engine_id, d_rank=self.d_rank, p_rank=p.p_rank,
+                request_id=it.request_id, layer=it.layer, slot=it.slot, generation=it.generation,
+            ))
+        with self._lock:
+            if self._requests.get(it.request_id) is req:
+                self._terminal(req, p.p_rank, it.layer, not code, f"{code}: {err}")
+
+    def _tick(self, ready: list[zmq.Socket]) -> None:
+        work: list[_Parked] = []
+        if ready:
+            while True:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    self.stats.rejected += 1
+                    log.warning("rejected %d-frame message", len(frames))
+                    continue
+                ident, data = frames
+                try:
+                    msg = P.decode(data, expect=P.TO_DECODE)
+                except P.ProtocolError as exc:
+                    self.stats.rejected += 1
+                    log.warning("rejected message from %r: %s", ident, exc)
+                    continue
+                now = self._clock()
+                if isinstance(msg, P.MfMeta):
+                    with self._lock:
+                        self._metas[(msg.engine_id, msg.p_rank)] = msg
+                    continue
+                assert isinstance(msg, P.ReadReadyBatch)
+                for it in msg.items:
+                    self.stats.items += 1
+                    work.append(_Parked(ident, msg.engine_id, msg.p_rank, msg.read_budget_ms / 1000.0, now, it))
+        now = self._clock()
+        with self._lock:
+            # Items that arrived before expect(): serve them once it happens.
+            for rid in [r for r in self._parked if r in self._requests]:
+                work[:0] = self._parked.pop(rid)
+            run: list[_Parked] = []
+            for p in work:
+                if p.item.request_id in self._requests:
+                    run.append(p)
+                else:
+                    self._parked.setdefault(p.item.request_id, []).append(p)
+                    self.stats.parked += 1
+            expired: list[_Parked] = []
+            for rid in list(self._parked):
+                keep = [p for p in self._parked[rid] if p.received + p.budget_s > now]
+                expired += [p for p in self._parked[rid] if p.received + p.budget_s <= now]
+                if keep:
+                    self._parked[rid] = keep
+                else:
+                    del self._parked[rid]
+        for p in expired:
+            self._fail(p.ident, p.p_rank, p.item, P.FAIL_UNKNOWN_REQUEST,
+                       f"request {p.item.request_id!r} was never expected within the read budget")
+        for p in run:
+            self._serve(p)
+        now = self._clock()
+        with self._lock:
+            for req in list(self._requests.values()):
+                if req.deadline <= now:
+                    missing = [(layer, r) for layer in range(req.num_layers)
+                               for r in self.topology.contributors(self.d_rank) if (layer, r) not in req.done]
+                    log.error("request %r: %d (layer, prefill rank) reads missing after %.1fs",
+                              req.request_id, len(missing), self.request_timeout_s)
+                    for layer, r in missing:
+                        self._terminal(req, r, layer, False, "timeout: no read_ready before the deadline")

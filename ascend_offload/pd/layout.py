@@ -1,0 +1,78 @@
+"""Describe host KV tensors as wire layouts, and check two layouts are compatible.
+
+The producer advertises its layout in ``mf_meta``; the consumer checks every
+layer it reads against its own layout *before* touching memory, so a prefill
+with another model, dtype or block size fails the read instead of scribbling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ascend_offload.pd.protocol import LayerDesc, TensorDesc
+
+
+def tensor_desc(t: torch.Tensor) -> TensorDesc:
+    """Wire description of a KV tensor whose dim 0 is the block index.
+
+    Each block must be contiguous (the read copies it as one byte run); blocks
+    may be strided, e.g. the K half of vLLM's ``(2, num_blocks, ...)`` cache.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"KV tensor on {t.device}: the transfer engine here reads host memory")
+    if t.dim() < 1:
+        raise ValueError("KV tensor needs a block dimension")
+    inner = t[0] if t.shape[0] else t.new_empty(t.shape[1:])
+    if not inner.is_contiguous():
+        raise ValueError(f"KV tensor shape={tuple(t.shape)} stride={t.stride()}: each block must be contiguous")
+    block_bytes = inner.numel() * t.element_size()
+    stride = t.stride(0) * t.element_size()
+    return TensorDesc(
+        base_addr=t.data_ptr(),
+        block_bytes=block_bytes,
+        block_stride=max(stride, block_bytes),
+        num_blocks=t.shape[0],
+    )
+
+
+def layer_desc(main: Sequence[torch.Tensor], indexer: torch.Tensor | None = None) -> LayerDesc:
+    return LayerDesc(main=[tensor_desc(t) for t in main],
+                     indexer=tensor_desc(indexer) if indexer is not None else None)
+
+
+def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:
+    """Merged ``(addr, length)`` ranges covering every tensor: what to register.
+
+    Layers that alias one physical buffer (layerwise offload) yield one range.
+    """
+    spans = []
+    for layer in layers:
+        for t in (*layer.main, *([layer.indexer] if layer.indexer else [])):
+            if t.num_blocks:
+                spans.append((t.base_addr, t.base_addr + (t.num_blocks - 1) * t.block_stride + t.block_bytes))
+    spans.sort()
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in merged]
+
+
+def incompatibility(src: LayerDesc, dst: LayerDesc) -> str | None:
+    """Why prefill layer ``src`` cannot be copied into decode layer ``dst`` (None if it can)."""
+    if len(src.main) != len(dst.main):
+        return f"main tensor count {len(src.main)} (prefill) != {len(dst.main)} (decode)"
+    for i, (s, d) in enumerate(zip(src.main, dst.main, strict=True)):
+        if s.block_bytes != d.block_bytes:
+            return f"main tensor {i}: block_bytes {s.block_bytes} (prefill) != {d.block_bytes} (decode)"
+    if (src.indexer is None) != (dst.indexer is None):
+        have = "prefill" if src.indexer is not None else "decode"
+        return f"indexer present only on {have}"
+    if src.indexer is not None and dst.indexer is not None and src.indexer.block_bytes != dst.indexer.block_bytes:
+        return (f"indexer block_bytes {src.indexer.block_bytes} (prefill) != "
+                f"{dst.indexer.block_bytes} (decode)")
+    return None

@@ -1,0 +1,390 @@
+"""Prefill side of the P/D pull: publish layer readiness, collect acks per slot use.
+
+After each layer's KV is in place the engine calls :meth:`Producer.publish_layer`;
+the producer sends one ``read_ready_batch`` to every decode rank that needs
+that layer and starts a deadline for the physical slot's current use. The
+slot's use ends when every decode rank answered (``read_done`` /
+``read_failed``) or the deadline passed — whichever first — and the listener
+(the layerwise reuse gate) hears about it exactly once. Each use carries a
+fresh generation id, so an answer arriving after the deadline is counted as
+*stale* and never mistaken for a read of the slot's new contents. A decode
+that never answers therefore costs one deadline, never a hung prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from ascend_offload.pd import protocol as P
+from ascend_offload.pd._loop import IoLoop
+from ascend_offload.pd.layout import extents
+from ascend_offload.pd.topology import Topology, decode_port
+from ascend_offload.transfer.base import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """Where a request's KV is pulled from us: the decode instance's ZMQ base port and TP."""
+
+    host: str
+    kv_port: int
+    d_tp: int
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class SlotRelease:
+    """One use of a physical slot ended: every reader answered or the deadline passed."""
+
+    slot: int
+    generation: int
+    layer: int
+    ok: bool
+    # (request_id, failure code) for each read that did not complete.
+    failures: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    """A request whose every layer reached a terminal state on its decode rank."""
+
+    request_id: str
+    ok: bool
+    failed_layers: tuple[int, ...] = ()
+
+
+SlotListener = Callable[[SlotRelease], None]
+
+
+@dataclass
+class ProducerStats:
+    published_items: int = 0
+    acked: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    stale: int = 0
+    rejected: int = 0
+    send_errors: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    src_blocks: list[int]
+    target: DecodeTarget
+    num_layers: int
+    d_rank: int
+    endpoint: tuple[str, int]
+    terminal: dict[int, bool] = field(default_factory=dict)  # layer -> ok
+
+
+@dataclass
+class _SlotUse:
+    slot: int
+    generation: int
+    layer: int
+    deadline: float
+    pending: set[str]
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Producer:
+    """One prefill TP rank's publisher. Thread-safe; sockets live on its I/O thread."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        p_rank: int,
+        topology: Topology,
+        transfer: TransferEngine,
+        layers: Sequence[P.LayerDesc],
+        ack_timeout_s: float = 30.0,
+        listener: SlotListener | None = None,
+        register_memory: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ack_timeout_s <= 0:
+            raise ValueError(f"ack_timeout_s={ack_timeout_s}: must be > 0")
+        topology.member_of(p_rank)  # validates p_rank
+        self.engine_id = engine_id
+        self.p_rank = p_rank
+        self.topology = topology
+        self.transfer = transfer
+        self.layers = list(layers)
+        self.ack_timeout_s = ack_timeout_s
+        self.listener = listener
+        self.stats = ProducerStats()
+        self._clock = clock
+        self._registered: list[int] = []
+        if register_memory:
+            for addr, length in extents(self.layers):
+                transfer.register(addr, length)
+                self._registered.append(addr)
+        self._meta = P.encode(P.MfMeta(
+            version=P.PROTOCOL_VERSION, engine_id=engine_id, p_rank=p_rank, p_tp=topology.p_tp,
+            endpoint=transfer.endpoint, layers=self.layers,
+        ))
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._gen: dict[int, int] = defaultdict(int)
+        self._uses: dict[int, _SlotUse] = {}  # slot -> current (pending) use
+        self._outbox: list[tuple[tuple[str, int], bytes]] = []
+        self._finished: list[SendOutcome] = []
+        self._releases: list[SlotRelease] = []
+        self._need_meta: set[tuple[str, int]] = set()
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[tuple[str, int], zmq.Socket] = {}
+        self._sock_ep: dict[zmq.Socket, tuple[str, int]] = {}
+        self._loop = IoLoop(f"pd-producer-{p_rank}", self._tick, self._next_wait)
+        self._loop.start()
+
+    # ------------------------------------------------------------ caller API
+
+    def add_request(self, request_id: str, src_blocks: Sequence[int], target: DecodeTarget,
+                    num_layers: int | None = None) -> None:
+        """Announce a request whose layers will be published; validates the decode topology."""
+        if target.d_tp != self.topology.d_tp:
+            raise ValueError(
+                f"request {request_id!r}: decode tp={target.d_tp} but this producer was built for "
+                f"prefill tp={self.topology.p_tp}, decode tp={self.topology.d_tp}"
+            )
+        n = len(self.layers) if num_layers is None else num_layers
+        if not 0 < n <= len(self.layers):
+            raise ValueError(f"request {request_id!r}: num_layers={n} outside 1..{len(self.layers)}")
+        d_rank = self.topology.d_rank_of(self.p_rank)
+        port = decode_port(target.kv_port, dp_rank=target.dp_rank, d_tp=target.d_tp, tp_rank=d_rank)
+        blocks = [int(b) for b in src_blocks]
+        for layer in self.layers[:n]:
+            for t in (*layer.main, *([layer.indexer] if layer.indexer else [])):
+                bad = [b for b in blocks if not 0 <= b < t.num_blocks]
+                if bad:
+                    raise ValueError(f"request {request_id!r}: source blocks {bad[:8]} outside 0..{t.num_blocks - 1}")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} already added")
+            self._requests[request_id] = _Request(request_id, blocks, target, n, d_rank, (target.host, port))
+
+    def publish_layer(self, layer: int, *, slot: int | None = None,
+                      request_ids: Iterable[str] | None = None) -> int:
+        """Layer ``layer`` is written for these requests (default: all that need it).
+
+        ``slot`` is the physical buffer holding it (default: the layer index,
+        i.e. no sharing). Returns the slot-use generation. If nothing reads it,
+        the slot is released at once.
+        """
+        slot = layer if slot is None else slot
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer={layer} outside 0..{len(self.layers) - 1}")
+        with self._lock:
+            prev = self._uses.pop(slot, None)
+            if prev is not None:
+                # The gate should have prevented this; fence the old use loudly.
+                log.error("slot %d reused (layer %d) while generation %d still had %d readers; "
+                          "failing them", slot, layer, prev.generation, len(prev.pending))
+                self._expire(prev, "superseded")
+            self._gen[slot] += 1
+            gen = self._gen[slot]
+            ids = list(self._requests) if request_ids is None else list(request_ids)
+            per_ep: dict[tuple[str, int], list[P.ReadReady]] = defaultdict(list)
+            pending: set[str] = set()
+            for rid in ids:
+                req = self._requests.get(rid)
+                if req is None or layer >= req.num_layers or layer in req.terminal:
+                    continue
+                lo, hi = self.topology.index_range(self.p_rank, len(req.src_blocks))
+                per_ep[req.endpoint].append(P.ReadReady(
+                    request_id=rid, layer=layer, slot=slot, generation=gen, src_blocks=req.src_blocks,
+                    main=self.topology.sends_main(self.p_rank), index_lo=lo, index_hi=hi,
+                ))
+                pending.add(rid)
+            use = _SlotUse(slot, gen, layer, self._clock() + self.ack_timeout_s, pending)
+            budget_ms = max(1, int(self.ack_timeout_s * 500))  # half: see ReadReadyBatch
+            for ep, items in per_ep.items():
+                msg = P.ReadReadyBatch(version=P.PROTOCOL_VERSION, engine_id=self.engine_id,
+                                       p_rank=self.p_rank, read_budget_ms=budget_ms, items=items)
+                self._outbox.append((ep, P.encode(msg)))
+                self.stats.published_items += len(items)
+            if pending:
+                self._uses[slot] = use
+            else:
+                self._release(use)
+        self._loop.wake()
+        self._deliver()
+        return gen
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop expecting layers of a request (e.g. prefill aborted); it finishes as failed."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return
+            for layer in range(req.num_layers):
+                req.terminal.setdefault(layer, False)
+            self._maybe_finish(req)
+        self._deliver()
+
+    def finished(self) -> list[SendOutcome]:
+        """Drain requests that reached a terminal state on every layer."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def pending_slots(self) -> dict[int, int]:
+        """slot -> generation still waiting for readers."""
+        with self._lock:
+            return {s: u.generation for s, u in self._uses.items()}
+
+    def close(self) -> None:
+        self._loop.stop()
+        for s in self._socks.values():
+            s.close(linger=0)
+        self._socks.clear()
+        for addr in self._registered:
+            try:
+                self.transfer.unregister(addr)
+            except Exception:  # closing: nothing left to protect
+                log.debug("unregister %#x failed", addr, exc_info=True)
+        self._registered.clear()
+
+    # ------------------------------------------------------------ state (under lock)
+
+    def _release(self, use: _SlotUse) -> None:
+        self._releases.append(SlotRelease(use.slot, use.generation, use.layer, not use.failures,
+                                          tuple(use.failures)))
+
+    def _expire(self, use: _SlotUse, code: str) -> None:
+        for rid in sorted(use.pending):
+            use.failures.append((rid, code))
+            self._mark(rid, use.layer, False)
+        if code == "timeout":
+            self.stats.timed_out += len(use.pending)
+        use.pending.clear()
+        self._release(use)
+
+    def _mark(self, rid: str, layer: int, ok: bool) -> None:
+        req = self._requests.get(rid)
+        if req is None:
+            return
+        req.terminal[layer] = req.terminal.get(layer, True) and ok
+        self._maybe_finish(req)
+
+    def _maybe_finish(self, req: _Request) -> None:
+        if len(req.terminal) >= req.num_layers and req.request_id in self._requests:
+            del self._requests[req.request_id]
+            failed = tuple(sorted(layer for layer, ok in req.terminal.items() if not ok))
+            self._finished.append(SendOutcome(req.request_id, not failed, failed))
+
+    def _on_answer(self, msg: P.ReadDone | P.ReadFailed, ep: tuple[str, int]) -> None:
+        if msg.p_rank != self.p_rank:
+            self.stats.rejected += 1
+            log.warning("answer for prefill rank %d arrived at rank %d; dropped", msg.p_rank, self.p_rank)
+            return
+        use = self._uses.get(msg.slot)
+        if use is None or use.generation != msg.generation or msg.request_id not in use.pending:
+            self.stats.stale += 1
+            log.warning("stale %s for request %r layer %d slot %d generation %d (current %s); ignored",
+                        type(msg).__name__, msg.request_id, msg.layer, msg.slot, msg.generation,
+                        use.generation if use else "none")
+            return
+        use.pending.discard(msg.request_id)
+        ok = isinstance(msg, P.ReadDone)
+        if ok:
+            self.stats.acked += 1
+        else:
+            self.stats.failed += 1
+            use.failures.append((msg.request_id, msg.code))
+            log.warning("decode rank %d failed to read request %r layer %d: %s %s",
+                        msg.d_rank, msg.request_id, msg.layer, msg.code, msg.reason)
+            if msg.code == P.FAIL_NO_META:
+                self._need_meta.add(ep)
+        self._mark(msg.request_id, msg.layer, ok)
+        if not use.pending:
+            del self._uses[msg.slot]
+            self._release(use)
+
+    def _deliver(self) -> None:
+        """Run listener callbacks outside the lock (the gate may call back into us)."""
+        with self._lock:
+            rel, self._releases = self._releases, []
+        if self.listener is not None:
+            for r in rel:
+                try:
+                    self.listener(r)
+                except Exception:
+                    log.exception("slot listener failed for slot %d generation %d", r.slot, r.generation)
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _next_wait(self) -> float:
+        with self._lock:
+            if not self._uses:
+                return 0.2
+            return max(0.0, min(u.deadline for u in self._uses.values()) - self._clock())
+
+    def _sock(self, ep: tuple[str, int]) -> zmq.Socket:
+        s = self._socks.get(ep)
+        if s is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.p_rank}".encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 10000)
+            s.connect(f"tcp://{ep[0]}:{ep[1]}")
+            self._socks[ep] = s
+            self._sock_ep[s] = ep
+            self._loop.add(s)
+            self._need_meta.add(ep)
+        return s
+
+    def _tick(self, ready: list[zmq.Socket]) -> None:
+        with self._lock:
+            outbox, self._outbox = self._outbox, []
+        for ep, data in outbox:
+            s = self._sock(ep)
+            try:
+                if ep in self._need_meta:
+                    s.send(self._meta, zmq.NOBLOCK)
+                    self._need_meta.discard(ep)
+                s.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                # Queue full: decode is not draining. The items' deadline fails them.
+                self.stats.send_errors += 1
+                log.error("send queue to decode %s:%d full; layer readiness dropped", *ep)
+        for s in ready:
+            while True:
+                try:
+                    data = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = P.decode(data, expect=P.TO_PREFILL)
+                except P.ProtocolError as exc:
+                    with self._lock:
+                        self.stats.rejected += 1
+                    log.warning("rejected message from decode %s: %s", self._sock_ep.get(s), exc)
+                    continue
+                with self._lock:
+                    self._on_answer(msg, self._sock_ep[s])  # type: ignore[arg-type]
+        now = self._clock()
+        with self._lock:
+            for slot, use in list(self._uses.items()):
+                if use.deadline <= now:
+                    del self._uses[slot]
+                    log.error("slot %d generation %d (layer %d): %d decode reads unanswered after %.1fs",
+                              slot, use.generation, use.layer, len(use.pending), self.ack_timeout_s)
+                    self._expire(use, "timeout")
+        self._deliver()
+
+
+def stats_dict(stats: ProducerStats) -> dict[str, int]:
+    return dataclasses.asdict(stats)

@@ -1,0 +1,117 @@
+"""Decode -> proxy metaserver registration, with retries and one deadline.
+
+The decode scheduler tells the proxy where prefill should send readiness
+(``POST /v1/metaserver`` with ``proxy_request_id`` and ``kv_transfer_params``);
+the proxy then dispatches the prefill. A proxy restart or a brief network
+blip must not lose the request, so connection errors and 5xx are retried with
+capped exponential backoff; a 4xx (unknown id, malformed body) is final. The
+whole exchange has a deadline that becomes a :class:`RegistrationError`, never
+a hang (invariant I5). :class:`Registrar` runs registrations off the
+scheduler thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationError(RuntimeError):
+    """The metaserver refused the registration or did not accept it before the deadline."""
+
+
+def register(
+    url: str,
+    proxy_request_id: str,
+    kv_transfer_params: Mapping[str, Any],
+    *,
+    timeout_s: float = 30.0,
+    retries: int = 5,
+    backoff_s: float = 0.05,
+    max_backoff_s: float = 2.0,
+    client: httpx.Client | None = None,
+) -> dict[str, Any]:
+    """POST one registration; return the metaserver's JSON answer (e.g. ``{"status": "dispatched"}``)."""
+    if not url.startswith(("http://", "https://")):
+        raise RegistrationError(f"metaserver={url!r}: must be an http(s) URL")
+    if not proxy_request_id:
+        raise RegistrationError("proxy_request_id is empty")
+    body = {"proxy_request_id": proxy_request_id, "kv_transfer_params": dict(kv_transfer_params)}
+    deadline = time.monotonic() + timeout_s
+    own = client is None
+    http = client or httpx.Client()
+    last = "no attempt made"
+    attempts = 0
+    try:
+        for attempt in range(retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
+            try:
+                resp = http.post(url, json=body, timeout=left)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code == 200:
+                    try:
+                        data = resp.json()
+                    except ValueError:
+                        data = {}
+                    return data if isinstance(data, dict) else {"answer": data}
+                if resp.status_code < 500:
+                    raise RegistrationError(
+                        f"metaserver {url} refused proxy_request_id={proxy_request_id!r}: "
+                        f"HTTP {resp.status_code} {resp.text[:200]}"
+                    )
+                last = f"HTTP {resp.status_code} {resp.text[:200]}"
+            if attempt < retries:
+                pause = min(backoff_s * (2 ** attempt), max_backoff_s, max(0.0, deadline - time.monotonic()))
+                log.warning("metaserver registration of %r failed (%s); retry %d/%d in %.2fs",
+                            proxy_request_id, last, attempt + 1, retries, pause)
+                time.sleep(pause)
+        raise RegistrationError(
+            f"metaserver {url}: registration of proxy_request_id={proxy_request_id!r} failed after "
+            f"{attempts} attempt(s) within {timeout_s:.1f}s: {last}"
+        )
+    finally:
+        if own:
+            http.close()
+
+
+class Registrar:
+    """Runs registrations on background threads; the scheduler polls results without blocking."""
+
+    def __init__(self, *, timeout_s: float = 30.0, retries: int = 5, max_workers: int = 4) -> None:
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pd-register")
+        self._client = httpx.Client(limits=httpx.Limits(max_connections=max_workers))
+        self._futures: dict[str, cf.Future[dict[str, Any]]] = {}
+
+    def submit(self, request_id: str, url: str, proxy_request_id: str,
+               kv_transfer_params: Mapping[str, Any]) -> None:
+        self._futures[request_id] = self._pool.submit(
+            register, url, proxy_request_id, kv_transfer_params,
+            timeout_s=self.timeout_s, retries=self.retries, client=self._client,
+        )
+
+    def poll(self) -> dict[str, BaseException | None]:
+        """Registrations that ended since the last poll: request id -> None (ok) or the error."""
+        done: dict[str, BaseException | None] = {}
+        for rid, fut in list(self._futures.items()):
+            if fut.done():
+                del self._futures[rid]
+                done[rid] = fut.exception()
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()

@@ -1,0 +1,179 @@
+"""Contract for one-sided batched reads of registered memory.
+
+Why a contract: decode pulls prefill's KV with whatever engine the platform has
+(Mooncake over TCP/RDMA here, MemFabric on Ascend). The P/D code only ever
+needs three things — register a buffer, name this engine's endpoint, and read a
+batch of (remote -> local) byte runs from a peer — so that is all an engine
+must provide. Per-descriptor cost dominates small reads (~50 us per row over
+loopback TCP), so contiguous runs are merged before they reach the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import itertools
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class TransferError(RuntimeError):
+    """A read failed (peer gone, address not registered, engine error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """Copy ``length`` bytes from the peer's ``remote_addr`` into our ``local_addr``."""
+
+    local_addr: int
+    remote_addr: int
+    length: int
+
+
+def coalesce(ops: Iterable[ReadOp]) -> list[ReadOp]:
+    """Merge runs that are contiguous on both sides into one descriptor.
+
+    Ops are sorted by local address first (the order of independent reads does
+    not matter). Overlapping destinations are a caller bug that would make the
+    result depend on engine scheduling, so they are rejected.
+    """
+    out: list[ReadOp] = []
+    for op in sorted(ops, key=lambda o: (o.local_addr, o.remote_addr)):
+        if op.length < 0:
+            raise ValueError(f"ReadOp length={op.length}: must be >= 0")
+        if op.length == 0:
+            continue
+        if out:
+            last = out[-1]
+            if op.local_addr < last.local_addr + last.length:
+                raise ValueError(
+                    f"overlapping destinations: [{last.local_addr:#x}, +{last.length}) and "
+                    f"[{op.local_addr:#x}, +{op.length})"
+                )
+            if (
+                op.local_addr == last.local_addr + last.length
+                and op.remote_addr == last.remote_addr + last.length
+            ):
+                out[-1] = ReadOp(last.local_addr, last.remote_addr, last.length + op.length)
+                continue
+        out.append(op)
+    return out
+
+
+class TransferEngine(abc.ABC):
+    """One endpoint of a one-sided transfer engine."""
+
+    name: str = "abstract"
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """What a peer passes to :meth:`read` to reach this engine (e.g. ``host:port``)."""
+
+    @abc.abstractmethod
+    def register(self, addr: int, length: int) -> None:
+        """Make ``[addr, addr + length)`` readable by peers and usable as a read target."""
+
+    @abc.abstractmethod
+    def unregister(self, addr: int) -> None:
+        """Undo :meth:`register` for the region starting at ``addr``."""
+
+    @abc.abstractmethod
+    def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
+        """Run already-coalesced ops; raise :class:`TransferError` on failure."""
+
+    def read(self, peer: str, ops: Iterable[ReadOp]) -> int:
+        """Pull every op from ``peer`` in one batch; returns the descriptor count used."""
+        batch = coalesce(ops)
+        if batch:
+            self._read(peer, batch)
+        return len(batch)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources; the default has none."""
+
+
+# ----------------------------------------------------------------- loopback
+
+
+class _Registry:
+    """Process-global table of loopback endpoints and their registered regions."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.regions: dict[str, dict[int, int]] = {}
+        self.ids = itertools.count()
+
+
+_REGISTRY = _Registry()
+
+
+class LoopbackEngine(TransferEngine):
+    """In-process engine for unit tests: memmove between registered regions.
+
+    It enforces the same rule as a real engine (both sides registered), so a
+    bad address is caught in unit tests exactly like a rejected remote read.
+    """
+
+    name = "loopback"
+
+    def __init__(self) -> None:
+        with _REGISTRY.lock:
+            self._endpoint = f"loopback:{next(_REGISTRY.ids)}"
+            _REGISTRY.regions[self._endpoint] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, addr: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"register length={length}: must be > 0")
+        with _REGISTRY.lock:
+            _REGISTRY.regions[self._endpoint][addr] = length
+
+    def unregister(self, addr: int) -> None:
+        with _REGISTRY.lock:
+            _REGISTRY.regions[self._endpoint].pop(addr, None)
+
+    @staticmethod
+    def _covered(regions: dict[int, int], addr: int, length: int) -> bool:
+        return any(base <= addr and addr + length <= base + n for base, n in regions.items())
+
+    def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
+        with _REGISTRY.lock:
+            remote = dict(_REGISTRY.regions.get(peer, {})) if peer in _REGISTRY.regions else None
+            local = dict(_REGISTRY.regions.get(self._endpoint, {}))
+        if remote is None:
+            raise TransferError(f"loopback peer {peer!r} does not exist")
+        for op in ops:
+            if not self._covered(remote, op.remote_addr, op.length):
+                raise TransferError(
+                    f"remote range [{op.remote_addr:#x}, +{op.length}) not registered at {peer}"
+                )
+            if not self._covered(local, op.local_addr, op.length):
+                raise TransferError(f"local range [{op.local_addr:#x}, +{op.length}) not registered")
+        for op in ops:
+            ctypes.memmove(op.local_addr, op.remote_addr, op.length)
+
+    def close(self) -> None:
+        with _REGISTRY.lock:
+            _REGISTRY.regions.pop(self._endpoint, None)
+
+
+def create_engine(backend: str, *, host: str = "127.0.0.1", protocol: str = "tcp",
+                  device_name: str = "") -> TransferEngine:
+    """Build the engine named by ``transfer_backend`` (config key) for this process."""
+    if backend == "mooncake":
+        from ascend_offload.transfer.mooncake import MooncakeEngine
+
+        return MooncakeEngine(host=host, protocol=protocol, device_name=device_name)
+    if backend == "loopback":
+        return LoopbackEngine()
+    if backend == "memfabric":
+        raise NotImplementedError(
+            "transfer_backend='memfabric' needs the Ascend driver; it is added with Ascend support "
+            "(accepted here: 'mooncake')"
+        )
+    raise ValueError(f"transfer_backend={backend!r} (accepted: 'mooncake', 'memfabric', 'loopback')")

@@ -1,0 +1,87 @@
+"""Mooncake transfer engine backend (TCP here, RDMA where the NICs exist).
+
+Uses ``mooncake.engine.TransferEngine`` from ``mooncake-transfer-engine-non-cuda``
+in P2P-handshake mode: no metadata server, a peer is named ``host:rpc_port``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+
+
+class MooncakeEngine(TransferEngine):
+    """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call."""
+
+    name = "mooncake"
+
+    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine as _MC
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "transfer_backend='mooncake' needs the 'mooncake-transfer-engine-non-cuda' package "
+                "(pip install 'ascend-offload[mooncake]') and Debian libibverbs1 librdmacm1 libnuma1"
+            ) from exc
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol={protocol!r} (accepted: 'tcp', 'rdma')")
+        self._eng = _MC()
+        rc = self._eng.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake initialize(host={host!r}, protocol={protocol!r}, "
+                f"device_name={device_name!r}) failed with rc={rc}"
+            )
+        self._endpoint = f"{host}:{self._eng.get_rpc_port()}"
+        self._regions: set[int] = set()
+        # The pybind engine is thread-safe for transfers, but registration and
+        # close must not race a read that is being set up.
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, addr: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"register length={length}: must be > 0")
+        with self._lock:
+            rc = self._eng.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"Mooncake register_memory({addr:#x}, {length}) failed rc={rc}")
+            self._regions.add(addr)
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            if addr in self._regions:
+                self._eng.unregister_memory(addr)
+                self._regions.discard(addr)
+
+    def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
+        if self._closed:
+            raise TransferError("Mooncake engine is closed")
+        if len(ops) == 1:
+            op = ops[0]
+            rc = self._eng.transfer_sync_read(peer, op.local_addr, op.remote_addr, op.length)
+        else:
+            rc = self._eng.batch_transfer_sync_read(
+                peer,
+                [o.local_addr for o in ops],
+                [o.remote_addr for o in ops],
+                [o.length for o in ops],
+            )
+        if rc != 0:
+            total = sum(o.length for o in ops)
+            raise TransferError(f"Mooncake read of {len(ops)} runs ({total} B) from {peer} failed rc={rc}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for addr in list(self._regions):
+                self._eng.unregister_memory(addr)
+            self._regions.clear()
+            self._closed = True

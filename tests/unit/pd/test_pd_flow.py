@@ -1,0 +1,235 @@
+"""Producer + consumer in one process over real ZMQ on 127.0.0.1 and the loopback engine."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from ascend_offload.pd import protocol as P
+from ascend_offload.pd.consumer import Consumer
+from ascend_offload.pd.producer import DecodeTarget, Producer, SlotRelease
+from ascend_offload.pd.topology import Topology
+from ascend_offload.transfer.base import LoopbackEngine
+
+WAIT = 10.0
+
+
+class Pair:
+    def __init__(self, port: int, make_kv, *, layers: int = 3, p_blocks: int = 16, d_blocks: int = 12,
+                 ack_timeout_s: float = 5.0, request_timeout_s: float = 10.0, d_main=(4, 8),
+                 d_indexer=(4, 2), start_consumer: bool = True) -> None:
+        self.releases: list[SlotRelease] = []
+        self.src, src_desc = make_kv(layers, p_blocks, seed=1)
+        self.dst, dst_desc = make_kv(layers, d_blocks, main_shape=d_main, indexer_shape=d_indexer)
+        self.pe, self.de = LoopbackEngine(), LoopbackEngine()
+        topo = Topology(1, 1)
+        self.producer = Producer(engine_id="P", p_rank=0, topology=topo, transfer=self.pe, layers=src_desc,
+                                 ack_timeout_s=ack_timeout_s, listener=self.releases.append)
+        self.consumer = None
+        if start_consumer:
+            self.consumer = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=self.de,
+                                     layers=dst_desc, port=port, request_timeout_s=request_timeout_s)
+        self.target = DecodeTarget("127.0.0.1", port, 1)
+
+    def close(self) -> None:
+        self.producer.close()
+        if self.consumer:
+            self.consumer.close()
+        self.pe.close()
+        self.de.close()
+
+    def wait_send(self, n: int):
+        end = time.monotonic() + WAIT
+        out = []
+        while len(out) < n and time.monotonic() < end:
+            out += self.producer.finished()
+            time.sleep(0.01)
+        return out
+
+
+@pytest.fixture
+def pair_factory(port, kv):
+    made = []
+
+    def make(**kw):
+        made.append(Pair(port, kv, **kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_layers_arrive_byte_identical(pair_factory):
+    pr = pair_factory()
+    src_blocks, dst_blocks = [3, 4, 5, 9, 0], [7, 2, 3, 4, 11]
+    pr.consumer.expect("r1", dst_blocks)
+    pr.producer.add_request("r1", src_blocks, pr.target)
+    for layer in range(3):
+        pr.producer.publish_layer(layer)
+    out = pr.consumer.wait_finished(1, WAIT)
+    assert out == [type(out[0])("r1", True)]
+    for (skv, sidx), (dkv, didx) in zip(pr.src, pr.dst, strict=True):
+        assert torch.equal(dkv[:, dst_blocks], skv[:, src_blocks])
+        assert torch.equal(didx[dst_blocks], sidx[src_blocks])
+        untouched = [b for b in range(12) if b not in dst_blocks]
+        assert not dkv[:, untouched].any() and not didx[untouched].any()
+    sent = pr.wait_send(1)
+    assert [(s.request_id, s.ok) for s in sent] == [("r1", True)]
+    assert sorted((r.slot, r.generation, r.ok) for r in pr.releases) == [(0, 1, True), (1, 1, True), (2, 1, True)]
+    # Contiguous blocks 2,3,4 <- 4,5,9? only 3->7.. no; runs: (2<-4,3<-5) merged; descriptors < blocks.
+    assert pr.consumer.stats.descriptors < 3 * 3 * 5
+    assert pr.consumer.active() == []
+
+
+def test_items_before_expect_are_parked(pair_factory):
+    pr = pair_factory()
+    pr.producer.add_request("r1", [1, 2], pr.target)
+    pr.producer.publish_layer(0)
+    time.sleep(0.2)
+    assert pr.consumer.finished() == []
+    pr.consumer.expect("r1", [5, 6])
+    pr.producer.publish_layer(1)
+    pr.producer.publish_layer(2)
+    out = pr.consumer.wait_finished(1, WAIT)
+    assert out and out[0].ok
+    assert torch.equal(pr.dst[0][0][:, [5, 6]], pr.src[0][0][:, [1, 2]])
+
+
+def test_size_mismatch_fails_exactly_that_request(pair_factory):
+    pr = pair_factory(d_main=(4, 4))
+    pr.consumer.expect("r1", [1, 2, 3])
+    pr.producer.add_request("r1", [1, 2, 3], pr.target)
+    for layer in range(3):
+        pr.producer.publish_layer(layer)
+    out = pr.consumer.wait_finished(1, WAIT)
+    assert len(out) == 1 and not out[0].ok
+    assert out[0].failed_blocks == (1, 2, 3)
+    assert "block_bytes" in out[0].reasons[0]
+    assert not pr.dst[0][0].any()  # nothing written
+    sent = pr.wait_send(1)
+    assert sent and not sent[0].ok and sent[0].failed_layers == (0, 1, 2)
+    assert all(not r.ok and r.failures[0][1] == P.FAIL_INVALID for r in pr.releases)
+
+
+def test_dead_decode_releases_slot_at_deadline(pair_factory):
+    pr = pair_factory(ack_timeout_s=0.3, start_consumer=False)
+    pr.producer.add_request("r1", [1], pr.target)
+    t0 = time.monotonic()
+    pr.producer.publish_layer(0)
+    end = time.monotonic() + WAIT
+    while not pr.releases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pr.releases and pr.releases[0].failures == (("r1", "timeout"),)
+    assert time.monotonic() - t0 < WAIT
+    assert pr.producer.pending_slots() == {}
+    assert pr.producer.stats.timed_out == 1
+
+
+def test_late_ack_is_stale_not_accepted(pair_factory, port):
+    pr = pair_factory(ack_timeout_s=0.2, start_consumer=False)
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        pr.producer.add_request("r1", [1], pr.target)
+        pr.producer.publish_layer(0)
+        assert router.poll(5000)
+        ident, meta = router.recv_multipart()
+        assert isinstance(P.decode(meta), P.MfMeta)
+        ident, data = router.recv_multipart()
+        item = P.decode(data).items[0]
+        end = time.monotonic() + WAIT
+        while not pr.releases and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pr.releases[0].failures == (("r1", "timeout"),)
+        pr.producer.add_request("r2", [2], pr.target)
+        gen2 = pr.producer.publish_layer(0)  # slot 0 reused: generation 2
+        assert gen2 == item.generation + 1
+        late = P.ReadDone(version=1, engine_id="D", d_rank=0, p_rank=0, request_id="r1", layer=0,
+                          slot=0, generation=item.generation)
+        router.send_multipart([ident, P.encode(late)])
+        router.send_multipart([ident, b"\xc1garbage"])
+        end = time.monotonic() + WAIT
+        while pr.producer.stats.rejected < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pr.producer.stats.stale == 1
+        assert pr.producer.stats.rejected == 1
+        assert pr.producer.pending_slots() == {0: gen2}  # r2's read still owns the slot
+    finally:
+        router.close(linger=0)
+
+
+def test_garbled_and_invalid_items_rejected_consumer_lives(pair_factory, port):
+    pr = pair_factory(request_timeout_s=0.5)
+    pr.consumer.expect("r1", [1, 2])
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        d.send(b"garbage")
+        d.send(msgpack.packb(["read_ready_batch", 1, "x"]))
+        # a well-formed item without mf_meta first -> read_failed no_meta
+        item = P.ReadReady(request_id="r1", layer=0, slot=0, generation=1, src_blocks=[1, 2], main=True,
+                           index_lo=0, index_hi=2)
+        d.send(P.encode(P.ReadReadyBatch(version=1, engine_id="X", p_rank=0, read_budget_ms=1000, items=[item])))
+        assert d.poll(5000)
+        ans = P.decode(d.recv())
+        assert isinstance(ans, P.ReadFailed) and ans.code == P.FAIL_NO_META
+        assert pr.consumer.stats.rejected == 2
+        # The consumer is alive: the real producer's request still completes.
+        pr.consumer.expect("r2", [3])
+        pr.producer.add_request("r2", [4], pr.target)
+        for layer in range(3):
+            pr.producer.publish_layer(layer)
+        outs = {o.request_id: o for o in pr.consumer.wait_finished(2, WAIT)}
+        outs.update({o.request_id: o for o in pr.consumer.wait_finished(2 - len(outs), WAIT)})
+        assert outs["r2"].ok
+        # r1 got a failed layer 0 and nothing else: times out, all its blocks are load errors.
+        assert not outs["r1"].ok and outs["r1"].failed_blocks == (1, 2)
+    finally:
+        d.close(linger=0)
+
+
+def test_unequal_tp_in_process(port, kv):
+    make_kv = kv
+    """p_tp=4, d_tp=2 with loopback engines: each decode rank gets exactly its group's data."""
+    topo = Topology(4, 2)
+    src, src_desc = make_kv(2, 8, seed=3)  # replicated KV: every prefill rank holds the same bytes
+    engines, producers, consumers, dsts = [], [], [], []
+    try:
+        for d in range(2):
+            dst, dst_desc = make_kv(2, 8)
+            e = LoopbackEngine()
+            engines.append(e)
+            dsts.append(dst)
+            consumers.append(Consumer(engine_id="D", d_rank=d, topology=topo, transfer=e, layers=dst_desc,
+                                      port=port + d))
+        for p in range(4):
+            e = LoopbackEngine()
+            engines.append(e)
+            producers.append(Producer(engine_id="P", p_rank=p, topology=topo, transfer=e, layers=src_desc,
+                                      register_memory=True))
+        for d in range(2):
+            consumers[d].expect("r", [0, 1, 2])
+        for p in producers:
+            p.add_request("r", [5, 6, 7], DecodeTarget("127.0.0.1", port, 2))
+            p.publish_layer(0)
+            p.publish_layer(1)
+        for d in range(2):
+            out = consumers[d].wait_finished(1, WAIT)
+            assert [(o.request_id, o.ok) for o in out] == [("r", True)]
+            for layer in range(2):
+                assert torch.equal(dsts[d][layer][0][:, :3], src[layer][0][:, 5:8])
+                assert torch.equal(dsts[d][layer][1][:3], src[layer][1][5:8])
+            # two members: member 0 reads main+indexer[0:2], member 1 indexer[2:3]
+            assert consumers[d].stats.items == 4
+    finally:
+        for x in producers + consumers:
+            x.close()
+        for e in engines:
+            e.close()
