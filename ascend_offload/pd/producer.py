@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -52,6 +53,8 @@ class SlotRelease:
     ok: bool
     # (request_id, failure code) for each read that did not complete.
     failures: tuple[tuple[str, str], ...] = ()
+    # Whatever the caller passed to publish_layer (e.g. the reuse gate's consumer token).
+    tag: object = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class _SlotUse:
     deadline: float
     pending: set[str]
     failures: list[tuple[str, str]] = field(default_factory=list)
+    tag: object = None
 
 
 class Producer:
@@ -176,12 +180,13 @@ class Producer:
             self._requests[request_id] = _Request(request_id, blocks, target, n, d_rank, (target.host, port))
 
     def publish_layer(self, layer: int, *, slot: int | None = None,
-                      request_ids: Iterable[str] | None = None) -> int:
+                      request_ids: Iterable[str] | None = None, tag: object = None) -> int:
         """Layer ``layer`` is written for these requests (default: all that need it).
 
         ``slot`` is the physical buffer holding it (default: the layer index,
-        i.e. no sharing). Returns the slot-use generation. If nothing reads it,
-        the slot is released at once.
+        i.e. no sharing); ``tag`` comes back in the :class:`SlotRelease`.
+        Returns the slot-use generation. If nothing reads it, the slot is
+        released at once (the listener runs before this returns).
         """
         slot = layer if slot is None else slot
         if not 0 <= layer < len(self.layers):
@@ -208,7 +213,7 @@ class Producer:
                     main=self.topology.sends_main(self.p_rank), index_lo=lo, index_hi=hi,
                 ))
                 pending.add(rid)
-            use = _SlotUse(slot, gen, layer, self._clock() + self.ack_timeout_s, pending)
+            use = _SlotUse(slot, gen, layer, self._clock() + self.ack_timeout_s, pending, tag=tag)
             budget_ms = max(1, int(self.ack_timeout_s * 500))  # half: see ReadReadyBatch
             for ep, items in per_ep.items():
                 msg = P.ReadReadyBatch(version=P.PROTOCOL_VERSION, engine_id=self.engine_id,
@@ -261,7 +266,7 @@ class Producer:
 
     def _release(self, use: _SlotUse) -> None:
         self._releases.append(SlotRelease(use.slot, use.generation, use.layer, not use.failures,
-                                          tuple(use.failures)))
+                                          tuple(use.failures), use.tag))
 
     def _expire(self, use: _SlotUse, code: str) -> None:
         for rid in sorted(use.pending):
@@ -388,3 +393,25 @@ class Producer:
 
 def stats_dict(stats: ProducerStats) -> dict[str, int]:
     return dataclasses.asdict(stats)
+
+
+class ReadFailedError(RuntimeError):
+    """Decode did not (provably) read a slot's contents; carried to the reuse gate."""
+
+
+def gate_listener(gate: Any) -> SlotListener:
+    """Listener that releases the layerwise reuse gate's consumer token passed as ``tag``.
+
+    Usage: ``tok = gate.add_consumer(slot, gen, "rd2h")`` after the layer's
+    write, then ``producer.publish_layer(layer, slot=slot, tag=tok)``. The slot
+    reopens once every decode read answered or the ack deadline passed.
+    """
+
+    def on_release(r: SlotRelease) -> None:
+        if r.tag is None:
+            return
+        err = None if r.ok else ReadFailedError(
+            f"slot {r.slot} layer {r.layer}: " + ", ".join(f"{rid}: {code}" for rid, code in r.failures))
+        gate.release_consumer(r.tag, error=err)
+
+    return on_release

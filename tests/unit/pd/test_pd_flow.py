@@ -233,3 +233,45 @@ def test_unequal_tp_in_process(port, kv):
             x.close()
         for e in engines:
             e.close()
+
+
+def test_reuse_gate_waits_for_decode_read(port, kv):
+    """The layerwise gate holds a physical slot until decode's read of it is answered."""
+    from ascend_offload.layerwise.gate import ReuseGate
+    from ascend_offload.pd.producer import gate_listener
+
+    gate = ReuseGate(1, default_timeout_s=10.0)
+    src, src_desc = kv(2, 4, seed=5)
+    dst, dst_desc = kv(2, 4)
+    pe, de = LoopbackEngine(), LoopbackEngine()
+    topo = Topology(1, 1)
+    prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc,
+                    ack_timeout_s=0.5, listener=gate_listener(gate))
+    cons = None
+    try:
+        prod.add_request("r", [1], DecodeTarget("127.0.0.1", port, 1))
+        lease = gate.acquire_write(0, "layer0")
+        gate.release_write(lease)
+        tok = gate.add_consumer(0, lease.generation, "rd2h")
+        prod.publish_layer(0, slot=0, tag=tok)
+        assert not gate.is_free(0)  # no decode yet: the read is outstanding
+        cons = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=de, layers=dst_desc, port=port)
+        cons.expect("r", [2], num_layers=1)
+        lease2 = gate.acquire_write(0, "layer1", timeout_s=WAIT)  # opens after READ_DONE
+        assert torch.equal(dst[0][0][:, 2], src[0][0][:, 1])
+        gate.release_write(lease2)
+        st = gate.stats()
+        assert st.consumers_released == 1 and st.consumers_failed == 0
+        # Nobody reads layer 1's generation: the ack deadline reopens the slot, marked failed.
+        prod.add_request("r2", [0], DecodeTarget("127.0.0.1", port + 1, 1), num_layers=2)
+        tok2 = gate.add_consumer(0, lease2.generation, "rd2h")
+        prod.publish_layer(1, slot=0, tag=tok2)
+        lease3 = gate.acquire_write(0, "layer0", timeout_s=WAIT)
+        assert gate.stats().consumers_failed == 1
+        gate.release_write(lease3)
+    finally:
+        prod.close()
+        if cons:
+            cons.close()
+        pe.close()
+        de.close()
