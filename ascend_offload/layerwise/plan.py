@@ -85,6 +85,7 @@ class LayerwisePlan:
     buffers: tuple[PhysicalBuffer, ...]
     slot_of: Mapping[str, int]
     gate_slot_of: Mapping[str, int]  # followers gate with their main slot
+    main_of: Mapping[str, str]  # follower (indexer) layer -> its main layer
     independent: frozenset[str]
     prev_owner: Mapping[str, str | None]
     num_shared_buffers: int
@@ -291,6 +292,7 @@ def plan_layers(
         buffers=buffers,
         slot_of=slot_of,
         gate_slot_of=gate_slot_of,
+        main_of={f.name: f.follows or "" for f in follower_order},
         independent=frozenset(order[i] for i in indep_idx),
         prev_owner=prev_owner,
         num_shared_buffers=num_shared_buffers,

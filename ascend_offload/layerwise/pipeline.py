@@ -1,0 +1,495 @@
+"""Per-layer load / save / prefetch orchestration for layerwise prefill offload.
+
+Why a vLLM-free domain object: the ordering rules (gate before write, save
+before reuse, prefetch only into free slots) are the whole correctness story of
+layer sharing, so they live here where unit tests can drive them with plain
+tensors and a dict store. The connector is a thin adapter over these calls,
+made from vLLM's per-layer connector hooks on the worker side:
+
+=====================================  =========================================
+vLLM connector hook (worker)           pipeline call
+=====================================  =========================================
+``register_kv_caches(kv_caches)``      ``register_kv_caches(kv_caches)``
+``start_load_kv(ctx)``                 ``start_step(StepIO(load, load_shared, save))``
+``wait_for_layer_load(layer)``         ``wait_for_layer_load(layer)``
+``save_kv_layer(layer, kv, meta)``     ``save_layer(layer)``
+``wait_for_save()``                    ``finish_step()``
+``get_block_ids_with_load_errors()``   ``take_load_errors()``
+``shutdown()``                         ``close()``
+=====================================  =========================================
+
+Per layer L with physical slot S (see plan.py):
+
+1. ``wait_for_layer_load(L)``: own S through the reuse gate (waits, with a
+   deadline, for the store save / remote reads of S's previous contents), then
+   load L's objects for the step's blocks from the store into S - unless a
+   prefetch already did - and wait for that load (deadline ``load_timeout_s``).
+2. vLLM's attention writes the step's new KV of L into S.
+3. ``save_layer(L)``: register the store save as a consumer of S (plus any
+   ``extra_consumers``, e.g. the P/D producer's decode reads), release the write
+   lease, queue the save on the I/O thread, then prefetch the next
+   ``prefetch_layers`` layers whose slots are free.
+
+What is loaded: ``StepIO.load`` (prefix hits found in the store) into every
+layer, and ``StepIO.load_shared`` (the step's requests' own earlier chunks,
+and for decode steps their whole history) only into layers whose slot is shared
+- an independent layer still holds them. ``StepIO.save`` blocks are saved for
+every layer. Object keys are ``key_fn(block_key, layer_name)``; the caller names
+blocks, and a block saved while partially filled must get a key that includes
+its fill level (objects are immutable once committed).
+
+The save consumer is released only after the store commit: so by the time a
+later writer owns the slot, the bytes it replaced are readable from the store
+(the next chunk's ``load_shared`` of the same layer can never miss its own
+previous save). ``finish_step`` therefore never waits for saves; ``drain`` does
+(shutdown, tests). A failed or missing object is a load error for exactly the
+affected device blocks (``take_load_errors``), never silent garbage.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ascend_offload import device
+from ascend_offload.layerwise.gate import ConsumerToken, GateError, ReuseGate, WriteLease
+from ascend_offload.layerwise.plan import LayerwisePlan
+from ascend_offload.store.base import KVStore, WriteHandle
+
+log = logging.getLogger(__name__)
+
+KeyFn = Callable[[str, str], str]
+
+
+def default_key(block_key: str, layer: str) -> str:
+    """Store key of one layer's page of one block."""
+    return f"{block_key}|{layer}"
+
+
+class PipelineError(RuntimeError):
+    """The pipeline was driven against its protocol (unknown layer, save before load...)."""
+
+
+class LoadTimeout(TimeoutError):
+    """A layer's store load did not finish within ``load_timeout_s``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRef:
+    """One device block (index along the block dim of every layer's KV tensor) and its key."""
+
+    block_id: int
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepIO:
+    """What one forward step moves; built by the connector from its scheduler metadata."""
+
+    load: tuple[BlockRef, ...] = ()  # store prefix hits: every layer loads them
+    load_shared: tuple[BlockRef, ...] = ()  # own earlier KV: only layers of shared slots reload it
+    save: tuple[BlockRef, ...] = ()  # KV computed in this step: every layer saves it
+
+    def __post_init__(self) -> None:
+        ids = [r.block_id for r in (*self.load, *self.load_shared)]
+        if len(set(ids)) != len(ids):
+            raise PipelineError(f"StepIO: a device block is loaded twice in one step: {sorted(ids)}")
+        saved = [r.block_id for r in self.save]
+        if len(set(saved)) != len(saved):
+            raise PipelineError(f"StepIO: a device block is saved twice in one step: {sorted(saved)}")
+
+
+@dataclasses.dataclass
+class PipelineStats:
+    steps: int = 0
+    loads: int = 0  # (layer, step) loads that moved at least one block
+    prefetched_loads: int = 0  # of which started ahead of their layer
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_errors: int = 0  # blocks that could not be loaded (missing, evicted, failed)
+    load_wait_s: float = 0.0  # time wait_for_layer_load blocked (gate + load)
+    saves: int = 0
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    save_duplicates: int = 0  # objects already in the store
+    save_skipped: int = 0  # objects not stored because the store was full
+    save_errors: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Unit:
+    """A main layer and its indexer followers: one gate slot, one lease per step."""
+
+    main: str
+    members: tuple[str, ...]
+    index: int
+    gate_slot: int
+    earlier: tuple[str, ...]  # main layers that use the same slot earlier in a step
+
+
+@dataclasses.dataclass
+class _UnitState:
+    lease: WriteLease
+    load: cf.Future[None] | None = None
+    prefetched: bool = False
+    released: bool = False
+
+
+class LayerwisePipeline:
+    """Drives one worker's per-layer store traffic for a :class:`LayerwisePlan`; see module doc."""
+
+    def __init__(
+        self,
+        plan: LayerwisePlan,
+        store: KVStore,
+        *,
+        key_fn: KeyFn = default_key,
+        prefetch_layers: int = 1,
+        load_timeout_s: float = 30.0,
+        save_timeout_s: float = 30.0,
+        save_delay_s: float = 0.0,
+        gate: ReuseGate | None = None,
+        block_dim: int = 0,
+    ) -> None:
+        if prefetch_layers < 0:
+            raise ValueError(f"layerwise_prefetch_layers={prefetch_layers}: must be >= 0")
+        self.plan = plan
+        self.store = store
+        self.key_fn = key_fn
+        self.prefetch_layers = prefetch_layers
+        self.load_timeout_s = load_timeout_s
+        self.save_timeout_s = save_timeout_s
+        self.save_delay_s = save_delay_s
+        self.block_dim = block_dim
+        # A writer waits for the store save (or a remote read) of the slot's previous contents.
+        self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
+        followers: dict[str, list[str]] = {}
+        for f in plan.followers:
+            followers.setdefault(plan.main_of[f], []).append(f)
+        self._units: list[_Unit] = []
+        for i, name in enumerate(plan.layers):
+            slot = plan.gate_slot_of[name]
+            earlier = tuple(m for m in plan.layers[:i] if plan.gate_slot_of[m] == slot)
+            self._units.append(
+                _Unit(name, (name, *followers.get(name, [])), i, slot, earlier)
+            )
+        self._unit_of = {m: u for u in self._units for m in u.members}
+        self._kv: dict[str, torch.Tensor] = {}
+        self._page_bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stats = PipelineStats()
+        self._load_errors: set[int] = set()
+        self._step: StepIO | None = None
+        self._state: dict[str, _UnitState] = {}
+        self._save_futures: set[cf.Future[None]] = set()
+        self._loader = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-load")
+        self._saver = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-save")
+        self._copy_stream = device.new_stream()
+        self.aliased = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Take the per-layer KV tensors (block index along ``block_dim``)."""
+        missing = [n for u in self._units for n in u.members if n not in kv_caches]
+        if missing:
+            raise PipelineError(f"layerwise pipeline: no KV cache registered for layers {missing}")
+        for u in self._units:
+            for name in u.members:
+                kv = kv_caches[name]
+                self._kv[name] = kv
+                self._page_bytes[name] = kv.select(self.block_dim, 0).numel() * kv.element_size()
+        # With the layout hook, layers of one slot alias one allocation. Without it sharing
+        # is still correct (only pointless), so this is a diagnostic, not an error.
+        self.aliased = all(
+            len({self._kv[n].data_ptr() for n in buf.layers}) == 1
+            for buf in self.plan.buffers
+        )
+        if not self.aliased and self.plan.num_physical < self.plan.num_logical:
+            log.warning("layerwise: KV tensors of shared slots do not alias (layout hook not "
+                        "applied?); correct, but device memory is not saved")
+
+    # ------------------------------------------------------------------ per step
+
+    def start_step(self, io: StepIO) -> None:
+        """``start_load_kv``: remember what this step moves and prefetch the first layers."""
+        self._check_open()
+        if self._state:
+            self.finish_step()
+        self._step = io
+        with self._lock:
+            self._stats.steps += 1
+        self._prefetch_from(0)
+
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Block until ``layer``'s slot is owned by it and its store objects are in it."""
+        unit = self._unit_of.get(layer)
+        if unit is None or self._step is None:
+            return  # not a cache-bearing layer of the plan, or no step in progress
+        t0 = time.perf_counter()
+        st = self._state.get(unit.main)
+        if st is None:
+            lease = self.gate.acquire_write(unit.gate_slot, unit.main)
+            st = self._state[unit.main] = _UnitState(lease)
+            st.load = self._submit_load(unit)
+        if st.load is not None:
+            try:
+                st.load.result(timeout=self.load_timeout_s)
+            except cf.TimeoutError:
+                raise LoadTimeout(
+                    f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) did not "
+                    f"finish within load_timeout_s={self.load_timeout_s}"
+                ) from None
+        with self._lock:
+            self._stats.load_wait_s += time.perf_counter() - t0
+        self._prefetch_from(unit.index + 1)
+
+    def save_layer(self, layer: str, extra_consumers: Sequence[str] = ()) -> list[ConsumerToken]:
+        """``save_kv_layer``: queue the store save of ``layer``'s new KV and hand its slot on.
+
+        Indexer followers are saved together with their main layer (their own call is a
+        no-op), so the slot is released as soon as the main layer's attention is done.
+        ``extra_consumers`` are registered on the same slot contents before the release
+        and returned; their owner (e.g. the P/D producer) releases them on its acks.
+        """
+        unit = self._unit_of.get(layer)
+        if unit is None or self._step is None or layer != unit.main:
+            return []
+        st = self._state.get(unit.main)
+        if st is None:
+            raise PipelineError(
+                f"layerwise: save_kv_layer({layer!r}) without a preceding wait_for_layer_load "
+                "in this step (the slot was never owned)"
+            )
+        if st.released:
+            raise PipelineError(f"layerwise: layer {layer!r} saved twice in one step")
+        tokens = [self.gate.add_consumer(unit.gate_slot, st.lease.generation, name)
+                  for name in extra_consumers]
+        refs = self._step.save
+        if refs:
+            token = self.gate.add_consumer(
+                unit.gate_slot, st.lease.generation, f"store-save {layer}"
+            )
+            ready = device.record_after_compute()
+            fut = self._saver.submit(self._save_unit, unit, refs, token, ready)
+            with self._lock:
+                self._save_futures.add(fut)
+            fut.add_done_callback(self._forget_save)
+        st.released = True
+        self.gate.release_write(st.lease)
+        self._prefetch_from(unit.index + 1)
+        return tokens
+
+    def finish_step(self) -> None:
+        """``wait_for_save``: end the step. Saves continue in the background (the gate
+        protects their bytes); leases of layers that did not run are returned."""
+        for main, st in list(self._state.items()):
+            if st.released:
+                continue
+            if st.load is not None:
+                try:
+                    st.load.result(timeout=self.load_timeout_s)
+                except cf.TimeoutError:
+                    raise LoadTimeout(
+                        f"layerwise: prefetch of layer {main!r} still running at step end after "
+                        f"load_timeout_s={self.load_timeout_s}"
+                    ) from None
+            st.released = True
+            self.gate.release_write(st.lease)
+        self._state.clear()
+        self._step = None
+
+    def take_load_errors(self) -> set[int]:
+        """Device block ids whose load failed since the last call (vLLM recomputes or fails them)."""
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+            return out
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for every queued save to finish (deadline: ``save_timeout_s``)."""
+        deadline = time.monotonic() + (self.save_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            pending = list(self._save_futures)
+        _done, not_done = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+        if not_done:
+            raise TimeoutError(
+                f"layerwise: {len(not_done)} store saves still running after the deadline"
+            )
+
+    def stats(self) -> PipelineStats:
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._state:
+                self.finish_step()
+            self.drain()
+        finally:
+            self._closed = True
+            self._loader.shutdown(wait=True)
+            self._saver.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineError("layerwise pipeline is closed")
+        if not self._kv:
+            raise PipelineError("layerwise pipeline: register_kv_caches was not called")
+
+    def _forget_save(self, fut: cf.Future[None]) -> None:
+        with self._lock:
+            self._save_futures.discard(fut)
+
+    def _load_refs(self, layer: str) -> tuple[BlockRef, ...]:
+        assert self._step is not None
+        if self.plan.is_shared(self.plan.layers[self._unit_of[layer].index]):
+            return self._step.load + self._step.load_shared
+        return self._step.load
+
+    def _submit_load(self, unit: _Unit) -> cf.Future[None] | None:
+        if not any(self._load_refs(m) for m in unit.members):
+            return None
+        return self._loader.submit(self._load_unit, unit)
+
+    def _prefetch_from(self, start: int) -> None:
+        """Start loads for the next ``prefetch_layers`` layers whose slots are free now."""
+        if self._step is None:
+            return
+        stop = min(len(self._units), start + (self.prefetch_layers if start else 1 + self.prefetch_layers))
+        for unit in self._units[start:stop]:
+            if unit.main in self._state:
+                continue
+            if not any(self._load_refs(m) for m in unit.members):
+                continue  # nothing to move: the lease is taken when the layer runs
+            # Slot order within a step: an earlier user of the slot must be done with it.
+            if any(e not in self._state or not self._state[e].released for e in unit.earlier):
+                continue
+            lease = self.gate.try_acquire_write(unit.gate_slot, unit.main)
+            if lease is None:
+                continue
+            st = self._state[unit.main] = _UnitState(lease, prefetched=True)
+            st.load = self._submit_load(unit)
+            with self._lock:
+                self._stats.prefetched_loads += 1
+
+    def _block_view(self, kv: torch.Tensor, block_id: int) -> torch.Tensor:
+        return kv.select(self.block_dim, block_id)
+
+    def _load_unit(self, unit: _Unit) -> None:
+        with device.stream_context(self._copy_stream):
+            for layer in unit.members:
+                refs = self._load_refs(layer)
+                if refs:
+                    self._load_layer(layer, refs)
+            self._copy_stream.synchronize()
+
+    def _load_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
+        kv = self._kv[layer]
+        keys = [self.key_fn(r.key, layer) for r in refs]
+        failed: list[int] = []
+        pin = self.store.pin(keys)
+        if pin is None:  # find exactly which objects are missing
+            ok_refs, ok_keys = [], []
+            for r, k in zip(refs, keys, strict=True):
+                if self.store.contains(k):
+                    ok_refs.append(r)
+                    ok_keys.append(k)
+                else:
+                    failed.append(r.block_id)
+            refs, keys = ok_refs, ok_keys
+            pin = self.store.pin(keys) if keys else None
+            if pin is None and keys:  # evicted between the checks
+                failed.extend(r.block_id for r in refs)
+                refs, keys = [], []
+        moved = 0
+        try:
+            for r, k in zip(refs, keys, strict=True):
+                assert pin is not None
+                view = self._block_view(kv, r.block_id)
+                try:
+                    if view.is_contiguous() and not device.is_accelerator(view):
+                        self.store.read(pin, k, 0, view.view(torch.uint8).reshape(-1))
+                    else:
+                        host = device.empty_host(tuple(view.shape), view.dtype)
+                        self.store.read(pin, k, 0, host.view(torch.uint8).reshape(-1))
+                        view.copy_(host, non_blocking=True)
+                    moved += 1
+                except Exception as exc:  # a broken object: that block only
+                    log.warning("layerwise: load of %s failed: %s", k, exc)
+                    failed.append(r.block_id)
+        finally:
+            if pin is not None:
+                self.store.unpin(pin)
+        with self._lock:
+            if moved:
+                self._stats.loads += 1
+            self._stats.blocks_loaded += moved
+            self._stats.bytes_loaded += moved * self._page_bytes[layer]
+            self._stats.load_errors += len(failed)
+            self._load_errors.update(failed)
+
+    def _save_unit(
+        self, unit: _Unit, refs: Sequence[BlockRef], token: ConsumerToken, ready: object
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            if self.save_delay_s:
+                time.sleep(self.save_delay_s)  # test hook: proves writers wait for the gate
+            ready.synchronize()  # type: ignore[attr-defined]  # the layer's KV is computed
+            for layer in unit.members:
+                self._save_layer(layer, refs)
+        except BaseException as exc:
+            error = exc
+            with self._lock:
+                self._stats.save_errors += 1
+            log.error("layerwise: store save of layer %s failed: %s", unit.main, exc)
+        finally:
+            try:
+                self.gate.release_consumer(token, error)
+            except GateError:  # pragma: no cover - gate misuse is a bug; keep the thread alive
+                log.exception("layerwise: releasing the save consumer failed")
+
+    def _save_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
+        kv = self._kv[layer]
+        size = self._page_bytes[layer]
+        keys = [self.key_fn(r.key, layer) for r in refs]
+        got = self.store.allocate(keys, [size] * len(keys))
+        if got is None:
+            with self._lock:
+                self._stats.save_skipped += len(keys)
+            return
+        handles: list[WriteHandle] = []
+        try:
+            with device.stream_context(self._copy_stream):
+                for r, h in zip(refs, got, strict=True):
+                    if h is None:
+                        continue
+                    handles.append(h)
+                    view = self._block_view(kv, r.block_id)
+                    if not view.is_contiguous() or device.is_accelerator(view):
+                        view = view.to("cpu").contiguous()
+                    self.store.write(h, 0, view.view(torch.uint8).reshape(-1))
+                self._copy_stream.synchronize()
+            self.store.commit(handles)
+        except BaseException:
+            self.store.abort(handles)
+            raise
+        with self._lock:
+            self._stats.saves += 1
+            self._stats.blocks_saved += len(handles)
+            self._stats.bytes_saved += len(handles) * size
+            self._stats.save_duplicates += len(keys) - len(handles)

@@ -1,0 +1,250 @@
+"""The per-layer pipeline over aliased slot buffers: a simulated model checks, at every
+layer's "attention", that each context block holds exactly that layer's KV."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+import pytest
+import torch
+
+from ascend_offload.layerwise.gate import GateTimeout, ReuseGate
+from ascend_offload.layerwise.pipeline import (
+    BlockRef,
+    LayerwisePipeline,
+    PipelineError,
+    StepIO,
+)
+from ascend_offload.layerwise.plan import LayerSpec, plan_layers, plan_uniform
+from tests.unit.layerwise.dict_store import DictStore
+
+PAGE = (2, 4, 8)  # per-block page of one layer: (kv, tokens, dims)
+NUM_BLOCKS = 16
+
+
+def value(key: str, layer: str) -> float:
+    """The KV a layer computes for a block: distinct per (block key, layer)."""
+    return float(zlib.crc32(f"{key}/{layer}".encode()) % 100_000)
+
+
+class Sim:
+    """N layers aliased onto the plan's physical buffers, like the layout hook makes them."""
+
+    def __init__(self, plan, store, **kw) -> None:
+        self.plan = plan
+        self.phys = torch.zeros(plan.num_physical, NUM_BLOCKS, *PAGE)
+        self.kv = {n: self.phys[plan.slot_of[n]] for n in (*plan.layers, *plan.followers)}
+        self.pipe = LayerwisePipeline(plan, store, **kw)
+        self.pipe.register_kv_caches(self.kv)
+        self.mismatches: list[str] = []
+
+    def step(self, io: StepIO, context: list[BlockRef], new: list[BlockRef]) -> None:
+        self.pipe.start_step(io)
+        for layer in self.plan.layers:
+            members = [layer, *[f for f in self.plan.followers if self.plan.main_of[f] == layer]]
+            for m in members:
+                self.pipe.wait_for_layer_load(m)
+            for m in members:  # attention reads the context ...
+                for r in context:
+                    got = self.kv[m][r.block_id]
+                    if not torch.all(got == value(r.key, m)):
+                        self.mismatches.append(f"{m} block {r.block_id} ({r.key}): {got.flatten()[0]}")
+                for r in new:  # ... and writes this step's KV
+                    self.kv[m][r.block_id].fill_(value(r.key, m))
+            for m in members:
+                self.pipe.save_layer(m)
+        self.pipe.finish_step()
+
+
+def chunked_prefill(sim: Sim, keys: list[str], blocks: list[int], chunk: int,
+                    hits: int = 0) -> None:
+    """Run one request block-chunk by chunk; ``hits`` leading blocks come from the store."""
+    refs = [BlockRef(b, k) for b, k in zip(blocks, keys, strict=True)]
+    done = hits
+    first = True
+    while done < len(refs):
+        new = refs[done : done + chunk]
+        io = StepIO(
+            load=tuple(refs[:hits]) if first else (),
+            load_shared=tuple(refs[hits if first else 0 : done]),
+            save=tuple(new),
+        )
+        sim.step(io, refs[:done], new)
+        done += len(new)
+        first = False
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_chunked_prefill_and_prefix_reuse_see_exact_kv(b: int, prefetch: int) -> None:
+    store = DictStore()
+    sim = Sim(plan_uniform(8, b, [0]), store, prefetch_layers=prefetch)
+    keys = [f"p{i}" for i in range(6)]
+    chunked_prefill(sim, keys, blocks=[0, 1, 2, 3, 4, 5], chunk=2)
+    # A second request sharing 4 blocks of prefix: loaded from the store into other blocks.
+    keys2 = [*keys[:4], "q4", "q5", "q6"]
+    chunked_prefill(sim, keys2, blocks=[8, 9, 10, 11, 12, 13, 14], chunk=2, hits=4)
+    sim.pipe.drain()
+    assert sim.mismatches == []
+    st = sim.pipe.stats()
+    assert st.load_errors == 0 and st.save_errors == 0
+    assert st.blocks_saved == 8 * (6 + 3)
+    # prefix hits go to all 8 layers; own chunks only to the 7 shared layers
+    own_reloads = 7 * (2 + 4) + 7 * 6
+    assert st.blocks_loaded == 8 * 4 + own_reloads
+    if prefetch:
+        assert st.prefetched_loads > 0
+    sim.pipe.close()
+
+
+def test_all_independent_never_reloads_own_chunks() -> None:
+    store = DictStore()
+    sim = Sim(plan_uniform(4, 1, "all"), store)
+    chunked_prefill(sim, [f"k{i}" for i in range(4)], blocks=[0, 1, 2, 3], chunk=1)
+    sim.pipe.close()
+    assert sim.mismatches == []
+    assert sim.pipe.stats().blocks_loaded == 0
+    assert sim.pipe.stats().blocks_saved == 16
+
+
+class _NoGate(ReuseGate):
+    """A broken gate that never makes a writer wait (negative control)."""
+
+    @staticmethod
+    def _busy(s) -> bool:  # type: ignore[override]
+        return False
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_slow_save_gate_holds(broken: bool) -> None:
+    """With a slow store save the next layer of the slot must wait; without the gate
+    the save reads bytes that the next layer already overwrote."""
+    store = DictStore()
+    plan = plan_uniform(4, 1, [0])
+    gate = (_NoGate if broken else ReuseGate)(plan.num_physical, default_timeout_s=10.0)
+    sim = Sim(plan, store, save_delay_s=0.03, gate=gate, prefetch_layers=1)
+    keys = [f"s{i}" for i in range(4)]
+    chunked_prefill(sim, keys, blocks=[0, 1, 2, 3], chunk=2)
+    chunked_prefill(sim, [*keys, "t4"], blocks=[5, 6, 7, 8, 9], chunk=2, hits=4)
+    sim.pipe.close()
+    if broken:
+        assert sim.mismatches, "a gate that never waits must corrupt the reloaded KV"
+    else:
+        assert sim.mismatches == []
+        assert gate.stats().waits > 0 and gate.stats().wait_s > 0
+        assert gate.stats().timeouts == 0
+
+
+def test_missing_object_is_load_error_for_exactly_its_blocks() -> None:
+    store = DictStore()
+    sim = Sim(plan_uniform(3, 1, [0]), store)
+    keys = ["a", "b", "c"]
+    chunked_prefill(sim, keys, blocks=[0, 1, 2], chunk=3)
+    sim.pipe.drain()
+    store.evict("b|layers.2")
+    io = StepIO(load=tuple(BlockRef(b, k) for b, k in zip([4, 5, 6], keys, strict=True)))
+    sim.step(io, [BlockRef(4, "a"), BlockRef(6, "c")], [])
+    assert sim.pipe.take_load_errors() == {5}
+    assert sim.pipe.take_load_errors() == set()
+    assert sim.mismatches == []
+    assert sim.pipe.stats().load_errors == 1
+    sim.pipe.close()
+
+
+def test_store_full_is_counted_not_fatal() -> None:
+    store = DictStore(capacity_objects=3)
+    sim = Sim(plan_uniform(2, 1, [0]), store)
+    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2)
+    sim.pipe.close()
+    st = sim.pipe.stats()
+    assert st.save_skipped == 2 and st.blocks_saved == 2 and st.save_errors == 0
+
+
+def test_gate_deadline_surfaces_from_wait_for_layer_load() -> None:
+    store = DictStore()
+    plan = plan_uniform(3, 1, [0])
+    sim = Sim(plan, store, save_timeout_s=0.05)
+    io = StepIO(save=(BlockRef(0, "x"),))
+    sim.pipe.start_step(io)
+    sim.pipe.wait_for_layer_load("layers.0")
+    sim.pipe.save_layer("layers.0")
+    sim.pipe.wait_for_layer_load("layers.1")
+    tokens = sim.pipe.save_layer("layers.1", extra_consumers=["decode-read rank0"])
+    with pytest.raises(GateTimeout) as err:
+        sim.pipe.wait_for_layer_load("layers.2")
+    assert err.value.slot == plan.slot_of["layers.2"] and "decode-read rank0" in str(err.value)
+    sim.pipe.gate.release_consumer(tokens[0])
+    sim.pipe.wait_for_layer_load("layers.2")
+    sim.pipe.save_layer("layers.2")
+    sim.pipe.close()
+
+
+def test_protocol_errors() -> None:
+    store = DictStore()
+    plan = plan_uniform(3, 1, [0])
+    pipe = LayerwisePipeline(plan, store)
+    with pytest.raises(PipelineError, match="register_kv_caches"):
+        pipe.start_step(StepIO())
+    with pytest.raises(PipelineError, match="no KV cache registered"):
+        pipe.register_kv_caches({"layers.0": torch.zeros(2, 2)})
+    pipe.register_kv_caches({n: torch.zeros(4, 8) for n in plan.layers})
+    assert not pipe.aliased
+    pipe.start_step(StepIO())
+    with pytest.raises(PipelineError, match="without a preceding wait_for_layer_load"):
+        pipe.save_layer("layers.1")
+    pipe.wait_for_layer_load("not.a.layer")  # non-cache layers are ignored
+    pipe.finish_step()
+    with pytest.raises(PipelineError, match="loaded twice"):
+        StepIO(load=(BlockRef(1, "a"),), load_shared=(BlockRef(1, "b"),))
+    pipe.close()
+    with pytest.raises(PipelineError, match="closed"):
+        pipe.start_step(StepIO())
+
+
+def test_unrun_layers_release_their_lease_at_step_end() -> None:
+    store = DictStore()
+    plan = plan_uniform(3, 1, [0], mtp_layers=1)
+    sim = Sim(plan, store, prefetch_layers=4)
+    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=1)
+    # A step where the MTP layer does not run: its slot must not stay owned.
+    io = StepIO(load_shared=(BlockRef(0, "a"), BlockRef(1, "b")), save=())
+    sim.pipe.start_step(io)
+    for layer in plan.layers[:-1]:
+        sim.pipe.wait_for_layer_load(layer)
+        sim.pipe.save_layer(layer)
+    sim.pipe.finish_step()
+    sim.pipe.drain()
+    assert all(sim.pipe.gate.is_free(s) for s in range(plan.num_physical))
+    sim.pipe.close()
+
+
+def test_indexer_followers_move_with_their_main_layer() -> None:
+    specs = []
+    for i in range(4):
+        specs.append(LayerSpec(f"l{i}", compat="mla"))
+        specs.append(LayerSpec(f"l{i}.idx", compat="idx", follows=f"l{i}"))
+    plan = plan_layers(specs, num_shared_buffers=1, independent=[0])
+    store = DictStore()
+    sim = Sim(plan, store, prefetch_layers=1)
+    keys = ["a", "b", "c"]
+    chunked_prefill(sim, keys, blocks=[0, 1, 2], chunk=1)
+    chunked_prefill(sim, [*keys, "d"], blocks=[4, 5, 6, 7], chunk=1, hits=3)
+    sim.pipe.close()
+    assert sim.mismatches == []
+    assert "a|l2.idx" in store.writes
+    assert sim.pipe.stats().save_errors == 0
+
+
+def test_concurrent_saves_release_in_background() -> None:
+    """finish_step does not wait for saves; drain does, and the gate ends idle."""
+    store = DictStore()
+    plan = plan_uniform(4, 2, [0])
+    sim = Sim(plan, store, save_delay_s=0.01)
+    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2)
+    busy = [s for s in range(plan.num_physical) if not sim.pipe.gate.is_free(s)]
+    sim.pipe.drain()
+    assert busy  # saves were still in flight right after the step
+    assert all(sim.pipe.gate.is_free(s) for s in range(plan.num_physical))
+    assert threading.active_count() >= 1
+    sim.pipe.close()
