@@ -1,0 +1,695 @@
+"""The proxy's HTTP side: routes, the decode-first flow and backend I/O.
+
+One request (after fan-out, see ``bodies.py``) goes:
+
+1. to the least-loaded decode, with ``do_remote_prefill`` and our metaserver URL;
+2. the decode's connector POSTs ``/v1/metaserver``; we dispatch the prefill
+   (``max_tokens=1``) to the least-loaded prefill and answer 200 once the
+   prefill request is on the wire;
+3. the decode's answer is relayed; a single stream byte for byte.
+
+Why aiohttp for both sides: its client keeps one pool per (host, port) and
+hands out idle connections from a deque (no scan over queued requests, which
+is where an httpx/httpcore proxy spends most of its CPU), and its server has
+a thinner per-request path than FastAPI/Starlette. The numbers behind this
+choice are in ``docs/bench-proxy.md``.
+
+Failure rules: a backend that refuses connections is skipped for a cooldown
+and the next instance is tried (nothing was sent, so this is safe); any other
+failure before the decode produced output aborts the sub-request (decode
+connection closed, prefill request cancelled) and the client gets an
+OpenAI-style JSON error: 503 nothing reachable, 502 a backend failed or
+answered an error, 504 a deadline passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from proxy.balancer import Balancer, Instance
+from proxy.bodies import CHAT, COMPLETIONS, SubRequest, decode_body, prefill_body, split_request
+from proxy.errors import ProxyError, error_body, sse_error_event
+from proxy.metaserver import Pending, PendingTable
+from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from proxy.metrics import ProxyMetrics
+from proxy.relay import SSESplitter, StreamMerger, merge_responses
+
+log = logging.getLogger("proxy")
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+JSON_TYPE = "application/json"
+_JSON_HEADERS = {"Content-Type": JSON_TYPE}
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_DISPATCHED = _encode({"status": "dispatched"})
+
+
+@dataclass
+class ProxyConfig:
+    """Everything the proxy needs; validated here so the CLI and tests share the rules."""
+
+    prefillers: list[tuple[str, int]]
+    decoders: list[tuple[str, int]]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # URL decode instances POST registrations to; default derived from host/port.
+    metaserver_url: str | None = None
+    # Deadline for a prefill answer, and for each read from a decode.
+    timeout_s: float = 600.0
+    # The decode must register (or answer) within this after being forwarded.
+    register_timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    # A backend that refused a connection is skipped this long.
+    cooldown_s: float = 2.0
+    # Must stay below the backends' keep-alive (uvicorn: 5 s), or a reused
+    # connection can be closed under us.
+    keepalive_s: float = 4.0
+    # Connections per backend instance (0 = unlimited).
+    max_connections: int = 0
+    max_fanout: int = 1024
+    max_body_mb: int = 64
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "register_timeout_s", "connect_timeout_s", "keepalive_s"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise ValueError(f"{key} must be > 0, got {value!r}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s!r}")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0, got {self.max_connections!r}")
+        if self.max_fanout < 1:
+            raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
+        if not self.prefillers:
+            raise ValueError("at least one prefill instance is required")
+        if not self.decoders:
+            raise ValueError("at least one decode instance is required")
+        for role, addrs in (("prefill", self.prefillers), ("decode", self.decoders)):
+            for host, port in addrs:
+                if not host or not 0 < int(port) < 65536:
+                    raise ValueError(f"bad {role} address {host!r}:{port!r}")
+
+
+def _uncancel() -> None:
+    """Undo a cancellation we delivered ourselves (Pending.fail) so later awaits work."""
+    task = asyncio.current_task()
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
+
+
+def _snippet(data: bytes, limit: int = 300) -> str:
+    text = data[:limit].decode("utf-8", "replace")
+    return text + ("..." if len(data) > limit else "")
+
+
+def _json_error(err: ProxyError) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), headers=_JSON_HEADERS)
+
+
+class _Decode:
+    """An open decode response and the instance it came from."""
+
+    __slots__ = ("ctype", "data", "inst", "resp")
+
+    def __init__(self, resp: aiohttp.ClientResponse, inst: Instance) -> None:
+        self.resp = resp
+        self.inst = inst
+        self.data = b""
+        self.ctype = resp.headers.get("Content-Type", JSON_TYPE)
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
+
+    def close(self, ok: bool) -> None:
+        """Give the connection back (ok) or drop it, which makes vLLM abort the request."""
+        if ok:
+            self.resp.release()
+        else:
+            self.resp.close()
+        Balancer.release(self.inst)
+
+
+async def _on_headers_sent(
+    session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestHeadersSentParams
+) -> None:
+    p = ctx.trace_request_ctx
+    if isinstance(p, Pending) and p.dispatched is not None and not p.dispatched.done():
+        p.dispatched.set_result(True)
+
+
+class Proxy:
+    """Request handling; one instance per server (tests run several in one process)."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.decoders = Balancer("decode", cfg.decoders, cfg.cooldown_s)
+        self.prefillers = Balancer("prefill", cfg.prefillers, cfg.cooldown_s)
+        self.pending = PendingTable()
+        self.metrics = ProxyMetrics([self.prefillers, self.decoders], lambda: len(self.pending))
+        self.metaserver_url = cfg.metaserver_url or ""
+        self._id_prefix = secrets.token_hex(6)
+        self._ids = itertools.count()
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._dsession: aiohttp.ClientSession | None = None
+        self._psession: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_mb * 1024 * 1024)
+        app.router.add_post(COMPLETIONS, self.handle_completions)
+        app.router.add_post(CHAT, self.handle_chat)
+        app.router.add_post("/v1/metaserver", self.handle_metaserver)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    def _connector(self) -> aiohttp.TCPConnector:
+        return aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=self.cfg.max_connections,
+            keepalive_timeout=self.cfg.keepalive_s,
+            ttl_dns_cache=None,
+        )
+
+    async def _startup(self, app: web.Application) -> None:
+        cfg = self.cfg
+        self._dsession = aiohttp.ClientSession(
+            connector=self._connector(),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.timeout_s
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_on_headers_sent)
+        self._psession = aiohttp.ClientSession(
+            connector=self._connector(),
+            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            trace_configs=[trace],
+        )
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for t in list(self._bg):
+            t.cancel()
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)
+        for s in (self._dsession, self._psession):
+            if s is not None:
+                await s.close()
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ routes
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle_generate(request, COMPLETIONS)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle_generate(request, CHAT)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        body = {
+            "status": "ok",
+            "pending": len(self.pending),
+            "prefillers": self.prefillers.snapshot(),
+            "decoders": self.decoders.snapshot(),
+        }
+        return web.Response(body=_encode(body), headers=_JSON_HEADERS)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        assert self._dsession is not None
+        tried: list[Instance] = []
+        while (inst := self.decoders.pick(tried)) is not None:
+            tried.append(inst)
+            try:
+                async with self._dsession.get(inst.url + "/v1/models") as resp:
+                    data = await resp.read()
+                    return web.Response(
+                        status=resp.status,
+                        body=data,
+                        headers={"Content-Type": resp.headers.get("Content-Type", JSON_TYPE)},
+                    )
+            except _CONNECT_ERRORS:
+                self.decoders.mark_down(inst)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return _json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
+        return _json_error(ProxyError(503, "no decode instance reachable"))
+
+    async def handle_metaserver(self, request: web.Request) -> web.Response:
+        """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire."""
+        raw = await request.read()
+        try:
+            msg = _decode(raw)
+        except msgspec.DecodeError as e:
+            return self._meta_reject(400, f"metaserver: body is not valid JSON: {e}")
+        if not isinstance(msg, dict):
+            return self._meta_reject(400, "metaserver: body must be a JSON object")
+        rid = msg.get("proxy_request_id")
+        if not isinstance(rid, str) or not rid:
+            return self._meta_reject(
+                400, f"metaserver: 'proxy_request_id' must be a non-empty string, got {rid!r}"
+            )
+        params = msg.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return self._meta_reject(
+                400, f"metaserver: 'kv_transfer_params' must be a JSON object, got {type(params).__name__}"
+            )
+        p = self.pending.get(rid)
+        if p is None:
+            self.metrics.registration("unknown")
+            return web.Response(
+                status=404,
+                body=error_body(404, f"metaserver: unknown or finished proxy_request_id {rid!r}"),
+                headers=_JSON_HEADERS,
+            )
+        if p.dispatched is None:
+            p.params = params
+            p.disarm_deadline()  # from here the prefill's own deadline applies
+            loop = asyncio.get_running_loop()
+            p.dispatched = loop.create_future()
+            task = loop.create_task(self._prefill(p))
+            p.prefill_task = task
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+            result = "dispatched"
+        else:
+            result = "duplicate"  # a retry after a lost answer: idempotent
+        try:
+            await asyncio.shield(p.dispatched)
+        except ProxyError as e:
+            self.metrics.registration("failed")
+            return web.Response(status=e.status, body=e.body(), headers=_JSON_HEADERS)
+        self.metrics.registration(result)
+        return web.Response(body=_DISPATCHED, headers=_JSON_HEADERS)
+
+    def _meta_reject(self, status: int, message: str) -> web.Response:
+        log.warning("%s", message)
+        self.metrics.registration("malformed")
+        return web.Response(status=status, body=error_body(status, message), headers=_JSON_HEADERS)
+
+    # ------------------------------------------------------------------ generate
+
+    async def _handle_generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            raw = await request.read()
+            try:
+                body = _decode(raw)
+            except msgspec.DecodeError as e:
+                raise ProxyError(400, f"invalid request: body is not valid JSON: {e}", "bad_request") from None
+            subs = split_request(body, path, self.cfg.max_fanout)
+            stream = body.get("stream") is True
+            if len(subs) == 1:
+                resp = await self._single(request, path, subs[0], stream)
+            else:
+                resp = await self._fanout(request, path, subs, stream)
+            status = resp.status
+            return resp
+        except ProxyError as e:
+            status = e.status
+            if e.status >= 500:
+                log.warning("%s %s: %s", path, e.status, e.message)
+            return _json_error(e)
+        except asyncio.CancelledError:
+            status = 499  # client went away
+            raise
+        finally:
+            self.metrics.request(path, status)
+            self.metrics.latency.observe(time.perf_counter() - t0)
+
+    def _new_pending(self, path: str, sub: SubRequest) -> Pending:
+        p = Pending(self._next_id(), path, sub.body, sub.weight)
+        p.owner = asyncio.current_task()
+        self.pending.add(p)
+        p.arm_deadline(asyncio.get_running_loop(), self.cfg.register_timeout_s)
+        return p
+
+    def _end(self, p: Pending, d: _Decode | None, ok: bool) -> None:
+        """Release everything a sub-request holds; on failure abort both backends."""
+        self.pending.finish(p)
+        if d is not None:
+            d.close(ok)
+        t = p.prefill_task
+        if t is not None and not t.done() and not ok:
+            t.cancel()  # closes the prefill connection: vLLM aborts the request
+
+    async def _open_decode(self, path: str, payload: bytes) -> _Decode:
+        assert self._dsession is not None
+        tried: list[Instance] = []
+        while True:
+            inst = self.decoders.pick(tried)
+            if inst is None:
+                names = ", ".join(i.name for i in tried)
+                raise ProxyError(503, f"no decode instance reachable (tried {names})", "decode_down")
+            tried.append(inst)
+            Balancer.acquire(inst)
+            try:
+                resp = await self._dsession.post(inst.url + path, data=payload, headers=_JSON_HEADERS)
+            except _CONNECT_ERRORS as e:
+                Balancer.release(inst)
+                self.decoders.mark_down(inst)
+                self.metrics.backend_error("decode", "connect")
+                log.warning("decode %s unreachable: %s", inst.name, e)
+                continue
+            except BaseException:
+                Balancer.release(inst)
+                raise
+            if inst.down_until:
+                Balancer.mark_up(inst)
+            return _Decode(resp, inst)
+
+    async def _begin(self, p: Pending, stream: bool) -> _Decode:
+        """Forward to a decode and wait for its first output (or its whole answer)."""
+        payload = _encode(decode_body(p.body, self.metaserver_url, p.id))
+        d: _Decode | None = None
+        try:
+            d = await self._open_decode(p.path, payload)
+            if stream and d.status == 200:
+                d.data = await d.resp.content.readany()
+                if not d.data:
+                    raise ProxyError(
+                        502, f"decode {d.inst.name} ended the stream without data", "decode_eof"
+                    )
+            else:
+                d.data = await d.resp.read()
+            p.started = True
+            p.disarm_deadline()
+            return d
+        except asyncio.CancelledError:
+            if d is not None:
+                d.close(False)
+            if p.error is None:
+                raise  # the client went away
+            _uncancel()
+            raise p.error from None
+        except ProxyError:
+            if d is not None:
+                d.close(False)
+            raise
+        except TimeoutError:
+            if d is not None:
+                d.close(False)
+            self.metrics.backend_error("decode", "timeout")
+            raise ProxyError(
+                504, f"decode did not answer within {self.cfg.timeout_s:g} s", "decode_timeout"
+            ) from None
+        except aiohttp.ClientError as e:
+            name = d.inst.name if d is not None else "?"
+            if d is not None:
+                d.close(False)
+            self.metrics.backend_error("decode", "error")
+            raise ProxyError(502, f"decode {name} failed: {type(e).__name__}: {e}", "decode_error") from None
+
+    async def _single(
+        self, request: web.Request, path: str, sub: SubRequest, stream: bool
+    ) -> web.StreamResponse:
+        p = self._new_pending(path, sub)
+        d: _Decode | None = None
+        ok = False
+        try:
+            d = await self._begin(p, stream)
+            if not stream or d.status != 200:
+                ok = d.status == 200
+                return web.Response(status=d.status, body=d.data, headers={"Content-Type": d.ctype})
+            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            await out.prepare(request)
+            await out.write(d.data)
+            content = d.resp.content
+            try:
+                while True:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    await out.write(chunk)
+                ok = True
+            except (aiohttp.ClientError, TimeoutError) as e:
+                self.metrics.backend_error("decode", "stream_broken")
+                log.warning("decode %s broke the stream of %s: %r", d.inst.name, p.id, e)
+                await out.write(sse_error_event(502, f"decode {d.inst.name} failed mid-stream: {e!r}"))
+            await out.write_eof()
+            return out
+        finally:
+            self._end(p, d, ok)
+
+    # ------------------------------------------------------------------ fan-out
+
+    async def _sub_whole(self, path: str, sub: SubRequest) -> _Decode:
+        p = self._new_pending(path, sub)
+        d: _Decode | None = None
+        try:
+            d = await self._begin(p, stream=False)
+            return d
+        finally:
+            self._end(p, d, d is not None and d.status == 200)
+
+    async def _sub_stream(
+        self, path: str, sub: SubRequest, queue: asyncio.Queue[tuple[str, SubRequest, Any]]
+    ) -> None:
+        p = self._new_pending(path, sub)
+        d: _Decode | None = None
+        ok = False
+        try:
+            d = await self._begin(p, stream=True)
+            if d.status != 200:
+                queue.put_nowait(("answer", sub, d))
+                return
+            queue.put_nowait(("data", sub, d.data))
+            content = d.resp.content
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                queue.put_nowait(("data", sub, chunk))
+            ok = True
+        except ProxyError as e:
+            queue.put_nowait(("fail", sub, e))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            queue.put_nowait(("fail", sub, ProxyError(502, f"decode failed mid-stream: {e!r}")))
+        finally:
+            self._end(p, d, ok)
+            queue.put_nowait(("end", sub, None))
+
+    async def _fanout(
+        self, request: web.Request, path: str, subs: list[SubRequest], stream: bool
+    ) -> web.StreamResponse:
+        rid = ("chatcmpl-" if path == CHAT else "cmpl-") + self._next_id()
+        loop = asyncio.get_running_loop()
+        if not stream:
+            tasks = [loop.create_task(self._sub_whole(path, s)) for s in subs]
+            try:
+                results: list[_Decode] = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for d in results:
+                if d.status != 200:
+                    return web.Response(status=d.status, body=d.data, headers={"Content-Type": d.ctype})
+            try:
+                merged = merge_responses(
+                    [(s.index, s.first_of_prompt, d.data) for s, d in zip(subs, results, strict=True)], rid
+                )
+            except (msgspec.DecodeError, ValueError) as e:
+                raise ProxyError(502, f"decode answered malformed JSON: {e}", "decode_malformed") from None
+            return web.Response(body=merged, headers=_JSON_HEADERS)
+
+        queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue()
+        tasks = [loop.create_task(self._sub_stream(path, s, queue)) for s in subs]
+        splitters = {id(s): SSESplitter() for s in subs}
+        merger = StreamMerger(rid)
+        out: web.StreamResponse | None = None
+        remaining = len(subs)
+        try:
+            while remaining:
+                kind, sub, value = await queue.get()
+                if kind == "end":
+                    remaining -= 1
+                    continue
+                if kind == "answer":  # a decode refused the request: relay its answer
+                    if out is None:
+                        return web.Response(
+                            status=value.status, body=value.data, headers={"Content-Type": value.ctype}
+                        )
+                    value = ProxyError(502, f"decode answered HTTP {value.status}: {_snippet(value.data)}")
+                    kind = "fail"
+                if kind == "fail":
+                    if out is None:
+                        raise value
+                    await out.write(sse_error_event(value.status, value.message))
+                    await out.write_eof()
+                    return out
+                try:
+                    events = splitters[id(sub)].feed(value)
+                    parts = [merger.rewrite(e, sub.index, sub.first_of_prompt) for e in events]
+                except (msgspec.DecodeError, ValueError) as e:
+                    err = ProxyError(502, f"decode sent a malformed stream chunk: {e}", "decode_malformed")
+                    if out is None:
+                        raise err from None
+                    await out.write(sse_error_event(err.status, err.message))
+                    await out.write_eof()
+                    return out
+                data = b"".join(x for x in parts if x)
+                if out is None:
+                    out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                    await out.prepare(request)
+                if data:
+                    await out.write(data)
+            if out is None:
+                raise ProxyError(502, "decode streams ended without data", "decode_eof")
+            await out.write(merger.finish())
+            await out.write_eof()
+            return out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ prefill
+
+    async def _prefill(self, p: Pending) -> None:
+        """Step 4: send the prefill; on failure abort the sub-request with the error."""
+        assert self._psession is not None and p.dispatched is not None and p.params is not None
+        dispatched = p.dispatched
+        payload = _encode(prefill_body(p.body, p.path, p.params))
+        tried: list[Instance] = []
+        try:
+            while True:
+                inst = self.prefillers.pick(tried)
+                if inst is None:
+                    names = ", ".join(i.name for i in tried)
+                    raise ProxyError(503, f"no prefill instance reachable (tried {names})", "prefill_down")
+                tried.append(inst)
+                Balancer.acquire(inst, p.weight)
+                try:
+                    async with self._psession.post(
+                        inst.url + p.path, data=payload, headers=_JSON_HEADERS, trace_request_ctx=p
+                    ) as resp:
+                        if not dispatched.done():
+                            dispatched.set_result(True)
+                        data = await resp.read()
+                        if resp.status >= 300:
+                            raise ProxyError(
+                                502,
+                                f"prefill {inst.name} answered HTTP {resp.status}: {_snippet(data)}",
+                                "prefill_status",
+                            )
+                    if inst.down_until:
+                        Balancer.mark_up(inst)
+                    return
+                except _CONNECT_ERRORS as e:
+                    self.prefillers.mark_down(inst)
+                    self.metrics.backend_error("prefill", "connect")
+                    log.warning("prefill %s unreachable: %s", inst.name, e)
+                    continue
+                except TimeoutError:
+                    raise ProxyError(
+                        504,
+                        f"prefill {inst.name} did not answer within {self.cfg.timeout_s:g} s",
+                        "prefill_timeout",
+                    ) from None
+                except aiohttp.ClientError as e:
+                    raise ProxyError(
+                        502, f"prefill {inst.name} failed: {type(e).__name__}: {e}", "prefill_error"
+                    ) from None
+                finally:
+                    Balancer.release(inst, p.weight)
+        except ProxyError as e:
+            self.metrics.backend_error("prefill", e.kind)
+            log.warning("request %s: %s", p.id, e.message)
+            if not dispatched.done():
+                dispatched.set_exception(e)
+                dispatched.exception()
+            p.fail(e)
+        except asyncio.CancelledError:
+            if not dispatched.done():
+                dispatched.set_exception(ProxyError(404, f"request {p.id} was aborted", "aborted"))
+                dispatched.exception()
+            raise
+
+
+# ---------------------------------------------------------------------- server
+
+
+def advertised_host(host: str) -> str:
+    """The address decode instances can reach us at when we bind a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class ProxyServer:
+    """Runs a ``Proxy`` on an aiohttp site; ``port=0`` picks a free port."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.proxy = Proxy(cfg)
+        self.port = cfg.port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = advertised_host(self.cfg.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> int:
+        self._runner = web.AppRunner(
+            self.proxy.app(), access_log=None, handler_cancellation=True, handle_signals=False
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=2048, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound port nowhere else
+        if server is not None and getattr(server, "sockets", None):
+            self.port = server.sockets[0].getsockname()[1]
+        if not self.cfg.metaserver_url:
+            self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
+        log.info(
+            "proxy on %s:%d, metaserver %s, %d prefill, %d decode",
+            self.cfg.host,
+            self.port,
+            self.proxy.metaserver_url,
+            len(self.cfg.prefillers),
+            len(self.cfg.decoders),
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,149 @@
+"""``ascend-offload-proxy``: run the P/D proxy metaserver.
+
+    ascend-offload-proxy --host 0.0.0.0 --port 8000 \\
+        --prefiller-hosts 10.0.0.1 10.0.0.2 --prefiller-ports 8100 \\
+        --decoder-hosts 10.0.0.3 --decoder-ports 8200 8201
+
+Hosts and ports take one or more values (space- or comma-separated); a single
+host with several ports, or several hosts with one port, pair up naturally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from proxy.app import ProxyConfig, ProxyServer
+
+
+def _split(values: list[str]) -> list[str]:
+    out: list[str] = []
+    for v in values:
+        out.extend(x for x in v.split(",") if x)
+    return out
+
+
+def pair_addresses(role: str, hosts: list[str], ports: list[str]) -> list[tuple[str, int]]:
+    """Zip hosts with ports; one host or one port is repeated to the other's length."""
+    hosts, raw_ports = _split(hosts), _split(ports)
+    if not hosts or not raw_ports:
+        raise ValueError(f"--{role}-hosts and --{role}-ports need at least one value each")
+    try:
+        port_list = [int(p) for p in raw_ports]
+    except ValueError:
+        raise ValueError(f"--{role}-ports must be integers, got {raw_ports}") from None
+    for p in port_list:
+        if not 0 < p < 65536:
+            raise ValueError(f"--{role}-ports: {p} is not a valid port")
+    if len(hosts) == len(port_list):
+        return list(zip(hosts, port_list, strict=True))
+    if len(hosts) == 1:
+        return [(hosts[0], p) for p in port_list]
+    if len(port_list) == 1:
+        return [(h, port_list[0]) for h in hosts]
+    raise ValueError(
+        f"--{role}-hosts has {len(hosts)} values and --{role}-ports has {len(port_list)}; "
+        "give equal counts, or one host, or one port"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ascend-offload-proxy", description="OpenAI-compatible P/D proxy with a metaserver endpoint."
+    )
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefiller-hosts", nargs="+", default=["127.0.0.1"])
+    ap.add_argument("--prefiller-ports", nargs="+", required=True)
+    ap.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
+    ap.add_argument("--decoder-ports", nargs="+", required=True)
+    ap.add_argument("--metaserver-url", default=None,
+                    help="URL decode instances register at (default http://<host>:<port>/v1/metaserver)")
+    ap.add_argument("--timeout-s", type=float, default=600.0,
+                    help="deadline for a prefill answer and for each read from a decode")
+    ap.add_argument("--register-timeout-s", type=float, default=60.0,
+                    help="a decode must register (or answer) within this after being forwarded")
+    ap.add_argument("--connect-timeout-s", type=float, default=5.0)
+    ap.add_argument("--cooldown-s", type=float, default=2.0,
+                    help="skip a backend this long after it refused a connection")
+    ap.add_argument("--keepalive-s", type=float, default=4.0,
+                    help="idle keep-alive of backend connections; keep below the backends' own")
+    ap.add_argument("--max-connections", type=int, default=0,
+                    help="connections per backend instance (0 = unlimited)")
+    ap.add_argument("--max-fanout", type=int, default=1024,
+                    help="limit on prompts x n of one request")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefillers=pair_addresses("prefiller", args.prefiller_hosts, args.prefiller_ports),
+        decoders=pair_addresses("decoder", args.decoder_hosts, args.decoder_ports),
+        host=args.host,
+        port=args.port,
+        metaserver_url=args.metaserver_url,
+        timeout_s=args.timeout_s,
+        register_timeout_s=args.register_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        cooldown_s=args.cooldown_s,
+        keepalive_s=args.keepalive_s,
+        max_connections=args.max_connections,
+        max_fanout=args.max_fanout,
+    )
+
+
+async def serve(cfg: ProxyConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    server = ProxyServer(cfg)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    sys.stdout.write(f"ascend-offload-proxy ready on port {server.port}\n")
+    sys.stdout.flush()
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run_loop(coro: object) -> None:
+    """Run on uvloop when installed (vLLM brings it): a cheaper event loop per request."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+        return
+    uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        sys.stderr.write(f"ascend-offload-proxy: error: {e}\n")
+        return 2
+    try:
+        run_loop(serve(cfg))
+    except OSError as e:
+        sys.stderr.write(f"ascend-offload-proxy: error: cannot serve on {cfg.host}:{cfg.port}: {e}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
