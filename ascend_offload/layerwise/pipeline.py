@@ -41,8 +41,8 @@ its fill level (objects are immutable once committed).
 The save consumer is released only after the store commit: so by the time a
 later writer owns the slot, the bytes it replaced are readable from the store
 (the next chunk's ``load_shared`` of the same layer can never miss its own
-previous save). ``finish_step`` therefore never waits for saves; ``drain`` does
-(shutdown, tests). A failed or missing object is a load error for exactly the
+previous save). Within a step only the gate orders saves against reuse;
+``finish_step`` additionally drains the step's saves by default (see there). A failed or missing object is a load error for exactly the
 affected device blocks (``take_load_errors``), never silent garbage.
 """
 
@@ -290,9 +290,15 @@ class LayerwisePipeline:
         self._prefetch_from(unit.index + 1)
         return tokens
 
-    def finish_step(self) -> None:
-        """``wait_for_save``: end the step. Saves continue in the background (the gate
-        protects their bytes); leases of layers that did not run are returned."""
+    def finish_step(self, wait_saves: bool = True) -> None:
+        """``wait_for_save``: end the step; leases of layers that did not run are returned.
+
+        ``wait_saves=True`` (the default) also waits for this step's store saves. vLLM
+        may hand a finished request's blocks to another request and zero them
+        (``_zero_block_ids``) before the next forward, outside any connector hook and so
+        outside the gate; a save still reading such a block would commit zeros. Only a
+        connector that delays freeing blocks until their saves finished may pass False.
+        """
         for main, st in list(self._state.items()):
             if st.released:
                 continue
@@ -308,6 +314,8 @@ class LayerwisePipeline:
             self.gate.release_write(st.lease)
         self._state.clear()
         self._step = None
+        if wait_saves:
+            self.drain()
 
     def take_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (vLLM recomputes or fails them)."""

@@ -39,7 +39,8 @@ class Sim:
         self.pipe.register_kv_caches(self.kv)
         self.mismatches: list[str] = []
 
-    def step(self, io: StepIO, context: list[BlockRef], new: list[BlockRef]) -> None:
+    def step(self, io: StepIO, context: list[BlockRef], new: list[BlockRef],
+             wait_saves: bool = True) -> None:
         self.pipe.start_step(io)
         for layer in self.plan.layers:
             members = [layer, *[f for f in self.plan.followers if self.plan.main_of[f] == layer]]
@@ -54,11 +55,11 @@ class Sim:
                     self.kv[m][r.block_id].fill_(value(r.key, m))
             for m in members:
                 self.pipe.save_layer(m)
-        self.pipe.finish_step()
+        self.pipe.finish_step(wait_saves=wait_saves)
 
 
 def chunked_prefill(sim: Sim, keys: list[str], blocks: list[int], chunk: int,
-                    hits: int = 0) -> None:
+                    hits: int = 0, wait_saves: bool = True) -> None:
     """Run one request block-chunk by chunk; ``hits`` leading blocks come from the store."""
     refs = [BlockRef(b, k) for b, k in zip(blocks, keys, strict=True)]
     done = hits
@@ -70,21 +71,26 @@ def chunked_prefill(sim: Sim, keys: list[str], blocks: list[int], chunk: int,
             load_shared=tuple(refs[hits if first else 0 : done]),
             save=tuple(new),
         )
-        sim.step(io, refs[:done], new)
+        sim.step(io, refs[:done], new, wait_saves)
         done += len(new)
         first = False
 
 
 @pytest.mark.parametrize("b", [1, 2, 3])
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_chunked_prefill_and_prefix_reuse_see_exact_kv(b: int, prefetch: int) -> None:
+@pytest.mark.parametrize("wait_saves", [True, False])
+def test_chunked_prefill_and_prefix_reuse_see_exact_kv(
+    b: int, prefetch: int, wait_saves: bool
+) -> None:
     store = DictStore()
-    sim = Sim(plan_uniform(8, b, [0]), store, prefetch_layers=prefetch)
+    sim = Sim(plan_uniform(8, b, [0]), store, prefetch_layers=prefetch, save_delay_s=0.001)
     keys = [f"p{i}" for i in range(6)]
-    chunked_prefill(sim, keys, blocks=[0, 1, 2, 3, 4, 5], chunk=2)
+    chunked_prefill(sim, keys, blocks=[0, 1, 2, 3, 4, 5], chunk=2, wait_saves=wait_saves)
     # A second request sharing 4 blocks of prefix: loaded from the store into other blocks.
     keys2 = [*keys[:4], "q4", "q5", "q6"]
-    chunked_prefill(sim, keys2, blocks=[8, 9, 10, 11, 12, 13, 14], chunk=2, hits=4)
+    sim.pipe.drain()  # the scheduler only sees committed objects as prefix hits
+    chunked_prefill(sim, keys2, blocks=[8, 9, 10, 11, 12, 13, 14], chunk=2, hits=4,
+                    wait_saves=wait_saves)
     sim.pipe.drain()
     assert sim.mismatches == []
     st = sim.pipe.stats()
@@ -237,11 +243,11 @@ def test_indexer_followers_move_with_their_main_layer() -> None:
 
 
 def test_concurrent_saves_release_in_background() -> None:
-    """finish_step does not wait for saves; drain does, and the gate ends idle."""
+    """finish_step(wait_saves=False) leaves saves running; drain waits, the gate ends idle."""
     store = DictStore()
     plan = plan_uniform(4, 2, [0])
     sim = Sim(plan, store, save_delay_s=0.01)
-    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2)
+    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2, wait_saves=False)
     busy = [s for s in range(plan.num_physical) if not sim.pipe.gate.is_free(s)]
     sim.pipe.drain()
     assert busy  # saves were still in flight right after the step
