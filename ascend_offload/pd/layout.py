@@ -8,10 +8,12 @@ with another model, dtype or block size fails the read instead of scribbling.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ascend_offload.pd.protocol import LayerDesc, TensorDesc
+
+if TYPE_CHECKING:  # torch stays out of the import path: rank processes start in 0.5 s without it
+    import torch
 
 
 def tensor_desc(t: torch.Tensor) -> TensorDesc:
@@ -37,9 +39,28 @@ def tensor_desc(t: torch.Tensor) -> TensorDesc:
     )
 
 
-def layer_desc(main: Sequence[torch.Tensor], indexer: torch.Tensor | None = None) -> LayerDesc:
-    return LayerDesc(main=[tensor_desc(t) for t in main],
-                     indexer=tensor_desc(indexer) if indexer is not None else None)
+def array_desc(a: Any) -> TensorDesc:
+    """Wire description of a numpy array whose axis 0 is the block index (same rules as tensors)."""
+    if a.ndim < 1:
+        raise ValueError("KV array needs a block dimension")
+    block_bytes = a.itemsize
+    for n in a.shape[1:]:
+        block_bytes *= n
+    expect = a.itemsize
+    for n, st in zip(reversed(a.shape[1:]), reversed(a.strides[1:]), strict=True):
+        if n > 1 and st != expect:
+            raise ValueError(f"KV array shape={a.shape} strides={a.strides}: each block must be contiguous")
+        expect *= n
+    return TensorDesc(base_addr=a.ctypes.data, block_bytes=block_bytes,
+                      block_stride=max(a.strides[0], block_bytes), num_blocks=a.shape[0])
+
+
+def layer_desc(main: Sequence[Any], indexer: Any | None = None) -> LayerDesc:
+    """LayerDesc from torch tensors or numpy arrays (block index on dim 0)."""
+    def one(t: Any) -> TensorDesc:
+        return tensor_desc(t) if hasattr(t, "data_ptr") else array_desc(t)
+
+    return LayerDesc(main=[one(t) for t in main], indexer=one(indexer) if indexer is not None else None)
 
 
 def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:

@@ -88,6 +88,7 @@ class _Request:
     num_layers: int
     d_rank: int
     endpoint: tuple[str, int]
+    deadline: float = float("inf")
     terminal: dict[int, bool] = field(default_factory=dict)  # layer -> ok
 
 
@@ -115,6 +116,7 @@ class Producer:
         layers: Sequence[P.LayerDesc],
         ack_timeout_s: float = 30.0,
         listener: SlotListener | None = None,
+        request_timeout_s: float | None = None,
         register_memory: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -128,6 +130,8 @@ class Producer:
         self.layers = list(layers)
         self.ack_timeout_s = ack_timeout_s
         self.listener = listener
+        # Layers never published (prefill failed mid-request) must not pin the request forever.
+        self.request_timeout_s = request_timeout_s
         self.stats = ProducerStats()
         self._clock = clock
         self._registered: list[int] = []
@@ -177,7 +181,9 @@ class Producer:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already added")
-            self._requests[request_id] = _Request(request_id, blocks, target, n, d_rank, (target.host, port))
+            deadline = (self._clock() + self.request_timeout_s) if self.request_timeout_s else float("inf")
+            self._requests[request_id] = _Request(request_id, blocks, target, n, d_rank, (target.host, port),
+                                                  deadline)
 
     def publish_layer(self, layer: int, *, slot: int | None = None,
                       request_ids: Iterable[str] | None = None, tag: object = None) -> int:
@@ -333,9 +339,9 @@ class Producer:
 
     def _next_wait(self) -> float:
         with self._lock:
-            if not self._uses:
-                return 0.2
-            return max(0.0, min(u.deadline for u in self._uses.values()) - self._clock())
+            ds = [u.deadline for u in self._uses.values()]
+            ds += [r.deadline for r in self._requests.values() if r.deadline != float("inf")]
+        return max(0.0, min(ds) - self._clock()) if ds else 0.2
 
     def _sock(self, ep: tuple[str, int]) -> zmq.Socket:
         s = self._socks.get(ep)
@@ -388,6 +394,14 @@ class Producer:
                     log.error("slot %d generation %d (layer %d): %d decode reads unanswered after %.1fs",
                               slot, use.generation, use.layer, len(use.pending), self.ack_timeout_s)
                     self._expire(use, "timeout")
+            for req in list(self._requests.values()):
+                if req.deadline <= now:
+                    missing = [layer for layer in range(req.num_layers) if layer not in req.terminal]
+                    log.error("request %r: layers %s never published within %.1fs; finishing it failed",
+                              req.request_id, missing, self.request_timeout_s)
+                    for layer in missing:
+                        req.terminal[layer] = False
+                    self._maybe_finish(req)
         self._deliver()
 
 

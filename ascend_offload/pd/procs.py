@@ -1,0 +1,307 @@
+"""Prefill / decode rank *processes* for multi-process P/D tests and the pd bench.
+
+Each rank is a real spawned process with its own transfer engine (Mooncake
+over TCP on 127.0.0.1 by default), KV buffers (numpy, so a rank starts in
+~0.5 s without importing torch) and producer or consumer. The parent drives it
+with small RPCs over multiprocessing queues; every RPC has a deadline that
+becomes :class:`RankError`, and :meth:`RankProcess.close` always reaps the
+process (kill as the last resort), so a failing test never leaks ranks.
+
+KV contents are a deterministic function of ``(seed, layer)``, identical on
+every prefill rank (main KV and indexer are replicated across TP), so the
+parent can compute what each decode block must hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class RankError(RuntimeError):
+    """A rank process failed a command, crashed, or did not answer before the deadline."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-layer host KV of a rank: two main tensors (K/V halves of one buffer) + indexer."""
+
+    num_layers: int = 4
+    num_blocks: int = 32
+    main_block_bytes: int = 2048
+    indexer_block_bytes: int = 256  # 0 = no indexer
+
+    def arrays(self, seed: int | None) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        out = []
+        for layer in range(self.num_layers):
+            if seed is None:
+                kv = np.zeros((2, self.num_blocks, self.main_block_bytes), dtype=np.uint8)
+                idx = (np.zeros((self.num_blocks, self.indexer_block_bytes), dtype=np.uint8)
+                       if self.indexer_block_bytes else None)
+            else:
+                g = np.random.default_rng([seed, layer])
+                kv = g.integers(0, 256, (2, self.num_blocks, self.main_block_bytes), dtype=np.uint8)
+                idx = (g.integers(0, 256, (self.num_blocks, self.indexer_block_bytes), dtype=np.uint8)
+                       if self.indexer_block_bytes else None)
+            out.append((kv, idx))
+        return out
+
+
+@dataclass
+class RankConfig:
+    role: str  # "prefill" | "decode"
+    rank: int
+    p_tp: int
+    d_tp: int
+    shape: KVShape
+    seed: int = 1234
+    backend: str = "mooncake"
+    host: str = "127.0.0.1"
+    kv_port: int = 0  # decode: base port (its port = kv_port + dp_rank * d_tp + rank)
+    dp_rank: int = 0
+    ack_timeout_s: float = 10.0
+    read_timeout_s: float = 10.0
+    request_timeout_s: float = 20.0
+    read_retries: int = 1
+    engine_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _layers(arrays: list[tuple[np.ndarray, np.ndarray | None]]) -> list[Any]:
+    from ascend_offload.pd.layout import layer_desc
+
+    return [layer_desc([kv[0], kv[1]], idx) for kv, idx in arrays]
+
+
+class _PrefillRank:
+    def __init__(self, cfg: RankConfig) -> None:
+        from ascend_offload.pd.producer import Producer
+        from ascend_offload.pd.topology import Topology
+        from ascend_offload.transfer.base import create_engine
+
+        self.cfg = cfg
+        self.engine = create_engine(cfg.backend, host=cfg.host)
+        self.arrays = cfg.shape.arrays(cfg.seed)
+        self.releases: list[Any] = []
+        self.producer = Producer(
+            engine_id=cfg.engine_id or "prefill", p_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
+            transfer=self.engine, layers=_layers(self.arrays), ack_timeout_s=cfg.ack_timeout_s,
+            listener=self.releases.append, request_timeout_s=cfg.request_timeout_s,
+        )
+        self.outcomes: list[Any] = []
+
+    def info(self) -> dict[str, Any]:
+        return {"endpoint": self.engine.endpoint}
+
+    def add(self, rid: str, src_blocks: list[int], host: str, kv_port: int, d_tp: int,
+            dp_rank: int = 0, num_layers: int | None = None) -> None:
+        from ascend_offload.pd.producer import DecodeTarget
+
+        self.producer.add_request(rid, src_blocks, DecodeTarget(host, kv_port, d_tp, dp_rank), num_layers)
+
+    def publish(self, layer: int, rids: list[str] | None = None) -> int:
+        return self.producer.publish_layer(layer, request_ids=rids)
+
+    def run(self, layers: list[int], layer_delay_s: float = 0.0) -> float:
+        """Publish ``layers`` in order, sleeping ``layer_delay_s`` before each (simulated compute)."""
+        t0 = time.perf_counter()
+        for layer in layers:
+            if layer_delay_s:
+                time.sleep(layer_delay_s)
+            self.producer.publish_layer(layer)
+        return time.perf_counter() - t0
+
+    def finished(self, count: int, timeout_s: float) -> list[tuple[str, bool, tuple[int, ...]]]:
+        end = time.monotonic() + timeout_s
+        while True:
+            self.outcomes += self.producer.finished()
+            if len(self.outcomes) >= count or time.monotonic() >= end:
+                break
+            time.sleep(0.005)
+        out, self.outcomes = self.outcomes, []
+        return [(o.request_id, o.ok, o.failed_layers) for o in out]
+
+    def drain_releases(self) -> list[tuple[int, int, bool, tuple[tuple[str, str], ...]]]:
+        out, self.releases[:] = list(self.releases), []
+        return [(r.slot, r.generation, r.ok, r.failures) for r in out]
+
+    def pending_slots(self) -> dict[int, int]:
+        return self.producer.pending_slots()
+
+    def stats(self) -> dict[str, int]:
+        return asdict(self.producer.stats)
+
+    def close(self) -> None:
+        self.producer.close()
+        self.engine.close()
+
+
+class _DecodeRank:
+    def __init__(self, cfg: RankConfig) -> None:
+        from ascend_offload.pd.consumer import Consumer
+        from ascend_offload.pd.topology import Topology, decode_port
+        from ascend_offload.transfer.base import create_engine
+
+        self.cfg = cfg
+        self.engine = create_engine(cfg.backend, host=cfg.host)
+        self.arrays = cfg.shape.arrays(None)
+        self.port = decode_port(cfg.kv_port, dp_rank=cfg.dp_rank, d_tp=cfg.d_tp, tp_rank=cfg.rank)
+        self.consumer = Consumer(
+            engine_id=cfg.engine_id or "decode", d_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
+            transfer=self.engine, layers=_layers(self.arrays), host=cfg.host, port=self.port,
+            read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
+            read_retries=cfg.read_retries,
+        )
+        self.t_expect: dict[str, float] = {}
+
+    def info(self) -> dict[str, Any]:
+        return {"endpoint": self.engine.endpoint, "port": self.port}
+
+    def expect(self, rid: str, dst_blocks: list[int], num_layers: int | None = None) -> None:
+        self.t_expect[rid] = time.perf_counter()
+        self.consumer.expect(rid, dst_blocks, num_layers)
+
+    def wait(self, count: int, timeout_s: float) -> list[tuple[str, bool, tuple[int, ...], tuple[str, ...], float]]:
+        outs = []
+        end = time.monotonic() + timeout_s
+        while len(outs) < count and time.monotonic() < end:
+            outs += self.consumer.wait_finished(count - len(outs), max(0.0, end - time.monotonic()))
+        now = time.perf_counter()
+        return [(o.request_id, o.ok, o.failed_blocks, o.reasons, now - self.t_expect.get(o.request_id, now))
+                for o in outs]
+
+    def blocks(self, dst_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        return [(kv[:, dst_blocks].copy(), idx[dst_blocks].copy() if idx is not None else None)
+                for kv, idx in self.arrays]
+
+    def zero(self) -> None:
+        for kv, idx in self.arrays:
+            kv[...] = 0
+            if idx is not None:
+                idx[...] = 0
+
+    def active(self) -> list[str]:
+        return self.consumer.active()
+
+    def stats(self) -> dict[str, int]:
+        return asdict(self.consumer.stats)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.engine.close()
+
+
+def _rank_main(cfg: RankConfig, cmd_q: Any, rep_q: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"[{cfg.role}{cfg.rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        obj: Any = _PrefillRank(cfg) if cfg.role == "prefill" else _DecodeRank(cfg)
+        rep_q.put(("ok", obj.info()))
+    except BaseException:
+        rep_q.put(("err", traceback.format_exc()))
+        return
+    try:
+        while True:
+            cmd, args, kwargs = cmd_q.get()
+            if cmd == "stop":
+                obj.close()
+                rep_q.put(("ok", None))
+                return
+            try:
+                rep_q.put(("ok", getattr(obj, cmd)(*args, **kwargs)))
+            except BaseException:
+                rep_q.put(("err", traceback.format_exc()))
+    finally:
+        # Flush replies, then exit without interpreter teardown racing live engine threads.
+        import os
+
+        rep_q.close()
+        rep_q.join_thread()
+        os._exit(0)
+
+
+class RankProcess:
+    """Parent-side handle of one rank process."""
+
+    def __init__(self, cfg: RankConfig, *, start_timeout_s: float = 60.0, wait: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.cfg = cfg
+        self._cmd: Any = ctx.Queue()
+        self._rep: Any = ctx.Queue()
+        self.proc = ctx.Process(target=_rank_main, args=(cfg, self._cmd, self._rep), daemon=True,
+                                name=f"{cfg.role}{cfg.rank}")
+        self.proc.start()
+        self.info: dict[str, Any] = {}
+        self.start_timeout_s = start_timeout_s
+        if wait:
+            self.started()
+
+    def started(self) -> RankProcess:
+        """Wait for the rank to come up (its transfer engine and sockets are ready)."""
+        if not self.info:
+            self.info = self._answer(self.start_timeout_s, "start")
+        return self
+
+    def _answer(self, timeout_s: float, what: str) -> Any:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                status, value = self._rep.get(timeout=min(0.2, max(0.01, end - time.monotonic())))
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RankError(f"{self.proc.name} died (exit {self.proc.exitcode}) during {what}") from None
+                if time.monotonic() >= end:
+                    raise RankError(f"{self.proc.name}: no answer to {what} within {timeout_s:.1f}s") from None
+        if status != "ok":
+            raise RankError(f"{self.proc.name} failed {what}:\n{value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        self._cmd.put((cmd, args, kwargs))
+        return self._answer(timeout_s, cmd)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout_s=5)
+            except RankError:
+                pass
+            self.proc.join(5)
+        self.kill()
+        self._cmd.close()
+        self._rep.close()
+
+
+def start_ranks(cfgs: list[RankConfig], *, start_timeout_s: float = 60.0) -> list[RankProcess]:
+    """Start several ranks in parallel; on any failure every started one is closed."""
+    procs: list[RankProcess] = []
+    try:
+        for cfg in cfgs:
+            procs.append(RankProcess(cfg, start_timeout_s=start_timeout_s, wait=False))
+        for p in procs:
+            p.started()
+    except BaseException:
+        for p in procs:
+            p.close()
+        raise
+    return procs
+
+
+def expected_blocks(shape: KVShape, seed: int, src_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """What decode blocks filled from prefill blocks ``src_blocks`` must hold, per layer."""
+    return [(kv[:, src_blocks].copy(), idx[src_blocks].copy() if idx is not None else None)
+            for kv, idx in shape.arrays(seed)]

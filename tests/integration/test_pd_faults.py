@@ -1,0 +1,137 @@
+"""Garbled, invalid and dropped protocol messages between real rank processes over Mooncake TCP."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+pytest.importorskip("mooncake.engine")
+
+from ascend_offload.pd import protocol as P
+from ascend_offload.pd.procs import KVShape, RankConfig, RankProcess, expected_blocks
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+SHAPE = KVShape(num_layers=4, num_blocks=16, main_block_bytes=1024, indexer_block_bytes=128)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ranks():
+    made: list[RankProcess] = []
+
+    def start(cfg: RankConfig) -> RankProcess:
+        made.append(RankProcess(cfg))
+        return made[-1]
+
+    yield start
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def zsock():
+    made = []
+
+    def make(kind: int) -> zmq.Socket:
+        s = zmq.Context.instance().socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close(linger=0)
+
+
+def test_garbled_and_invalid_messages_to_decode(ranks, zsock):
+    port = free_port()
+    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port))
+    d.call("expect", "bad", [3, 4])
+    fake = zsock(zmq.DEALER)
+    fake.connect(f"tcp://127.0.0.1:{port}")
+    fake.send(b"\xff\x00garbage")
+    fake.send(msgpack.packb(["read_ready_batch", P.PROTOCOL_VERSION, "x", 0]))  # truncated
+    fake.send(msgpack.packb(["read_done", 99, "x", 0, 0, "r", 0, 0, 0]))  # other version
+    # A decodable meta whose layout does not match decode's (main block 512 B, not 1024 B).
+    layers = [P.LayerDesc(main=[P.TensorDesc(1 << 20, 512, 512, 16)] * 2, indexer=P.TensorDesc(1 << 22, 128, 128, 16))
+              for _ in range(SHAPE.num_layers)]
+    fake.send(P.encode(P.MfMeta(version=1, engine_id="fake", p_rank=0, p_tp=1, endpoint="127.0.0.1:1",
+                                layers=layers)))
+    item = P.ReadReady(request_id="bad", layer=0, slot=0, generation=7, src_blocks=[0, 1], main=True,
+                       index_lo=0, index_hi=2)
+    fake.send(P.encode(P.ReadReadyBatch(version=1, engine_id="fake", p_rank=0, read_budget_ms=5000,
+                                        items=[item])))
+    assert fake.poll(10000), "decode did not answer the invalid item"
+    ans = P.decode(fake.recv())
+    assert isinstance(ans, P.ReadFailed) and ans.code == P.FAIL_INVALID and ans.generation == 7
+    assert "block_bytes 512 (prefill) != 1024 (decode)" in ans.reason
+    assert d.call("stats")["rejected"] == 3
+    # Decode lives on: a real prefill's request completes byte-identically.
+    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE))
+    d.call("expect", "good", [0, 1])
+    p.call("add", "good", [5, 9], "127.0.0.1", port, 1)
+    p.call("run", list(range(SHAPE.num_layers)))
+    outs = d.call("wait", 1, 20.0, timeout_s=30)
+    assert [(o[0], o[1]) for o in outs] == [("good", True)]
+    for (gkv, gidx), (wkv, widx) in zip(d.call("blocks", [0, 1]), expected_blocks(SHAPE, 1234, [5, 9]), strict=True):
+        assert np.array_equal(gkv, wkv) and np.array_equal(gidx, widx)
+    assert d.call("active") == ["bad"]  # layer 0 failed; it ends at its deadline as a load error
+
+
+def test_dropped_layer_fails_exactly_that_request(ranks):
+    port = free_port()
+    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port, request_timeout_s=1.5))
+    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, request_timeout_s=1.5))
+    d.call("expect", "lost", [0, 1, 2])
+    d.call("expect", "fine", [5, 6])
+    p.call("add", "lost", [0, 1, 2], "127.0.0.1", port, 1)
+    p.call("add", "fine", [7, 8], "127.0.0.1", port, 1)
+    for layer in range(SHAPE.num_layers):
+        # layer 2's readiness for "lost" is dropped
+        p.call("publish", layer, None if layer != 2 else ["fine"])
+    outs = {o[0]: o for o in d.call("wait", 2, 20.0, timeout_s=30)}
+    assert outs["fine"][1] and outs["fine"][2] == ()
+    assert not outs["lost"][1] and outs["lost"][2] == (0, 1, 2)
+    assert any("layer 2" in r and "timeout" in r for r in outs["lost"][3])
+    assert d.call("active") == []
+    sent = {s[0]: s for s in p.call("finished", 2, 20.0, timeout_s=30)}
+    assert sent["fine"] == ("fine", True, ())
+    assert sent["lost"] == ("lost", False, (2,))
+
+
+def test_garbled_answers_to_prefill(ranks, zsock):
+    """A misbehaving decode: garbage and wrong-rank answers are rejected; prefill keeps working."""
+    port = free_port()
+    router = zsock(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, ack_timeout_s=10.0))
+    p.call("add", "r", [1], "127.0.0.1", port, 1, num_layers=1)
+    p.call("publish", 0)
+    assert router.poll(10000)
+    ident, meta = router.recv_multipart()
+    assert isinstance(P.decode(meta), P.MfMeta)
+    ident, data = router.recv_multipart()
+    it = P.decode(data).items[0]
+    router.send_multipart([ident, b"\x93garbage"])
+    wrong = P.ReadDone(version=1, engine_id="D", d_rank=0, p_rank=3, request_id="r", layer=0, slot=it.slot,
+                       generation=it.generation)
+    router.send_multipart([ident, P.encode(wrong)])
+    time.sleep(0.3)
+    assert p.call("pending_slots") == {0: it.generation}
+    good = P.ReadDone(version=1, engine_id="D", d_rank=0, p_rank=0, request_id="r", layer=0, slot=it.slot,
+                      generation=it.generation)
+    router.send_multipart([ident, P.encode(good)])
+    assert p.call("finished", 1, 10.0) == [("r", True, ())]
+    st = p.call("stats")
+    assert st["rejected"] == 2 and st["acked"] == 1
