@@ -39,6 +39,7 @@
 namespace {
 
 constexpr int32_t kAbiVersion = 3;
+constexpr uint16_t kPending = 0xFFFF;  // map mark: claimed by the running call
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
 enum : int64_t {
@@ -150,25 +151,55 @@ struct RowArgs {
 };
 
 struct Scratch {
-  std::vector<int32_t> miss_idx;
-  std::vector<uint16_t> tmp;
+  std::vector<int32_t> miss_idx;  // K
+  std::vector<uint16_t> hits;     // K
+  std::vector<int32_t> uniq;      // K
+  std::vector<uint16_t> dest;     // K
+  std::vector<uint16_t> tmp;      // H (compaction)
+  void fit(int32_t K, int32_t H) {
+    if (int32_t(miss_idx.size()) < K) {
+      miss_idx.resize(size_t(K));
+      hits.resize(size_t(K));
+      uniq.resize(size_t(K));
+      dest.resize(size_t(K));
+    }
+    if (tmp.capacity() < size_t(H)) tmp.reserve(size_t(H));
+  }
 };
 
-// Returns the number of misses (>= 0) or -error; *bad_index gets the offender.
-int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid,
-                    int32_t* bad_index) {
+// Checks one batch entry before anything is mutated (a rejected call changes
+// no state).  Returns 0 or -error; *bad_index gets the offending top-k index.
+int64_t validate_row(const RowArgs& a, int32_t* bad_index) {
   if (a.len < 0 || a.stable < 0 || a.stable > a.len ||
       int64_t(a.len) > int64_t(a.bt_len) * a.block_size) {
     *bad_index = -1;
     return -kErrLengths;
   }
+  int32_t lo = 0, hi = -1;  // vectorisable min/max
+  for (int32_t i = 0; i < a.K; ++i) {
+    lo = std::min(lo, a.topk[i]);
+    hi = std::max(hi, a.topk[i]);
+  }
+  if (lo < -1 || hi >= a.len) {
+    int32_t bad = 0;
+    while (a.topk[bad] >= -1 && a.topk[bad] < a.len) ++bad;
+    *bad_index = bad;
+    return -kErrPosition;
+  }
+  return 0;
+}
+
+// Returns the number of misses (>= 0) (inputs already validated).
+int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid,
+                    int32_t* bad_index) {
+  *bad_index = -1;
   if (!r.active || r.tag != a.tag) {
     reset_row(t, r);
     r.tag = a.tag;
     r.active = true;
   }
-  if (int64_t(r.map.size()) < a.len) {
-    size_t n = std::max<size_t>(size_t(a.len), r.map.size() * 2);
+  if (int64_t(r.map.size()) < std::max(a.len, 1)) {
+    size_t n = std::max<size_t>(size_t(std::max(a.len, 1)), r.map.size() * 2);
     r.map.resize(n, 0);
   }
   // Speculative positions may be rolled back: forget them.
@@ -181,96 +212,116 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   }
   if (r.tail - r.head + uint32_t(a.K) > t.C) compact(t, r, sc.tmp);
 
+  // The work is split into short loops with few live values each (so nothing
+  // spills) and no data-dependent branches; every loop is O(K) or O(misses).
   const int32_t K = a.K;
-  const int32_t H = t.H;
   const uint32_t mask = t.mask;
   const uint32_t call_start = r.tail;
-  const uint32_t ulen = uint32_t(a.len);
-  uint16_t* map = r.map.data();
-  uint16_t* ring = r.ring.data();
-  uint32_t* seq = r.slot_seq.data();
-  int32_t* miss_idx = sc.miss_idx.data();
-  uint32_t tail = r.tail;
-  int32_t nm = 0;
-  int32_t valid_count = 0;
-  int32_t bad = -1;
+  const int32_t base = a.base;
+  const int32_t* __restrict topk = a.topk;
+  int32_t* __restrict out = a.out;
+  uint16_t* __restrict map = r.map.data();
+  uint16_t* __restrict ring = r.ring.data();
+  uint32_t* __restrict seq = r.slot_seq.data();
+  int32_t* __restrict slot_pos = r.slot_pos.data();
+  int32_t* __restrict miss_idx = sc.miss_idx.data();
+  uint16_t* __restrict hits = sc.hits.data();
 
-  // Pass 1, branch-free: hits get their slot and a new ring entry; misses are listed.
+  // A: look every position up; list hit slots and miss indices.  Pure
+  // arithmetic on purpose: a setcc on a loaded value makes a partial-register
+  // dependency from one iteration to the next and serialises the loads.
+  int32_t nh = 0, nm = 0, valid_count = 0;
   for (int32_t i = 0; i < K; ++i) {
-    const int32_t p = a.topk[i];
-    const uint32_t ok = uint32_t(p) < ulen;          // also false for every p < 0
-    const uint32_t pc = ok ? uint32_t(p) : 0u;
-    const uint32_t m = ok ? map[pc] : 0u;
-    const uint32_t hit = m != 0;
-    const uint32_t s = hit ? m - 1 : uint32_t(H);
-    a.out[i] = hit ? a.base + int32_t(s) : -1;
-    ring[tail & mask] = uint16_t(s);
-    seq[s] = tail;
-    tail += hit;
+    const int32_t p = topk[i];
+    const uint32_t vmask = ~uint32_t(p >> 31);       // all ones unless p == -1
+    const uint32_t vbit = vmask & 1u;
+    const uint32_t m = map[uint32_t(p) & vmask] & vmask;
+    const uint32_t hit = (m + 0xFFFFu) >> 16;         // m != 0 (m <= 0xFFFF)
+    out[i] = int32_t((uint32_t(base) + m) & (0u - hit)) - 1;
+    hits[nh] = uint16_t(m - 1);
+    nh += int32_t(hit);
     miss_idx[nm] = i;
-    nm += int32_t(ok & (hit ^ 1u));
-    valid_count += int32_t(ok);
-    if (!ok && p != -1 && bad < 0) bad = i;
+    nm += int32_t(vbit - hit);
+    valid_count += int32_t(vbit);
   }
-  seq[H] = 0;
-  if (bad >= 0) {
-    reset_row(t, r);  // never leave a half-updated row behind
-    r.tag = a.tag;
-    r.active = true;
-    *bad_index = bad;
-    return -kErrPosition;
+  // B: hits become the most recent entries, in top-k order.
+  uint32_t tail = r.tail;
+  for (int32_t k = 0; k < nh; ++k) {
+    ring[tail & mask] = hits[k];
+    seq[hits[k]] = tail;
+    ++tail;
   }
-
-  // Pass 2: distinct misses take free slots, then LRU victims not hit in this call.
-  int32_t misses = 0;
+  // C: distinct misses in first-occurrence order (kPending marks a position
+  // already claimed by this call).
+  int32_t* __restrict uniq = sc.uniq.data();
+  int32_t nd = 0;
+  for (int32_t j = 0; j < nm; ++j) {
+    const int32_t p = topk[miss_idx[j]];
+    const uint32_t fresh = 1u - ((uint32_t(map[p]) + 0xFFFFu) >> 16);
+    map[p] = kPending;
+    uniq[nd] = p;
+    nd += int32_t(fresh);
+  }
+  // D: slots for the distinct misses: lowest free slots first, then the
+  // oldest live ring entries (least recently used, never one touched above).
+  uint16_t* __restrict dest = sc.dest.data();
+  int32_t nf = 0;
+  while (nf < nd && r.free_count > 0) dest[nf++] = uint16_t(take_free(r));
+  uint32_t head = r.head;
+  for (int32_t nv = nf; nv < nd;) {
+    if (__builtin_expect(head == call_start, 0)) {
+      r.head = head;
+      r.tail = tail;
+      *bad_index = -1;
+      return -kErrInternal;
+    }
+    const uint16_t v = ring[head & mask];
+    dest[nv] = v;
+    const uint32_t x = seq[v] ^ head;
+    nv += int32_t(((x | (0u - x)) >> 31) ^ 1u);  // seq[v] == head, without setcc
+    ++head;
+  }
+  r.head = head;
+  // E: install the misses and emit their copy descriptors.
+  const int32_t bs = a.block_size;
+  const int32_t* __restrict bt = a.bt;
+  int32_t* __restrict msrc = a.msrc;
+  int32_t* __restrict mdst = a.mdst;
   int32_t hi = r.hi;
-  const int32_t bshift = __builtin_ctz(uint32_t(a.block_size));
-  const bool pow2 = (a.block_size & (a.block_size - 1)) == 0;
+  for (int32_t k = nf; k < nd; ++k) map[slot_pos[dest[k]]] = 0;  // evicted positions
+  if ((bs & (bs - 1)) == 0) {
+    const int32_t shift = __builtin_ctz(uint32_t(bs));
+    for (int32_t k = 0; k < nd; ++k) {
+      const int32_t p = uniq[k];
+      const int32_t s = dest[k];
+      slot_pos[s] = p;
+      map[p] = uint16_t(s + 1);
+      hi = p >= hi ? p + 1 : hi;
+      msrc[k] = bt[p >> shift] * bs + (p & (bs - 1));
+      mdst[k] = base + s;
+    }
+  } else {
+    for (int32_t k = 0; k < nd; ++k) {
+      const int32_t p = uniq[k];
+      const int32_t s = dest[k];
+      slot_pos[s] = p;
+      map[p] = uint16_t(s + 1);
+      hi = p >= hi ? p + 1 : hi;
+      msrc[k] = bt[p / bs] * bs + p % bs;
+      mdst[k] = base + s;
+    }
+  }
+  // F: every miss occurrence (duplicates included) gets its slot and a touch.
   for (int32_t j = 0; j < nm; ++j) {
     const int32_t i = miss_idx[j];
-    const int32_t p = a.topk[i];
-    const uint16_t m = map[p];
-    int32_t s;
-    if (m) {  // repeated position already loaded by this call
-      s = int32_t(m) - 1;
-    } else {
-      if (r.free_count > 0) {
-        s = take_free(r);
-      } else {
-        for (;;) {
-          const uint32_t q = r.head;
-          if (q == call_start) {
-            *bad_index = i;
-            r.tail = tail;
-            return -kErrInternal;
-          }
-          ++r.head;
-          const uint16_t v = ring[q & mask];
-          if (seq[v] == q) {
-            s = v;
-            break;
-          }
-        }
-        map[r.slot_pos[s]] = 0;
-      }
-      r.slot_pos[s] = p;
-      map[p] = uint16_t(s + 1);
-      if (p >= hi) hi = p + 1;
-      int32_t src;
-      if (pow2) {
-        src = a.bt[p >> bshift] * a.block_size + (p & (a.block_size - 1));
-      } else {
-        src = a.bt[p / a.block_size] * a.block_size + p % a.block_size;
-      }
-      a.msrc[misses] = src;
-      a.mdst[misses] = a.base + s;
-      ++misses;
-    }
-    a.out[i] = a.base + s;
+    const uint32_t s = uint32_t(map[topk[i]]) - 1;
+    out[i] = base + int32_t(s);
     ring[tail & mask] = uint16_t(s);
     seq[s] = tail;
     ++tail;
   }
+  const int32_t misses = nd;
+  r.head = head;
   r.tail = tail;
   r.hi = hi;
   *nvalid = valid_count;
@@ -292,7 +343,7 @@ int32_t ao_res_has_openmp() {
 }
 
 void* ao_res_create(int32_t layers, int32_t rows, int32_t H) {
-  if (layers <= 0 || rows <= 0 || H <= 0 || H > 65535) return nullptr;
+  if (layers <= 0 || rows <= 0 || H <= 0 || H > 65534) return nullptr;
   Table* t = new Table();
   t->layers = layers;
   t->rows = rows;
@@ -349,31 +400,39 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
   }
   std::vector<int64_t> result(size_t(B), 0);
   std::vector<int32_t> bad_idx(size_t(B), -1);
+  std::vector<RowArgs> args(static_cast<size_t>(B));
+  for (int32_t b = 0; b < B; ++b) {
+    RowArgs& a = args[b];
+    a.tag = tags[b];
+    a.stable = stable[b];
+    a.len = lens[b];
+    a.topk = topk + size_t(b) * K;
+    a.K = K;
+    a.bt = block_table + size_t(b) * bt_stride;
+    a.bt_len = bt_stride;
+    a.block_size = block_size;
+    a.base = rows[b] * t->H;
+    a.out = out + size_t(b) * K;
+    a.msrc = msrc + size_t(b) * K;
+    a.mdst = mdst + size_t(b) * K;
+    const int64_t rc = validate_row(a, &err_info[1]);
+    if (rc < 0) {
+      err_info[0] = b;
+      return rc;
+    }
+  }
   Row* layer_rows = t->state.data() + size_t(layer) * t->rows;
   const int32_t nt = nthreads > 0 ? nthreads : 1;
+  (void)nt;
 
 #pragma omp parallel num_threads(nt) if (nt > 1 && B > 1)
   {
     thread_local Scratch sc;
-    if (int32_t(sc.miss_idx.size()) < K) sc.miss_idx.resize(size_t(K));
-    if (sc.tmp.capacity() < size_t(t->H)) sc.tmp.reserve(size_t(t->H));
+    sc.fit(K, t->H);
 #pragma omp for schedule(static)
     for (int32_t b = 0; b < B; ++b) {
-      RowArgs a;
-      a.tag = tags[b];
-      a.stable = stable[b];
-      a.len = lens[b];
-      a.topk = topk + size_t(b) * K;
-      a.K = K;
-      a.bt = block_table + size_t(b) * bt_stride;
-      a.bt_len = bt_stride;
-      a.block_size = block_size;
-      a.base = rows[b] * t->H;
-      a.out = out + size_t(b) * K;
-      a.msrc = msrc + size_t(b) * K;
-      a.mdst = mdst + size_t(b) * K;
       int32_t nvalid = 0;
-      result[b] = resolve_row(*t, layer_rows[rows[b]], a, sc, &nvalid, &bad_idx[b]);
+      result[b] = resolve_row(*t, layer_rows[rows[b]], args[b], sc, &nvalid, &bad_idx[b]);
       counts[2 * b] = nvalid;
       counts[2 * b + 1] = result[b] >= 0 ? int32_t(result[b]) : 0;
     }

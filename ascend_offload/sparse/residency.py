@@ -24,7 +24,7 @@ from ascend_offload.sparse import native
 
 logger = logging.getLogger(__name__)
 
-MAX_HOT_SIZE = 65535  # slots are stored as uint16 in the native table
+MAX_HOT_SIZE = 65534  # slots are stored as uint16 in the native table
 
 
 class ResidencyError(ValueError):
@@ -190,6 +190,19 @@ class TorchResidency:
             bad = next(b for b, r in enumerate(rows_l)
                        if not 0 <= r < self.num_rows or rows_l.index(r) != b)
             raise ResidencyError(f"layer {layer}, batch entry {bad}: row id out of range or repeated")
+        # Validate every entry before touching any state: a rejected call changes nothing.
+        for b in range(B):
+            length, st_len = lens_l[b], stable_l[b]
+            if length < 0 or st_len < 0 or st_len > length or length > bt.shape[1] * block_size:
+                raise ResidencyError(
+                    f"layer {layer}, batch entry {b}: stable={st_len}, len={length}: need "
+                    f"0 <= stable <= len <= block_table width {bt.shape[1]} * {block_size}")
+            bad = ((topk[b] < -1) | (topk[b] >= length)).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                raise ResidencyError(
+                    f"layer {layer}, batch entry {b} (row {rows_l[b]}): top-k[{i}]="
+                    f"{int(topk[b, i])} outside [-1, len={length})")
         out = torch.empty((B, K), dtype=torch.int32)
         counts = torch.empty((B, 2), dtype=torch.int32)
         srcs: list[torch.Tensor] = []
@@ -211,10 +224,6 @@ class TorchResidency:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         H = self.hot_size
         base = row * H
-        if length < 0 or stable < 0 or stable > length or length > bt.numel() * block_size:
-            raise ResidencyError(
-                f"layer {layer}, batch entry {b}: stable={stable}, len={length}: need "
-                f"0 <= stable <= len <= block_table width {bt.numel()} * {block_size}")
         key = (layer, row)
         st = self._rows.get(key)
         if st is None or st.tag != tag:
@@ -224,13 +233,6 @@ class TorchResidency:
             grown = torch.full((max(length, 2 * st.map.numel()),), -1, dtype=torch.int64)
             grown[: st.map.numel()] = st.map
             st.map = grown
-        bad = ((topk < -1) | (topk >= length)).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            self._rows[key] = self._fresh(tag, length)
-            raise ResidencyError(
-                f"layer {layer}, batch entry {b} (row {row}): top-k[{i}]={int(topk[i])} "
-                f"outside [-1, len={length})")
         # Forget speculative positions (they may be rolled back).
         inval = st.slot_pos >= stable
         if bool(inval.any()):
