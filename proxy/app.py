@@ -641,6 +641,15 @@ class Proxy:
 # ---------------------------------------------------------------------- server
 
 
+def bound_port(site: web.TCPSite) -> int:
+    """The port a site listens on (the chosen one when asked for port 0)."""
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None)
+    if sockets:
+        return int(sockets[0].getsockname()[1])
+    return int(site.port)
+
+
 def advertised_host(host: str) -> str:
     """The address decode instances can reach us at when we bind a wildcard."""
     if host not in ("", "0.0.0.0", "::"):
@@ -654,10 +663,12 @@ def advertised_host(host: str) -> str:
 class ProxyServer:
     """Runs a ``Proxy`` on an aiohttp site; ``port=0`` picks a free port."""
 
-    def __init__(self, cfg: ProxyConfig) -> None:
+    def __init__(self, cfg: ProxyConfig, shutdown_grace_s: float = 5.0) -> None:
         self.cfg = cfg
         self.proxy = Proxy(cfg)
         self.port = cfg.port
+        # In-flight requests get this long to finish on shutdown, then are cut.
+        self.shutdown_grace_s = shutdown_grace_s
         self._runner: web.AppRunner | None = None
 
     @property
@@ -669,14 +680,16 @@ class ProxyServer:
 
     async def start(self) -> int:
         self._runner = web.AppRunner(
-            self.proxy.app(), access_log=None, handler_cancellation=True, handle_signals=False
+            self.proxy.app(),
+            access_log=None,
+            handler_cancellation=True,
+            handle_signals=False,
+            shutdown_timeout=self.shutdown_grace_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=2048, reuse_address=True)
         await site.start()
-        server = site._server  # aiohttp exposes the bound port nowhere else
-        if server is not None and getattr(server, "sockets", None):
-            self.port = server.sockets[0].getsockname()[1]
+        self.port = bound_port(site)
         if not self.cfg.metaserver_url:
             self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
         log.info(

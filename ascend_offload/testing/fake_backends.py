@@ -130,13 +130,14 @@ class FakeBackend:
 
     async def start(self) -> int:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=2048, reuse_address=True)
         await site.start()
-        server = site._server
-        if server is not None and getattr(server, "sockets", None):
-            self.port = server.sockets[0].getsockname()[1]
+        sockets = getattr(getattr(site, "_server", None), "sockets", None)
+        self.port = int(sockets[0].getsockname()[1]) if sockets else self.port
         return self.port
 
     async def stop(self) -> None:

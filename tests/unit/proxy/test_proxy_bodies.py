@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+
+from proxy.bodies import CHAT, COMPLETIONS, decode_body, prefill_body, split_request
+from proxy.errors import ProxyError
+
+
+def test_single_prompt_is_not_split_and_drops_n() -> None:
+    subs = split_request({"prompt": "hi", "n": 1, "max_tokens": 5}, COMPLETIONS)
+    assert len(subs) == 1
+    assert subs[0].index == 0 and subs[0].first_of_prompt
+    assert subs[0].body == {"prompt": "hi", "max_tokens": 5}
+
+
+def test_token_id_prompt_is_one_prompt() -> None:
+    subs = split_request({"prompt": [1, 2, 3]}, COMPLETIONS)
+    assert len(subs) == 1 and subs[0].body["prompt"] == [1, 2, 3]
+
+
+def test_prompt_list_times_n_in_openai_order_with_seeds() -> None:
+    subs = split_request({"prompt": ["a", [7, 8]], "n": 3, "seed": 10}, COMPLETIONS)
+    assert [s.index for s in subs] == [0, 1, 2, 3, 4, 5]
+    assert [s.body["prompt"] for s in subs] == ["a", "a", "a", [7, 8], [7, 8], [7, 8]]
+    assert [s.body["seed"] for s in subs] == [10, 11, 12, 10, 11, 12]
+    assert [s.first_of_prompt for s in subs] == [True, False, False, True, False, False]
+    assert all(s.body["n"] == 1 for s in subs)
+
+
+def test_chat_n_fans_out_without_prompt_key() -> None:
+    subs = split_request({"messages": [{"role": "user", "content": "hey"}], "n": 2}, CHAT)
+    assert len(subs) == 2
+    assert "prompt" not in subs[0].body and "seed" not in subs[0].body
+    assert subs[1].first_of_prompt is False
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ({"prompt": "x", "n": 0}, "'n'"),
+        ({"prompt": "x", "n": "2"}, "'n'"),
+        ({"prompt": "x", "n": True}, "'n'"),
+        ({}, "'prompt'"),
+        ({"prompt": []}, "'prompt'"),
+        ({"prompt": [[]]}, "'prompt'"),
+        ({"prompt": [1, "a"]}, "'prompt'"),
+        ({"prompt": 5}, "'prompt'"),
+        ({"prompt": "x", "seed": 1.5}, "'seed'"),
+        ({"prompt": "x", "use_beam_search": True}, "'use_beam_search'"),
+    ],
+)
+def test_bad_completion_bodies_name_the_key(body: dict, key: str) -> None:
+    with pytest.raises(ProxyError) as ei:
+        split_request(body, COMPLETIONS)
+    assert ei.value.status == 400
+    assert key in ei.value.message
+
+
+def test_bad_chat_and_non_object_bodies() -> None:
+    with pytest.raises(ProxyError, match="'messages'"):
+        split_request({"messages": []}, CHAT)
+    with pytest.raises(ProxyError, match="JSON object"):
+        split_request([1, 2], COMPLETIONS)
+
+
+def test_fanout_limit() -> None:
+    with pytest.raises(ProxyError, match="limit 4"):
+        split_request({"prompt": ["a", "b"], "n": 3}, COMPLETIONS, max_fanout=4)
+
+
+def test_decode_body_asks_for_remote_prefill() -> None:
+    body = decode_body({"prompt": "x", "kv_transfer_params": {"junk": 1}}, "http://p:1/v1/metaserver", "id-1")
+    assert body["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "metaserver": "http://p:1/v1/metaserver",
+        "proxy_request_id": "id-1",
+    }
+
+
+def test_prefill_body_one_token_not_streamed_with_registered_params() -> None:
+    sub = {"prompt": "x", "max_tokens": 99, "min_tokens": 5, "stream": True,
+           "stream_options": {"include_usage": True}, "temperature": 0.0}
+    body = prefill_body(sub, COMPLETIONS, {"remote_host": "h", "remote_port": 5})
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert "stream_options" not in body and "min_tokens" not in body and "max_completion_tokens" not in body
+    assert body["temperature"] == 0.0
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_host": "h", "remote_port": 5
+    }
+    assert sub["max_tokens"] == 99  # the decode's body is not modified
+    chat = prefill_body({"messages": [], "max_completion_tokens": 50}, CHAT, {})
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
