@@ -74,6 +74,21 @@ class _Parked:
     item: P.ReadReady
 
 
+def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
+              main: bool, index_range: tuple[int, int]) -> list[ReadOp]:
+    """Read descriptors for one contributor's share of one layer (before coalescing)."""
+    ops: list[ReadOp] = []
+    if main:
+        for s_t, d_t in zip(src.main, dst.main, strict=True):
+            ops += [ReadOp(d_t.block_addr(d), s_t.block_addr(s), d_t.block_bytes)
+                    for s, d in zip(src_blocks, dst_blocks, strict=True)]
+    if src.indexer is not None and dst.indexer is not None:
+        s_t, d_t = src.indexer, dst.indexer
+        ops += [ReadOp(d_t.block_addr(dst_blocks[i]), s_t.block_addr(src_blocks[i]), d_t.block_bytes)
+                for i in range(*index_range)]
+    return ops
+
+
 class Consumer:
     """One decode TP rank's reader. Thread-safe; sockets and reads run on its I/O thread."""
 
@@ -271,17 +286,8 @@ class Consumer:
         return None
 
     def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
-        src, dst = meta.layers[it.layer], self.layers[it.layer]
-        ops: list[ReadOp] = []
-        if it.main:
-            for s_t, d_t in zip(src.main, dst.main, strict=True):
-                ops += [ReadOp(d_t.block_addr(d), s_t.block_addr(s), d_t.block_bytes)
-                        for s, d in zip(it.src_blocks, req.dst_blocks, strict=True)]
-        if src.indexer is not None and dst.indexer is not None:
-            s_t, d_t = src.indexer, dst.indexer
-            ops += [ReadOp(d_t.block_addr(req.dst_blocks[i]), s_t.block_addr(it.src_blocks[i]), d_t.block_bytes)
-                    for i in range(it.index_lo, it.index_hi)]
-        return ops
+        return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
+                         main=it.main, index_range=(it.index_lo, it.index_hi))
 
     def _serve(self, p: _Parked) -> None:
         """Validate, read and answer one item (I/O thread, lock not held during the read)."""

@@ -137,6 +137,10 @@ class _PrefillRank:
     def pending_slots(self) -> dict[int, int]:
         return self.producer.pending_slots()
 
+    def meta(self) -> bytes:
+        """This rank's encoded ``mf_meta`` (endpoint + layout), for raw-read baselines."""
+        return self.producer._meta
+
     def stats(self) -> dict[str, int]:
         return asdict(self.producer.stats)
 
@@ -182,6 +186,23 @@ class _DecodeRank:
     def blocks(self, dst_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         return [(kv[:, dst_blocks].copy(), idx[dst_blocks].copy() if idx is not None else None)
                 for kv, idx in self.arrays]
+
+    def raw_pull(self, meta: bytes, src_blocks: list[int], dst_blocks: list[int], iters: int) -> list[float]:
+        """Baseline: the same per-layer reads straight through the engine, no protocol."""
+        from ascend_offload.pd import protocol as P
+        from ascend_offload.pd.consumer import build_ops
+
+        m = P.decode(meta, expect=(P.MfMeta,))
+        assert isinstance(m, P.MfMeta)
+        per_layer = [build_ops(m.layers[i], self.consumer.layers[i], src_blocks, dst_blocks, main=True,
+                               index_range=(0, len(dst_blocks))) for i in range(len(self.consumer.layers))]
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            for ops in per_layer:
+                self.engine.read(m.endpoint, ops)
+            times.append(time.perf_counter() - t0)
+        return times
 
     def zero(self) -> None:
         for kv, idx in self.arrays:
