@@ -72,8 +72,10 @@ class LocalStoreConfig(_Strict):
     """The embedded host page pool (``backend: local``)."""
 
     capacity_bytes: int = Field(1 << 30, gt=0)
-    page_bytes: int = Field(64 << 10, gt=0)
-    eviction: Literal["lru", "arc"] = "lru"
+    # None: one page per stored object (the connector knows the object size), which
+    # lets a batch of objects move with a single indexed copy.
+    page_bytes: int | None = Field(None, gt=0)
+    eviction: Literal["lru"] = "lru"
 
 
 class StoreConnectorConfig(_Strict):

@@ -110,6 +110,19 @@ class KVStore(abc.ABC):
     def unpin(self, pin: Pin) -> None:
         """Release a pin (idempotent)."""
 
+    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
+        """Write ``src[i]`` (one row per handle, ``src.shape[0] == len(handles)``) as
+        the whole content of ``handles[i]``. Backends override this with one copy."""
+        rows = src.reshape(len(handles), -1)
+        for h, row in zip(handles, rows, strict=True):
+            self.write(h, 0, row)
+
+    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
+        """Fill ``dst[i]`` with the whole content of pinned ``keys[i]``."""
+        rows = dst.reshape(len(keys), -1)
+        for key, row in zip(keys, rows, strict=True):
+            self.read(pin, key, 0, row)
+
     @abc.abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""

@@ -1,0 +1,412 @@
+"""``AscendStoreConnector``: vLLM adapter for the host KV store tier.
+
+Whole-prefix mode (``use_layerwise: false``): full blocks are saved to the store
+after the step that computed them and the longest committed prefix of a new
+request is loaded before its first forward.
+
+Split of responsibilities (the shape of vLLM's ``kv_offload``):
+
+* the scheduler side owns the store *index* (``LocalStore(with_data=False)``):
+  lookups, page allocation, commit/abort, pins and eviction — so decisions are
+  made in one place and never race;
+* each worker rank owns the *bytes* of its own shard in a host page pool and
+  copies blocks by the page numbers the scheduler chose — workers know nothing
+  about requests;
+* completions travel back as worker metadata, summed across ranks; an object is
+  committed (or a load pin released) only when every rank reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.store.base import Pin, WriteHandle
+from ascend_offload.store.keys import block_keys, layout_fingerprint
+from ascend_offload.store.local import LocalStore
+from ascend_offload.store.worker_pool import WorkerPagePool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+NAME = "AscendStoreConnector"
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyJob:
+    """Copy ``block_ids[i]`` <-> pool page ``pages[i]`` on every rank."""
+
+    job_id: int
+    block_ids: tuple[int, ...]
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class StoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[CopyJob] = dataclasses.field(default_factory=list)
+    saves: list[CopyJob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-step completions of one or more ranks: job id -> number of ranks."""
+
+    done: Counter[int] = dataclasses.field(default_factory=Counter)
+    failed: Counter[int] = dataclasses.field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, StoreWorkerMetadata)
+        return StoreWorkerMetadata(done=self.done + other.done, failed=self.failed + other.failed)
+
+
+# ----------------------------------------------------------------------------- scheduler state
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: Request
+    saved_upto: int = 0  # blocks [0, saved_upto) are stored, being stored, or skipped
+    load_pin: Pin | None = None
+    load_range: tuple[int, int] = (0, 0)  # [first, last) block indices to load
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    skipped_blocks: int = 0
+    duplicate_blocks: int = 0
+
+
+@dataclasses.dataclass
+class _Job:
+    kind: str  # "load" | "save"
+    req_id: str
+    handles: list[WriteHandle] = dataclasses.field(default_factory=list)
+    pin: Pin | None = None
+    done: int = 0
+    failed: int = 0
+
+
+def object_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block across all cache-bearing layers on one rank."""
+    group = kv_cache_config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+class AscendStoreConnector(KVConnectorBase_V1):
+    """Host KV store tier; see the module docstring for the design."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                f"{NAME} supports models with one KV cache group, got "
+                f"{len(kv_cache_config.kv_cache_groups)}"
+            )
+        if self.cfg.use_layerwise:
+            raise ConfigError(
+                "key 'use_layerwise'=True: layerwise mode is not available in this build "
+                "(accepted: False)"
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        hash_bs = kv_cache_config.hash_block_size or self.block_size
+        if self.block_size % hash_bs:
+            raise ConfigError(f"block_size {self.block_size} is not a multiple of hash block size {hash_bs}")
+        self._hash_ratio = self.block_size // hash_bs
+        self.object_bytes = object_bytes(kv_cache_config)
+        self.page_bytes = self.cfg.local.page_bytes or self.object_bytes
+        if self.page_bytes != self.object_bytes:
+            raise ConfigError(
+                f"key 'local.page_bytes'={self.page_bytes}: must equal one block across all "
+                f"layers on one rank ({self.object_bytes} bytes) or be unset"
+            )
+        self.num_pages = self.cfg.local.capacity_bytes // self.page_bytes
+        if self.num_pages < 1:
+            raise ConfigError(
+                f"key 'local.capacity_bytes'={self.cfg.local.capacity_bytes}: holds no block "
+                f"of {self.page_bytes} bytes (accepted: >= {self.page_bytes})"
+            )
+        pc = vllm_config.parallel_config
+        self.world_size = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.fingerprint = layout_fingerprint(
+            vllm_config.model_config.model,
+            spec,
+            self.block_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+        )
+        self._job_ids = itertools.count(1)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped save is only a future miss, never lost output."""
+        return False
+
+    # ======================================================================= scheduler
+
+    def _init_scheduler(self) -> None:
+        self.index = LocalStore(
+            self.num_pages * self.page_bytes, self.page_bytes, self.cfg.local.eviction, with_data=False
+        )
+        self._reqs: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._pending_loads: list[CopyJob] = []
+        log.info(
+            "%s: local store index with %d pages of %d bytes per rank", NAME, self.num_pages, self.page_bytes
+        )
+
+    def _keys(self, request: Request, upto: int) -> list[str]:
+        hashes = request.block_hashes
+        per_block = [hashes[(i + 1) * self._hash_ratio - 1] for i in range(upto)]
+        return block_keys(self.cfg.model_tag, self.fingerprint, 0, per_block)
+
+    def _full_blocks_with_hash(self, request: Request) -> int:
+        return len(request.block_hashes) // self._hash_ratio
+
+    def _state(self, request: Request) -> _RequestState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _RequestState(request=request)
+        return st
+
+    def _release_load_pin(self, st: _RequestState) -> None:
+        if st.load_pin is not None:
+            self.index.unpin(st.load_pin)
+            st.load_pin = None
+            st.load_range = (0, 0)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        self._release_load_pin(st)  # asked again (e.g. allocation failed last time)
+        # vLLM must compute at least the last prompt token itself.
+        max_blocks = min((request.num_tokens - 1) // self.block_size, self._full_blocks_with_hash(request))
+        first = num_computed_tokens // self.block_size
+        if max_blocks - first < self.cfg.min_load_blocks:
+            return 0, False
+        keys = self._keys(request, max_blocks)
+        hit = self.index.lookup_prefix(keys)
+        if hit - first < self.cfg.min_load_blocks:
+            return 0, False
+        pin = self.index.pin(keys[first:hit])
+        if pin is None:  # cannot happen single-threaded; stay safe
+            return 0, False
+        st.load_pin, st.load_range = pin, (first, hit)
+        return (hit - first) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens == 0 or st.load_pin is None:
+            self._release_load_pin(st)
+            return
+        first, last = st.load_range
+        if (last - first) * self.block_size != num_external_tokens:
+            log.warning("%s: scheduler accepted %d external tokens, expected %d; not loading",
+                        NAME, num_external_tokens, (last - first) * self.block_size)
+            self._release_load_pin(st)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        pin = st.load_pin
+        pages = tuple(self.index.pages(k)[0] for k in pin.keys)
+        job = CopyJob(next(self._job_ids), tuple(block_ids[first:last]), pages)
+        self._jobs[job.job_id] = _Job(kind="load", req_id=request.request_id, pin=pin)
+        self._pending_loads.append(job)
+        st.load_pin = None  # owned by the job now; released when every rank reported
+        st.loaded_blocks += last - first
+        st.saved_upto = max(st.saved_upto, last)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = StoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            computed[req_id] = n
+        for req_id, before in computed.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(after // self.block_size, self._full_blocks_with_hash(st.request))
+            if full > st.saved_upto:
+                job = self._plan_save(st, full)
+                if job is not None:
+                    meta.saves.append(job)
+        return meta
+
+    def _plan_save(self, st: _RequestState, full: int) -> CopyJob | None:
+        first = st.saved_upto
+        st.saved_upto = full
+        keys = self._keys(st.request, full)[first:]
+        handles = self.index.allocate(keys, [self.page_bytes] * len(keys))
+        if handles is None:
+            st.skipped_blocks += len(keys)
+            return None
+        assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
+        block_ids = self._kv_cache_manager.get_block_ids(st.request.request_id)[0]
+        ids, pages, owned = [], [], []
+        for i, h in enumerate(handles):
+            if h is None:
+                st.duplicate_blocks += 1
+                continue
+            ids.append(block_ids[first + i])
+            pages.append(self.index.pages(h.key)[0])
+            owned.append(h)
+        if not owned:
+            return None
+        st.saved_blocks += len(owned)
+        job = CopyJob(next(self._job_ids), tuple(ids), tuple(pages))
+        self._jobs[job.job_id] = _Job(kind="save", req_id=st.request.request_id, handles=owned)
+        return job
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, StoreWorkerMetadata):
+            return
+        for job_id, n in meta.done.items():
+            self._account(job_id, done=n)
+        for job_id, n in meta.failed.items():
+            self._account(job_id, failed=n)
+
+    def _account(self, job_id: int, done: int = 0, failed: int = 0) -> None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            log.warning("%s: completion for unknown job %d ignored", NAME, job_id)
+            return
+        job.done += done
+        job.failed += failed
+        if job.done + job.failed < self.world_size:
+            return
+        del self._jobs[job_id]
+        if job.kind == "save":
+            if job.failed:
+                self.index.abort(job.handles)
+            else:
+                self.index.commit(job.handles)
+        elif job.pin is not None:
+            self.index.unpin(job.pin)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._release_load_pin(st)
+        stats: dict[str, Any] = {
+            "loaded_blocks": st.loaded_blocks,
+            "saved_blocks": st.saved_blocks,
+            "skipped_blocks": st.skipped_blocks,
+            "duplicate_blocks": st.duplicate_blocks,
+        }
+        g = self.index.stats()
+        stats["store"] = {
+            "stored_objects": g.stored_objects,
+            "pinned_objects": g.pinned_objects,
+            "pending_objects": g.pending_objects,
+            "free_pages": g.free_pages,
+            "total_pages": g.total_pages,
+            "skipped_stores": g.skipped_stores,
+            "evicted_objects": g.evicted_objects,
+        }
+        log.debug("%s: request %s finished: %s", NAME, request.request_id, stats)
+        return False, {"ascend_store": stats}
+
+    # ======================================================================= worker
+
+    def _init_worker(self) -> None:
+        self.pool: WorkerPagePool | None = None
+        self._done: Counter[int] = Counter()
+        self._failed: Counter[int] = Counter()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.pool = WorkerPagePool(
+            kv_caches,
+            num_blocks=self._kv_cache_config.num_blocks,
+            num_pages=self.num_pages,
+            expected_page_bytes=self.page_bytes,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreConnectorMetadata)
+        if not meta.loads:
+            return
+        assert self.pool is not None
+        for job in meta.loads:
+            try:
+                self.pool.load(job.pages, job.block_ids)
+                self._done[job.job_id] += 1
+            except Exception:
+                log.exception("%s: load job %d failed; reporting %d blocks", NAME, job.job_id, len(job.block_ids))
+                self._load_errors.update(job.block_ids)
+                self._failed[job.job_id] += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        """Copy this step's new full blocks out before the step ends, so a block freed
+        by this step is never read after vLLM may reuse it."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreConnectorMetadata)
+        if not meta.saves:
+            return
+        assert self.pool is not None
+        for job in meta.saves:
+            try:
+                self.pool.save(job.block_ids, job.pages)
+                self._done[job.job_id] += 1
+            except Exception:
+                log.exception("%s: save job %d failed; objects aborted", NAME, job.job_id)
+                self._failed[job.job_id] += 1
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._done and not self._failed:
+            return None
+        meta = StoreWorkerMetadata(done=self._done, failed=self._failed)
+        self._done, self._failed = Counter(), Counter()
+        return meta
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,295 @@
+"""The embedded default store: a host pool of fixed-size pages.
+
+Objects span any set of pages (no contiguous extent is needed, so the pool
+never fragments into unusable holes). One lock guards the metadata; byte copies
+into a *pending* object run outside it because nobody else can reach a pending
+object, and reads run under a pin, which eviction respects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from ascend_offload import device
+from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Object:
+    size: int
+    pages: list[int]
+    token: int
+    committed: bool = False
+    pins: int = 0
+
+
+class LocalStore(KVStore):
+    """Thread-safe page-pool store with LRU eviction of committed, unpinned objects."""
+
+    def __init__(
+        self, capacity_bytes: int, page_bytes: int, eviction: str = "lru", *, with_data: bool = True
+    ) -> None:
+        """``with_data=False`` keeps only the index: vLLM's scheduler decides pages
+        while each worker rank holds the bytes of its own shard (see connectors/store.py)."""
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
+        if eviction != "lru":
+            raise ValueError(f"eviction must be 'lru', got {eviction!r}")
+        num_pages = capacity_bytes // page_bytes  # a remainder smaller than a page is unused
+        if num_pages < 1:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} holds no page of page_bytes={page_bytes}"
+            )
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self._pool = device.empty_host((num_pages if with_data else 0, page_bytes), torch.uint8)
+        self._flat = self._pool.view(-1)
+        self._with_data = with_data
+        # Popped from the end: a fresh pool hands out pages 0, 1, 2, ... (runs copy as one).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._objects: dict[str, _Object] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # committed objects, oldest first
+        self._pins: dict[int, tuple[str, ...]] = {}
+        self._tokens = itertools.count(1)
+        self._lock = threading.Lock()
+        self._stats = StoreStats(total_pages=num_pages, free_pages=num_pages)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pages_for(self, size: int) -> int:
+        return max(1, -(-size // self.page_bytes))
+
+    def _evictable_pages(self) -> int:
+        return sum(
+            len(self._objects[k].pages) for k in self._lru if self._objects[k].pins == 0
+        )
+
+    def _evict_until(self, needed: int) -> None:
+        for key in list(self._lru):
+            if len(self._free) >= needed:
+                return
+            obj = self._objects[key]
+            if obj.pins:
+                continue
+            del self._lru[key]
+            del self._objects[key]
+            self._free.extend(reversed(obj.pages))
+            self._stats.evicted_objects += 1
+
+    def _need_data(self) -> None:
+        if not self._with_data:
+            raise StoreError("this LocalStore is an index only; bytes live in the worker pools")
+
+    def pages(self, key: str) -> list[int]:
+        """Page numbers of an allocated object (for index-only stores)."""
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                raise StoreError(f"no object {key!r}")
+            return list(obj.pages)
+
+    def _pending_object(self, handle: WriteHandle) -> _Object:
+        obj = self._objects.get(handle.key)
+        if obj is None or obj.token != handle.token or obj.committed:
+            raise StoreError(f"write handle for {handle.key!r} is not a pending allocation")
+        return obj
+
+    def _runs(self, obj: _Object, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """(pool byte offset, object byte offset, length) runs covering the range,
+        merging consecutive pages into one run."""
+        if offset < 0 or offset + nbytes > obj.size:
+            raise StoreError(
+                f"byte range [{offset}, {offset + nbytes}) outside object of {obj.size} bytes"
+            )
+        runs: list[tuple[int, int, int]] = []
+        pos, end, p = offset, offset + nbytes, self.page_bytes
+        while pos < end:
+            idx, within = divmod(pos, p)
+            length = min(p - within, end - pos)
+            start = obj.pages[idx] * p + within
+            if runs and runs[-1][0] + runs[-1][2] == start:
+                a, b, n = runs[-1]
+                runs[-1] = (a, b, n + length)
+            else:
+                runs.append((start, pos - offset, length))
+            pos += length
+        return runs
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_contiguous():
+            raise StoreError("store copies need contiguous tensors")
+        return t.reshape(-1).view(torch.uint8)
+
+    def _single_page_rows(self, objs: Sequence[_Object]) -> torch.Tensor | None:
+        """Page indices when every object is exactly one full page (one indexed copy)."""
+        if all(len(o.pages) == 1 and o.size == self.page_bytes for o in objs):
+            return torch.tensor([o.pages[0] for o in objs], dtype=torch.long)
+        return None
+
+    # ------------------------------------------------------------------ contract
+
+    def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
+        if len(keys) != len(sizes):
+            raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
+        with self._lock:
+            out: list[WriteHandle | None] = []
+            new: list[tuple[int, str, int]] = []
+            seen: set[str] = set()
+            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                if size <= 0:
+                    raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
+                if key in self._objects or key in seen:
+                    self._stats.duplicate_stores += 1
+                    out.append(None)
+                    continue
+                seen.add(key)
+                new.append((i, key, size))
+                out.append(None)
+            needed = sum(self._pages_for(s) for _, _, s in new)
+            if needed > len(self._free):
+                if needed > len(self._free) + self._evictable_pages():
+                    self._stats.skipped_stores += len(new)
+                    return None
+                self._evict_until(needed)
+            for i, key, size in new:
+                pages = [self._free.pop() for _ in range(self._pages_for(size))]
+                token = next(self._tokens)
+                self._objects[key] = _Object(size=size, pages=pages, token=token)
+                out[i] = WriteHandle(key=key, size=size, token=token)
+                self._stats.allocated_objects += 1
+            return out
+
+    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
+        self._need_data()
+        with self._lock:
+            obj = self._pending_object(handle)
+        data = self._bytes(src)
+        for pool_off, src_off, n in self._runs(obj, offset, data.numel()):
+            self._flat[pool_off : pool_off + n].copy_(data[src_off : src_off + n])
+        with self._lock:
+            self._stats.bytes_written += data.numel()
+
+    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
+        self._need_data()
+        with self._lock:
+            objs = [self._pending_object(h) for h in handles]
+        rows = self._single_page_rows(objs)
+        if rows is None:
+            super().write_batch(handles, src)
+            return
+        data = src.reshape(len(handles), -1)
+        if data.dtype != torch.uint8:
+            data = data.contiguous().view(torch.uint8)
+        if data.shape[1] != self.page_bytes:
+            raise StoreError(f"write_batch rows of {data.shape[1]} bytes into {self.page_bytes}-byte objects")
+        self._pool.index_copy_(0, rows, data)
+        with self._lock:
+            self._stats.bytes_written += data.numel()
+
+    def commit(self, handles: Sequence[WriteHandle]) -> None:
+        with self._lock:
+            for h in handles:
+                obj = self._pending_object(h)
+                obj.committed = True
+                self._lru[h.key] = None
+                self._stats.committed_objects += 1
+
+    def abort(self, handles: Sequence[WriteHandle]) -> None:
+        with self._lock:
+            for h in handles:
+                obj = self._objects.get(h.key)
+                if obj is None or obj.token != h.token or obj.committed:
+                    continue  # idempotent: already aborted, or not ours to drop
+                del self._objects[h.key]
+                self._free.extend(reversed(obj.pages))
+                self._stats.aborted_objects += 1
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or not obj.committed:
+                    break
+                n += 1
+            self._stats.lookups += 1
+            self._stats.hit_objects += n
+            self._stats.miss_objects += len(keys) - n
+            return n
+
+    def pin(self, keys: Sequence[str]) -> Pin | None:
+        with self._lock:
+            objs = [self._objects.get(k) for k in keys]
+            if any(o is None or not o.committed for o in objs):
+                return None
+            for key, obj in zip(keys, objs, strict=True):
+                assert obj is not None
+                obj.pins += 1
+                self._lru.move_to_end(key)
+            token = next(self._tokens)
+            self._pins[token] = tuple(keys)
+            return Pin(keys=tuple(keys), token=token)
+
+    def _pinned_object(self, pin: Pin, key: str) -> _Object:
+        keys = self._pins.get(pin.token)
+        if keys is None or key not in keys:
+            raise StoreError(f"read of {key!r} without an active pin")
+        return self._objects[key]
+
+    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
+        self._need_data()
+        with self._lock:
+            obj = self._pinned_object(pin, key)
+        out = self._bytes(dst)
+        for pool_off, dst_off, n in self._runs(obj, offset, out.numel()):
+            out[dst_off : dst_off + n].copy_(self._flat[pool_off : pool_off + n])
+        with self._lock:
+            self._stats.reads += 1
+            self._stats.bytes_read += out.numel()
+
+    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
+        self._need_data()
+        with self._lock:
+            objs = [self._pinned_object(pin, k) for k in keys]
+        rows = self._single_page_rows(objs)
+        if rows is None:
+            super().read_batch(pin, keys, dst)
+            return
+        out = dst.reshape(len(keys), -1)
+        if out.dtype != torch.uint8:
+            out = out.view(torch.uint8)
+        if out.shape[1] != self.page_bytes or not out.is_contiguous():
+            raise StoreError("read_batch needs contiguous rows of one page each")
+        torch.index_select(self._pool, 0, rows, out=out)
+        with self._lock:
+            self._stats.reads += len(keys)
+            self._stats.bytes_read += out.numel()
+
+    def unpin(self, pin: Pin) -> None:
+        with self._lock:
+            keys = self._pins.pop(pin.token, None)
+            if keys is None:
+                return
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None and obj.pins > 0:
+                    obj.pins -= 1
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            s.free_pages = len(self._free)
+            s.pending_objects = sum(1 for o in self._objects.values() if not o.committed)
+            s.stored_objects = len(self._lru)
+            s.pinned_objects = sum(1 for o in self._objects.values() if o.pins)
+            return s

@@ -1,0 +1,80 @@
+"""Real vLLM CPU engines for end-to-end tests: start, use, always tear down.
+
+Engines run in-process through vLLM's ``LLM`` API (its EngineCore and worker are
+child processes). ``make_engine`` pins each engine's worker to one core with
+``VLLM_CPU_OMP_THREADS_BIND`` so two engines can share this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ascend_offload.testing.tiny_model import make_tiny_llama
+
+BLOCK_SIZE = 32
+MODEL_CACHE = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
+
+
+def tiny_model(num_layers: int = 4) -> str:
+    return str(make_tiny_llama(MODEL_CACHE / f"tiny-llama-{num_layers}l", num_layers=num_layers))
+
+
+def store_transfer_config(extra: dict[str, Any] | None = None, role: str = "kv_both") -> dict[str, Any]:
+    return {
+        "kv_connector": "AscendStoreConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra or {},
+    }
+
+
+@contextlib.contextmanager
+def make_engine(
+    *,
+    num_layers: int = 4,
+    kv_transfer_config: dict[str, Any] | None = None,
+    core: int | None = None,
+    **kwargs: Any,
+) -> Iterator[Any]:
+    """A float32, eager, prefix-caching-off LLM on the tiny model; shut down on exit."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if core is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    args: dict[str, Any] = dict(
+        model=tiny_model(num_layers),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    args.update(kwargs)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def tokens(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
