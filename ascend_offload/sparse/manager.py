@@ -1,0 +1,242 @@
+"""Sparse decode offload manager: the per-layer seam an attention backend calls.
+
+Per decode step::
+
+    mgr.begin_step([StepEntry(req_id, num_tokens, stable_tokens), ...])
+    for layer in layers:
+        ...compute this layer's new main-KV rows (one per scheduled token)...
+        mgr.offload_new_kv(layer, new_kv, new_positions)   # device -> host pool
+        ...indexer -> top-k logical positions [B, K] (-1 = padding)...
+        slots = mgr.onload_topk(layer, topk)                # misses host -> hot buffer
+        ...sparse attention over mgr.hot_buffer(layer)[slots] ...
+    mgr.end_step()
+
+Ordering (I4): new rows are copied D2H on the offload stream after an event
+recorded on the compute stream; miss rows are copied H2D on the same stream
+(so a new row is in the pool before it can be onloaded), and the compute stream
+waits on an event recorded after the H2D copies before attention reads the
+hot buffer. On CPU every one of these is an ordered no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ascend_offload import device as dev
+from ascend_offload.config import SparseOffloadConfig
+from ascend_offload.sparse import native
+from ascend_offload.sparse.pools import HostKVPool, HotBuffers, PoolCapacityError
+from ascend_offload.sparse.residency import Residency, make_residency
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEntry:
+    """One scheduled request of a decode step, in batch order."""
+
+    req_id: str
+    num_tokens: int  # tokens whose KV exists after this step's offload (positions < num_tokens)
+    stable_tokens: int  # tokens that can no longer be rolled back (<= num_tokens)
+
+
+@dataclasses.dataclass
+class SparseStats:
+    steps: int = 0
+    resolved_positions: int = 0
+    miss_rows: int = 0
+    onload_bytes: int = 0
+    offload_rows: int = 0
+    offload_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.miss_rows / self.resolved_positions if self.resolved_positions else 0.0
+
+
+class SparseOffloadManager:
+    """Owns the host pool, the hot buffers and the residency table of one worker."""
+
+    def __init__(self, cfg: SparseOffloadConfig, *, num_layers: int, row_shape: Sequence[int],
+                 dtype: torch.dtype, block_size: int, max_requests: int,
+                 index_topk: int | None = None, pool: HostKVPool | None = None,
+                 pool_rows: int | None = None, device: torch.device | None = None,
+                 tp_rank: int = 0, fence_timeout_s: float = 30.0, nthreads: int = 1,
+                 residency: Residency | None = None) -> None:
+        cfg.check_against(block_size=block_size, index_topk=index_topk)
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.hot_size = cfg.topk_buffer_size
+        self.max_requests = max_requests
+        self.tp_rank = tp_rank
+        self.fence_timeout_s = fence_timeout_s
+        if pool is None:
+            from ascend_offload.sparse.pools import pool_rows_from_config
+
+            rows = pool_rows if pool_rows is not None else pool_rows_from_config(
+                cfg, num_layers=num_layers, row_shape=row_shape, dtype=dtype,
+                block_size=block_size)
+            pool = HostKVPool(num_layers, rows, row_shape, dtype, block_size)
+        if pool.num_layers != num_layers or pool.block_size != block_size:
+            raise ValueError("host pool layout does not match the manager (layers/block_size)")
+        self.pool = pool
+        self.hot = HotBuffers(num_layers, max_requests, self.hot_size, pool.row_shape, dtype,
+                              device)
+        self.residency = residency if residency is not None else make_residency(
+            num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads)
+        self._native_copy = self.hot.device.type == "cpu" and native.available()
+        self._stream = dev.new_stream()
+        self._tag_counter = itertools.count(1)
+        self._rows: dict[str, tuple[int, int]] = {}  # req_id -> (row, tag)
+        self._free_rows = list(range(max_requests))
+        self._step: list[StepEntry] = []
+        self._step_no = 0
+        self._batch: dict[str, torch.Tensor] = {}
+        self.stats = SparseStats()
+
+    # ------------------------------------------------------------------ requests
+
+    def admit(self, req_id: str, max_tokens: int) -> int:
+        """Reserve host rows for ``max_tokens`` and a hot-buffer row; returns the row."""
+        if req_id in self._rows:
+            raise PoolCapacityError(f"request {req_id!r} is already admitted")
+        if not self._free_rows:
+            raise PoolCapacityError(
+                f"no hot-buffer row free for request {req_id!r}: all {self.max_requests} in use")
+        self.pool.admit(req_id, max_tokens)
+        row = self._free_rows.pop(0)
+        self._rows[req_id] = (row, next(self._tag_counter))
+        return row
+
+    def finish(self, req_id: str) -> None:
+        """Free the request's host blocks, hot-buffer row and residency state (idempotent)."""
+        entry = self._rows.pop(req_id, None)
+        if entry is None:
+            return
+        row, _ = entry
+        self.residency.release(row)
+        self.pool.release(req_id)
+        self._free_rows.append(row)
+        self._free_rows.sort()
+
+    def row_of(self, req_id: str) -> int:
+        return self._rows[req_id][0]
+
+    @property
+    def active_requests(self) -> list[str]:
+        return list(self._rows)
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, entries: Sequence[StepEntry]) -> None:
+        """Fix the batch of this step (batch order = order of ``entries``)."""
+        rows, tags, lens, stable, tables = [], [], [], [], []
+        for e in entries:
+            if e.req_id not in self._rows:
+                raise KeyError(f"request {e.req_id!r} is not admitted")
+            cap = self.pool.capacity(e.req_id)
+            if not 0 <= e.stable_tokens <= e.num_tokens <= cap:
+                raise ValueError(
+                    f"request {e.req_id!r}: need 0 <= stable_tokens={e.stable_tokens} <= "
+                    f"num_tokens={e.num_tokens} <= reserved capacity {cap}")
+            row, tag = self._rows[e.req_id]
+            rows.append(row)
+            tags.append(tag)
+            lens.append(e.num_tokens)
+            stable.append(e.stable_tokens)
+            tables.append(self.pool.block_table(e.req_id))
+        width = max((t.numel() for t in tables), default=1)
+        bt = torch.zeros((len(entries), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : t.numel()] = t
+        self._step = list(entries)
+        self._step_no += 1
+        self._batch = {
+            "rows": torch.tensor(rows, dtype=torch.int32),
+            "tags": torch.tensor(tags, dtype=torch.int64),
+            "lens": torch.tensor(lens, dtype=torch.int32),
+            "stable": torch.tensor(stable, dtype=torch.int32),
+            "block_table": bt,
+        }
+        self.stats.steps += 1
+
+    def end_step(self) -> None:
+        """Make the host pool writes of this step visible before the next one (CPU: no-op)."""
+        self._stream.synchronize()
+
+    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy this step's new main-KV rows of ``layer`` device -> host pool.
+
+        ``new_kv`` is ``[N, *row_shape]`` (N scheduled tokens, batch order);
+        ``positions`` is ``[N, 2]`` int (batch index, logical position). With
+        TP only rank 0 writes; it publishes the layer for the other ranks.
+        """
+        if self.tp_rank != 0:
+            return
+        dst = self._host_rows(positions)
+        if new_kv.shape[0] != dst.numel():
+            raise ValueError(f"layer {layer}: {new_kv.shape[0]} new rows for {dst.numel()} positions")
+        ready = dev.record_after_compute()
+        with dev.stream_context(self._stream):
+            self._stream.wait_event(ready)
+            dev.scatter_rows(new_kv, dst, self.pool.layer(layer))
+        if self.pool.shared_name is not None:
+            self._stream.synchronize()  # published rows must really be there
+            self.pool.publish(layer, self._step_no)
+        self.stats.offload_rows += int(dst.numel())
+        self.stats.offload_bytes += int(dst.numel()) * self.pool.row_bytes
+
+    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:
+        copy the misses host -> hot buffer and return ``[B, K]`` int32 indices
+        into :meth:`hot_buffer` (``-1`` where top-k had padding)."""
+        b = self._batch
+        if topk.dim() != 2 or topk.shape[0] != len(self._step):
+            raise ValueError(f"layer {layer}: top-k shape {tuple(topk.shape)} does not match the "
+                             f"step batch of {len(self._step)} requests")
+        if self.tp_rank != 0 and self.pool.shared_name is not None:
+            self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
+        res = self.residency.resolve(layer, b["rows"], b["tags"], b["stable"], b["lens"],
+                                     topk.to("cpu"), b["block_table"], self.block_size)
+        n = res.num_misses
+        if n:
+            src = self.pool.layer(layer)
+            dst = self.hot.layer(layer)
+            with dev.stream_context(self._stream):
+                if self._native_copy:
+                    native.copy_rows(src, res.miss_src, dst, res.miss_dst)
+                else:
+                    dev.copy_rows(src, res.miss_src, dst, res.miss_dst)
+            done = dev.new_event()
+            done.record(self._stream)
+            dev.current_stream().wait_event(done)
+        self.stats.resolved_positions += int(res.counts[:, 0].sum())
+        self.stats.miss_rows += n
+        self.stats.onload_bytes += n * self.pool.row_bytes
+        slots = res.slots
+        return slots if slots.device == self.hot.device else slots.to(self.hot.device,
+                                                                     non_blocking=True)
+
+    def hot_buffer(self, layer: int) -> torch.Tensor:
+        return self.hot.layer(layer)
+
+    def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        pos = positions.to("cpu", torch.int64)
+        if pos.dim() != 2 or pos.shape[1] != 2:
+            raise ValueError(f"positions must be [N, 2] (batch index, position), got {tuple(pos.shape)}")
+        bidx, p = pos[:, 0], pos[:, 1]
+        lens = self._batch["lens"].to(torch.int64)
+        if pos.numel() and (int(bidx.min()) < 0 or int(bidx.max()) >= lens.numel()):
+            raise IndexError("new-KV batch index outside the step batch")
+        if pos.numel() and bool(((p < 0) | (p >= lens[bidx])).any()):
+            bad = int(((p < 0) | (p >= lens[bidx])).nonzero()[0, 0])
+            raise IndexError(f"new-KV position {int(p[bad])} of batch entry {int(bidx[bad])} is "
+                             f"outside [0, num_tokens={int(lens[bidx[bad]])})")
+        bt = self._batch["block_table"].to(torch.int64)
+        return bt[bidx, p // self.block_size] * self.block_size + p % self.block_size

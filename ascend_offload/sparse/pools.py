@@ -1,0 +1,217 @@
+"""Host KV pool (full main-KV history) and per-layer device hot buffers.
+
+Host pool layout is layer-first: ``kv[layer, row, *row_shape]``, one row per
+logical token slot, main KV only (the indexer cache stays on the device).
+Rows are handed out in blocks of ``block_size`` tokens; a request reserves
+every block it may ever need at admission, so running out of host memory is an
+explicit :class:`PoolCapacityError` there and never an overwrite later.
+Allocation is deterministic (lowest free blocks first): TP ranks that replay
+the same admissions compute the same block tables for one shared pool.
+
+With TP, one pool is shared by all ranks of a DP group: rank 0 creates it as a
+file under ``/dev/shm`` and writes new rows; other ranks attach and only read.
+A small header in the same mapping carries, per layer, the last decode step
+whose new rows rank 0 has completely written (:meth:`HostKVPool.publish` /
+:meth:`HostKVPool.wait_published`), so a reader never copies a row before its
+writer finished (I4).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ascend_offload import device as dev
+from ascend_offload.config import ConfigError, SparseOffloadConfig
+
+GiB = 1 << 30
+_MAGIC = 0x414F_5350_4F4F_4C31  # "AOSPOOL1"
+
+
+class PoolCapacityError(RuntimeError):
+    """Admission refused: the host pool or the hot-buffer rows are exhausted."""
+
+
+class PoolFenceTimeout(TimeoutError):
+    """A reader waited past its deadline for rank 0 to publish a layer's new rows."""
+
+
+def rows_for_budget(budget_bytes: float, num_layers: int, row_bytes: int, block_size: int) -> int:
+    """Token rows per layer that fit ``budget_bytes`` (whole blocks only)."""
+    per_row = num_layers * row_bytes
+    rows = int(budget_bytes // per_row)
+    return (rows // block_size) * block_size
+
+
+class HostKVPool:
+    """Layer-first host KV pool with block-granular, reserve-at-admission allocation."""
+
+    def __init__(self, num_layers: int, num_rows: int, row_shape: Sequence[int], dtype: torch.dtype,
+                 block_size: int, *, shared_name: str | None = None, create: bool = True) -> None:
+        if num_layers <= 0 or block_size <= 0:
+            raise ConfigError(f"num_layers={num_layers}, block_size={block_size}: must be > 0")
+        if num_rows < block_size or num_rows % block_size:
+            raise ConfigError(
+                f"host pool rows={num_rows}: must be a positive multiple of block_size={block_size} "
+                f"(raise 'dram_size_per_dp_GB')")
+        self.num_layers = num_layers
+        self.num_rows = num_rows
+        self.row_shape = tuple(int(d) for d in row_shape)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_rows // block_size
+        self.row_bytes = math.prod(self.row_shape) * torch.empty(0, dtype=dtype).element_size()
+        self.shared_name = shared_name
+        self._path: str | None = None
+        shape = (num_layers, num_rows, *self.row_shape)
+        # int64 header: [magic, layers, per-layer published step...], padded to 64 bytes.
+        self._header_slots = -(-(2 + num_layers) // 8) * 8
+        if shared_name is None:
+            self.kv = dev.empty_host(shape, dtype)
+            self._header = torch.zeros(self._header_slots, dtype=torch.int64)
+        else:
+            self.kv, self._header = self._map_shared(shared_name, shape, create)
+        self._free = list(range(self.num_blocks))  # kept sorted: lowest first
+        self._tables: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ shared mapping
+
+    def _map_shared(self, name: str, shape: tuple[int, ...], create: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if "/" in name or not name:
+            raise ConfigError(f"shared pool name {name!r}: must be a plain file name")
+        path = os.path.join("/dev/shm", f"ascend_offload_{name}")
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        data_elems = math.prod(shape)
+        header_bytes = self._header_slots * 8
+        total = header_bytes + data_elems * elem
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(total)
+        elif not os.path.exists(path) or os.path.getsize(path) != total:
+            raise FileNotFoundError(f"shared host pool {path} missing or of another size "
+                                    f"(expected {total} bytes): is rank 0 up with the same config?")
+        raw = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        header = raw[:header_bytes].view(torch.int64)
+        kv = raw[header_bytes:].view(self.dtype).view(shape)
+        if create:
+            header[1] = self.num_layers
+            header[0] = _MAGIC
+        elif int(header[0]) != _MAGIC or int(header[1]) != self.num_layers:
+            raise RuntimeError(f"shared host pool {path} was created with another layout")
+        self._path = path
+        return kv, header
+
+    def unlink(self) -> None:
+        """Remove the shared file (rank 0, at shutdown); mappings stay valid."""
+        if self._path and os.path.exists(self._path):
+            os.unlink(self._path)
+
+    # ------------------------------------------------------------------ allocation
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def admit(self, req_id: str, max_tokens: int) -> torch.Tensor:
+        """Reserve blocks for ``max_tokens`` tokens; returns the block table (int32)."""
+        if req_id in self._tables:
+            raise PoolCapacityError(f"request {req_id!r} is already admitted")
+        if max_tokens <= 0:
+            raise ValueError(f"request {req_id!r}: max_tokens={max_tokens} must be > 0")
+        need = -(-max_tokens // self.block_size)
+        if need > len(self._free):
+            raise PoolCapacityError(
+                f"host KV pool exhausted: request {req_id!r} needs {need} blocks "
+                f"({max_tokens} tokens), {len(self._free)} of {self.num_blocks} free "
+                f"(raise 'dram_size_per_dp_GB' or admit fewer/shorter requests)")
+        blocks, self._free = self._free[:need], self._free[need:]
+        self._tables[req_id] = blocks
+        return torch.tensor(blocks, dtype=torch.int32)
+
+    def release(self, req_id: str) -> None:
+        blocks = self._tables.pop(req_id, None)
+        if blocks is None:
+            return
+        self._free = sorted(self._free + blocks)
+
+    def block_table(self, req_id: str) -> torch.Tensor:
+        return torch.tensor(self._tables[req_id], dtype=torch.int32)
+
+    def capacity(self, req_id: str) -> int:
+        return len(self._tables[req_id]) * self.block_size
+
+    def rows_for(self, req_id: str, positions: torch.Tensor) -> torch.Tensor:
+        """Host rows (int64) of logical ``positions`` of a request."""
+        blocks = self._tables[req_id]
+        pos = positions.to(torch.int64)
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= len(blocks) * self.block_size):
+            raise IndexError(f"request {req_id!r}: positions outside its {len(blocks)} blocks")
+        table = torch.tensor(blocks, dtype=torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[num_rows, *row_shape]`` view of one layer."""
+        return self.kv[layer]
+
+    def write_rows(self, layer: int, req_id: str, start: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` as positions ``start..`` of a request (prompt KV, tests)."""
+        pos = torch.arange(start, start + rows.shape[0])
+        dev.scatter_rows(rows.to("cpu"), self.rows_for(req_id, pos), self.kv[layer])
+
+    # ------------------------------------------------------------------ TP fence
+
+    def publish(self, layer: int, step: int) -> None:
+        """Writer: every new row of ``step`` for ``layer`` is in the pool."""
+        self._header[2 + layer] = step
+
+    def wait_published(self, layer: int, step: int, timeout_s: float) -> None:
+        """Reader: block until the writer published ``step`` for ``layer`` or raise."""
+        slot = 2 + layer
+        if int(self._header[slot]) >= step:
+            return
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while int(self._header[slot]) < step:
+            if time.monotonic() > deadline:
+                raise PoolFenceTimeout(
+                    f"layer {layer}: rank 0 did not publish new KV rows of step {step} within "
+                    f"{timeout_s}s (last published {int(self._header[slot])})")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+class HotBuffers:
+    """Per layer, ``max_rows * hot_size`` device rows: request row r owns slots
+    ``[r * hot_size, (r + 1) * hot_size)``."""
+
+    def __init__(self, num_layers: int, max_rows: int, hot_size: int, row_shape: Sequence[int],
+                 dtype: torch.dtype, device: torch.device | None = None) -> None:
+        self.num_layers, self.max_rows, self.hot_size = num_layers, max_rows, hot_size
+        self.device = device if device is not None else dev.device()
+        shape = (max_rows * hot_size, *tuple(row_shape))
+        self.buffers = [torch.zeros(shape, dtype=dtype, device=self.device)
+                        for _ in range(num_layers)]
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+def pool_rows_from_config(cfg: SparseOffloadConfig, *, num_layers: int, row_shape: Sequence[int],
+                          dtype: torch.dtype, block_size: int) -> int:
+    """Rows per layer that ``dram_size_per_dp_GB`` buys; a clear error if it buys none."""
+    row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
+    rows = rows_for_budget(cfg.dram_size_per_dp_GB * GiB, num_layers, row_bytes, block_size)
+    if rows <= 0:
+        raise ConfigError(
+            f"key 'dram_size_per_dp_GB'={cfg.dram_size_per_dp_GB}: too small for one block of "
+            f"{block_size} tokens x {num_layers} layers x {row_bytes} bytes")
+    return rows
