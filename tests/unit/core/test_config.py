@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from ascend_offload.config import (
+    ConfigError,
+    SparseOffloadConfig,
+    StoreConnectorConfig,
+    parse_extra_config,
+)
+
+
+def test_defaults() -> None:
+    cfg = parse_extra_config("AscendStoreConnector", {})
+    assert isinstance(cfg, StoreConnectorConfig)
+    assert cfg.backend == "local" and cfg.layerwise_independent_layers == [0]
+
+
+@pytest.mark.parametrize(
+    ("raw", "needles"),
+    [
+        ({"backend": "redis"}, ["'backend'", "'local'"]),
+        ({"local": {"capacity_bytes": -5}}, ["local.capacity_bytes", "greater than 0"]),
+        ({"bogus_key": 1}, ["'bogus_key'", "Extra inputs", "use_layerwise"]),
+        ({"layerwise_independent_layers": [0, 0]}, ["layerwise_independent_layers", "duplicate"]),
+        ({"layerwise_independent_layers": "some"}, ["layerwise_independent_layers", "'all'"]),
+        ({"layerwise_num_shared_buffers": 0}, ["layerwise_num_shared_buffers"]),
+    ],
+)
+def test_store_errors_name_key_and_accepted(raw: dict, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_extra_config("AscendStoreConnector", raw)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_rd2h_errors() -> None:
+    with pytest.raises(ConfigError, match="memfabric_transfer_protocol.*'sdma'"):
+        parse_extra_config("SfaRemoteD2HConnector", {"memfabric_transfer_protocol": "x"})
+    with pytest.raises(ConfigError, match="unknown connector 'Nope'"):
+        parse_extra_config("Nope", {})
+
+
+def test_sparse_cross_checks() -> None:
+    cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=4096, index_topk=2048)
+    cfg.check_against(block_size=128)
+    with pytest.raises(ConfigError, match="topk_buffer_size.*index_topk=8192"):
+        cfg.check_against(block_size=128, index_topk=8192)
+    with pytest.raises(ConfigError, match="multiple of block_size=96"):
+        cfg.check_against(block_size=96)

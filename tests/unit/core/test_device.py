@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import torch
+
+from ascend_offload import device
+
+
+def test_cpu_platform_and_null_sync() -> None:
+    assert device.platform() == "cpu"
+    s = device.new_stream()
+    ev = device.new_event()
+    with device.stream_context(s):
+        ev.record(s)
+    assert ev.query()
+    device.record_after_compute().synchronize()
+    device.synchronize()
+
+
+def test_row_copies() -> None:
+    src = torch.arange(40, dtype=torch.float32).view(10, 4)
+    out = torch.empty(3, 4)
+    device.gather_rows(src, [7, 1, 4], out)
+    assert torch.equal(out, src[[7, 1, 4]])
+    dst = torch.zeros(10, 4)
+    device.scatter_rows(out, torch.tensor([0, 5, 9]), dst)
+    assert torch.equal(dst[[0, 5, 9]], out) and dst[1].abs().sum() == 0
+    dst2 = torch.zeros(6, 4)
+    device.copy_rows(src, [2, 3], dst2, [5, 0])
+    assert torch.equal(dst2[5], src[2]) and torch.equal(dst2[0], src[3])
+
+
+def test_host_alloc_and_bytes() -> None:
+    t = device.empty_host((4, 8), torch.float16)
+    t.fill_(1.5)
+    mv = device.tensor_bytes(t)
+    assert mv.nbytes == 64
