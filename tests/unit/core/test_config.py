@@ -35,7 +35,7 @@ def test_store_errors_name_key_and_accepted(raw: dict, needles: list[str]) -> No
 
 
 def test_rd2h_errors() -> None:
-    with pytest.raises(ConfigError, match="memfabric_transfer_protocol.*'sdma'"):
+    with pytest.raises(ConfigError, match=r"memfabric_transfer_protocol.*.sdma."):
         parse_extra_config("SfaRemoteD2HConnector", {"memfabric_transfer_protocol": "x"})
     with pytest.raises(ConfigError, match="unknown connector 'Nope'"):
         parse_extra_config("Nope", {})
@@ -44,7 +44,7 @@ def test_rd2h_errors() -> None:
 def test_sparse_cross_checks() -> None:
     cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=4096, index_topk=2048)
     cfg.check_against(block_size=128)
-    with pytest.raises(ConfigError, match="topk_buffer_size.*index_topk=8192"):
+    with pytest.raises(ConfigError, match=r"topk_buffer_size.*index_topk=8192"):
         cfg.check_against(block_size=128, index_topk=8192)
     with pytest.raises(ConfigError, match="multiple of block_size=96"):
         cfg.check_against(block_size=96)
