@@ -442,7 +442,10 @@ class Proxy:
             if not stream or d.status != 200:
                 ok = d.status == 200
                 return web.Response(status=d.status, body=d.data, headers={"Content-Type": d.ctype})
-            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            # Relayed as is: the decode's own content type, its bytes untouched.
+            headers = dict(_SSE_HEADERS)
+            headers["Content-Type"] = d.ctype
+            out = web.StreamResponse(status=200, headers=headers)
             await out.prepare(request)
             await out.write(d.data)
             content = d.resp.content
