@@ -128,6 +128,7 @@ class Consumer:
         self._requests: dict[str, _Request] = {}
         self._parked: dict[str, list[_Parked]] = {}
         self._metas: dict[tuple[str, int], P.MfMeta] = {}
+        self._commands: list[tuple[str, str]] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
         self._ctx = zmq.Context.instance()
@@ -164,11 +165,15 @@ class Consumer:
                                                   self._clock() + self.request_timeout_s)
         self._loop.wake()
 
-    def cancel(self, request_id: str) -> None:
-        """Forget a request (aborted); later items for it are answered ``unknown_request``."""
+    def fail(self, request_id: str, reason: str) -> None:
+        """End a request as failed (aborted, registration failed); always yields an outcome.
+
+        Runs on the I/O thread between reads, so when the outcome appears no
+        read into the request's blocks is in flight and they may be reused.
+        """
         with self._lock:
-            self._requests.pop(request_id, None)
-            self._parked.pop(request_id, None)
+            self._commands.append((request_id, reason))
+        self._loop.wake()
 
     def finished(self) -> list[RecvOutcome]:
         """Drain requests that became terminal."""
@@ -347,7 +352,25 @@ class Consumer:
             if self._requests.get(it.request_id) is req:
                 self._terminal(req, p.p_rank, it.layer, not code, f"{code}: {err}")
 
+    def _run_commands(self) -> None:
+        with self._lock:
+            cmds, self._commands = self._commands, []
+        for rid, reason in cmds:
+            with self._lock:
+                parked = self._parked.pop(rid, [])
+                req = self._requests.get(rid)
+                if req is None:
+                    self._finished.append(RecvOutcome(rid, False, (), (reason,)))
+                    self._finished_cv.notify_all()
+                else:
+                    for layer in range(req.num_layers):
+                        for r in self.topology.contributors(self.d_rank):
+                            self._terminal(req, r, layer, False, reason)
+            for p in parked:
+                self._fail(p.ident, p.p_rank, p.item, P.FAIL_UNKNOWN_REQUEST, reason)
+
     def _tick(self, ready: list[zmq.Socket]) -> None:
+        self._run_commands()
         work: list[_Parked] = []
         if ready:
             while True:
@@ -400,6 +423,7 @@ class Consumer:
                        f"request {p.item.request_id!r} was never expected within the read budget")
         for p in run:
             self._serve(p)
+            self._run_commands()
         now = self._clock()
         with self._lock:
             for req in list(self._requests.values()):

@@ -90,6 +90,7 @@ class _Request:
     endpoint: tuple[str, int]
     deadline: float = float("inf")
     terminal: dict[int, bool] = field(default_factory=dict)  # layer -> ok
+    published: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -219,6 +220,7 @@ class Producer:
                     main=self.topology.sends_main(self.p_rank), index_lo=lo, index_hi=hi,
                 ))
                 pending.add(rid)
+                req.published.add(layer)
             use = _SlotUse(slot, gen, layer, self._clock() + self.ack_timeout_s, pending, tag=tag)
             budget_ms = max(1, int(self.ack_timeout_s * 500))  # half: see ReadReadyBatch
             for ep, items in per_ep.items():
@@ -235,13 +237,18 @@ class Producer:
         return gen
 
     def abort_request(self, request_id: str) -> None:
-        """Stop expecting layers of a request (e.g. prefill aborted); it finishes as failed."""
+        """Layers not yet published never will be (prefill aborted): they fail now.
+
+        Published layers keep waiting for their answers (or deadline): decode
+        may still be reading those blocks, so the request finishes only then.
+        """
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
                 return
             for layer in range(req.num_layers):
-                req.terminal.setdefault(layer, False)
+                if layer not in req.published:
+                    req.terminal.setdefault(layer, False)
             self._maybe_finish(req)
         self._deliver()
 
@@ -396,11 +403,15 @@ class Producer:
                     self._expire(use, "timeout")
             for req in list(self._requests.values()):
                 if req.deadline <= now:
-                    missing = [layer for layer in range(req.num_layers) if layer not in req.terminal]
-                    log.error("request %r: layers %s never published within %.1fs; finishing it failed",
-                              req.request_id, missing, self.request_timeout_s)
+                    # Published layers stay bounded by their ack deadline (decode may be reading).
+                    missing = [layer for layer in range(req.num_layers)
+                               if layer not in req.terminal and layer not in req.published]
+                    if missing:
+                        log.error("request %r: layers %s never published within %.1fs; failing them",
+                                  req.request_id, missing, self.request_timeout_s)
                     for layer in missing:
                         req.terminal[layer] = False
+                    req.deadline = float("inf")
                     self._maybe_finish(req)
         self._deliver()
 

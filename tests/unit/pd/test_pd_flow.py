@@ -275,3 +275,34 @@ def test_reuse_gate_waits_for_decode_read(port, kv):
             cons.close()
         pe.close()
         de.close()
+
+
+def test_consumer_fail_ends_request_and_unknown_gets_outcome(pair_factory):
+    pr = pair_factory()
+    pr.consumer.expect("r1", [1, 2, 3])
+    pr.producer.add_request("r1", [4, 5, 6], pr.target)
+    pr.producer.publish_layer(0)
+    time.sleep(0.2)
+    pr.consumer.fail("r1", "aborted on decode")
+    pr.consumer.fail("never", "registration failed")
+    outs = {o.request_id: o for o in pr.consumer.wait_finished(2, WAIT)}
+    assert not outs["r1"].ok and outs["r1"].failed_blocks == (1, 2, 3)
+    assert any("aborted on decode" in r for r in outs["r1"].reasons)
+    assert outs["never"] == type(outs["never"])("never", False, (), ("registration failed",))
+    assert pr.consumer.active() == []
+    # later layers of r1 are answered unknown_request, so prefill is not left waiting
+    pr.producer.publish_layer(1)
+    pr.producer.publish_layer(2)
+    sent = pr.wait_send(1)
+    assert sent and sent[0].request_id == "r1" and sent[0].failed_layers == (1, 2)
+
+
+def test_abort_waits_for_published_layers(pair_factory):
+    pr = pair_factory(ack_timeout_s=0.5, start_consumer=False)
+    pr.producer.add_request("r1", [1], pr.target)
+    pr.producer.publish_layer(0)
+    pr.producer.abort_request("r1")
+    assert pr.producer.finished() == []  # layer 0 may still be read: not finished yet
+    sent = pr.wait_send(1)
+    assert [(s.request_id, s.failed_layers) for s in sent] == [("r1", (0, 1, 2))]
+    assert pr.releases and pr.releases[0].failures == (("r1", "timeout"),)
