@@ -140,6 +140,7 @@ class _Unit:
 class _UnitState:
     lease: WriteLease
     load: cf.Future[None] | None = None
+    loaded: bool = False
     prefetched: bool = False
     released: bool = False
 
@@ -159,6 +160,7 @@ class LayerwisePipeline:
         save_delay_s: float = 0.0,
         gate: ReuseGate | None = None,
         block_dim: int = 0,
+        ready_before_hook: bool = True,
     ) -> None:
         if prefetch_layers < 0:
             raise ValueError(f"layerwise_prefetch_layers={prefetch_layers}: must be >= 0")
@@ -170,6 +172,7 @@ class LayerwisePipeline:
         self.save_timeout_s = save_timeout_s
         self.save_delay_s = save_delay_s
         self.block_dim = block_dim
+        self.ready_before_hook = ready_before_hook
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
         self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
         followers: dict[str, list[str]] = {}
@@ -230,28 +233,16 @@ class LayerwisePipeline:
         with self._lock:
             self._stats.steps += 1
         self._prefetch_from(0)
+        if self.ready_before_hook and self._units:
+            self._make_ready(self._units[0])
 
     def wait_for_layer_load(self, layer: str) -> None:
         """Block until ``layer``'s slot is owned by it and its store objects are in it."""
         unit = self._unit_of.get(layer)
-        if unit is None or self._step is None:
-            return  # not a cache-bearing layer of the plan, or no step in progress
-        t0 = time.perf_counter()
-        st = self._state.get(unit.main)
-        if st is None:
-            lease = self.gate.acquire_write(unit.gate_slot, unit.main)
-            st = self._state[unit.main] = _UnitState(lease)
-            st.load = self._submit_load(unit)
-        if st.load is not None:
-            try:
-                st.load.result(timeout=self.load_timeout_s)
-            except cf.TimeoutError:
-                raise LoadTimeout(
-                    f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) did not "
-                    f"finish within load_timeout_s={self.load_timeout_s}"
-                ) from None
-        with self._lock:
-            self._stats.load_wait_s += time.perf_counter() - t0
+        if unit is None:
+            return  # not a cache-bearing layer of the plan
+        self._check_step(layer)
+        self._make_ready(unit)
         self._prefetch_from(unit.index + 1)
 
     def save_layer(self, layer: str, extra_consumers: Sequence[str] = ()) -> list[ConsumerToken]:
@@ -263,8 +254,10 @@ class LayerwisePipeline:
         and returned; their owner (e.g. the P/D producer) releases them on its acks.
         """
         unit = self._unit_of.get(layer)
-        if unit is None or self._step is None or layer != unit.main:
+        if unit is None or layer != unit.main:
             return []
+        self._check_step(layer)
+        assert self._step is not None
         st = self._state.get(unit.main)
         if st is None:
             raise PipelineError(
@@ -288,6 +281,8 @@ class LayerwisePipeline:
         st.released = True
         self.gate.release_write(st.lease)
         self._prefetch_from(unit.index + 1)
+        if self.ready_before_hook and unit.index + 1 < len(self._units):
+            self._make_ready(self._units[unit.index + 1])
         return tokens
 
     def finish_step(self, wait_saves: bool = True) -> None:
@@ -316,6 +311,11 @@ class LayerwisePipeline:
         self._step = None
         if wait_saves:
             self.drain()
+
+    @property
+    def in_step(self) -> bool:
+        """True between ``start_step`` and ``finish_step``."""
+        return self._step is not None
 
     def take_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (vLLM recomputes or fails them)."""
@@ -357,6 +357,36 @@ class LayerwisePipeline:
             raise PipelineError("layerwise pipeline is closed")
         if not self._kv:
             raise PipelineError("layerwise pipeline: register_kv_caches was not called")
+
+    def _check_step(self, layer: str) -> None:
+        if self._step is None:
+            raise PipelineError(
+                f"layerwise: hook for layer {layer!r} outside a step: start_step (start_load_kv) "
+                "must run before the forward - the connector sets "
+                "scheduler_output.has_sync_kv_loads=True so vLLM calls it first"
+            )
+
+    def _make_ready(self, unit: _Unit) -> None:
+        """Own ``unit``'s slot (gate, deadline) and wait until its store load is in place."""
+        st = self._state.get(unit.main)
+        if st is not None and (st.loaded or st.released):
+            return
+        t0 = time.perf_counter()
+        if st is None:
+            lease = self.gate.acquire_write(unit.gate_slot, unit.main)
+            st = self._state[unit.main] = _UnitState(lease)
+            st.load = self._submit_load(unit)
+        if st.load is not None:
+            try:
+                st.load.result(timeout=self.load_timeout_s)
+            except cf.TimeoutError:
+                raise LoadTimeout(
+                    f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) did not "
+                    f"finish within load_timeout_s={self.load_timeout_s}"
+                ) from None
+        st.loaded = True
+        with self._lock:
+            self._stats.load_wait_s += time.perf_counter() - t0
 
     def _forget_save(self, fut: cf.Future[None]) -> None:
         with self._lock:

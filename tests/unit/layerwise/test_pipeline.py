@@ -41,18 +41,20 @@ class Sim:
 
     def step(self, io: StepIO, context: list[BlockRef], new: list[BlockRef],
              wait_saves: bool = True) -> None:
+        """One forward in vLLM's order: a layer's new KV is written (unified_kv_cache_update)
+        *before* wait_for_layer_load, then attention reads the context, then save_kv_layer."""
         self.pipe.start_step(io)
         for layer in self.plan.layers:
             members = [layer, *[f for f in self.plan.followers if self.plan.main_of[f] == layer]]
             for m in members:
+                for r in new:
+                    self.kv[m][r.block_id].fill_(value(r.key, m))
                 self.pipe.wait_for_layer_load(m)
-            for m in members:  # attention reads the context ...
-                for r in context:
+            for m in members:
+                for r in (*context, *new):
                     got = self.kv[m][r.block_id]
                     if not torch.all(got == value(r.key, m)):
                         self.mismatches.append(f"{m} block {r.block_id} ({r.key}): {got.flatten()[0]}")
-                for r in new:  # ... and writes this step's KV
-                    self.kv[m][r.block_id].fill_(value(r.key, m))
             for m in members:
                 self.pipe.save_layer(m)
         self.pipe.finish_step(wait_saves=wait_saves)
@@ -167,22 +169,48 @@ def test_store_full_is_counted_not_fatal() -> None:
     assert st.save_skipped == 2 and st.blocks_saved == 2 and st.save_errors == 0
 
 
-def test_gate_deadline_surfaces_from_wait_for_layer_load() -> None:
+@pytest.mark.parametrize("ready_before_hook", [True, False])
+def test_gate_deadline_is_an_explicit_error(ready_before_hook: bool) -> None:
     store = DictStore()
     plan = plan_uniform(3, 1, [0])
-    sim = Sim(plan, store, save_timeout_s=0.05)
+    sim = Sim(plan, store, save_timeout_s=0.05, ready_before_hook=ready_before_hook)
     io = StepIO(save=(BlockRef(0, "x"),))
     sim.pipe.start_step(io)
     sim.pipe.wait_for_layer_load("layers.0")
     sim.pipe.save_layer("layers.0")
     sim.pipe.wait_for_layer_load("layers.1")
-    tokens = sim.pipe.save_layer("layers.1", extra_consumers=["decode-read rank0"])
-    with pytest.raises(GateTimeout) as err:
-        sim.pipe.wait_for_layer_load("layers.2")
+    if ready_before_hook:
+        # layer 2 must own its slot before vLLM writes its KV: that happens in layer 1's save
+        with pytest.raises(GateTimeout) as err:
+            sim.pipe.save_layer("layers.1", extra_consumers=["decode-read rank0"])
+        tokens = [c for c in sim.pipe.gate._slots[1].consumers.values() if "decode" in c.name]
+    else:
+        tokens = sim.pipe.save_layer("layers.1", extra_consumers=["decode-read rank0"])
+        with pytest.raises(GateTimeout) as err:
+            sim.pipe.wait_for_layer_load("layers.2")
     assert err.value.slot == plan.slot_of["layers.2"] and "decode-read rank0" in str(err.value)
     sim.pipe.gate.release_consumer(tokens[0])
     sim.pipe.wait_for_layer_load("layers.2")
     sim.pipe.save_layer("layers.2")
+    sim.pipe.close()
+
+
+def test_slot_not_ready_before_kv_write_corrupts_negative_control() -> None:
+    """vLLM writes a layer's KV before wait_for_layer_load: without ready_before_hook a slow
+    save of the previous layer in the slot reads the new layer's bytes."""
+    store = DictStore()
+    sim = Sim(plan_uniform(4, 1, [0]), store, save_delay_s=0.03, ready_before_hook=False)
+    keys = [f"s{i}" for i in range(4)]
+    chunked_prefill(sim, keys, blocks=[0, 1, 2, 3], chunk=2)
+    sim.pipe.close()
+    assert sim.mismatches
+
+
+def test_hooks_outside_a_step_are_refused() -> None:
+    store = DictStore()
+    sim = Sim(plan_uniform(2, 1, [0]), store)
+    with pytest.raises(PipelineError, match="has_sync_kv_loads"):
+        sim.pipe.wait_for_layer_load("layers.0")
     sim.pipe.close()
 
 
@@ -198,7 +226,7 @@ def test_protocol_errors() -> None:
     assert not pipe.aliased
     pipe.start_step(StepIO())
     with pytest.raises(PipelineError, match="without a preceding wait_for_layer_load"):
-        pipe.save_layer("layers.1")
+        pipe.save_layer("layers.2")
     pipe.wait_for_layer_load("not.a.layer")  # non-cache layers are ignored
     pipe.finish_step()
     with pytest.raises(PipelineError, match="loaded twice"):
