@@ -1,0 +1,97 @@
+"""The native build is cached by source hash and falls back cleanly."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ascend_offload.config import SparseOffloadConfig
+from ascend_offload.sparse import native
+from ascend_offload.sparse.manager import SparseOffloadManager
+
+
+def test_missing_compiler_returns_none_and_logs(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING):
+        assert native.build(native.LIB_SOURCES, "ao_sparse_t") is None
+    assert "pure-torch residency twin" in caplog.text
+
+
+def test_missing_sources_returns_none(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(tmp_path))
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
+    assert native.build(native.LIB_SOURCES, "ao_sparse_t", quiet=True) is None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_build_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(native.source_dir(), src)
+    monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(src))
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
+    first = native.build(native.LIB_SOURCES, "ao_sparse_t")
+    assert first is not None and first.is_file()
+    assert native.build(native.LIB_SOURCES, "ao_sparse_t") == first  # cache hit
+    with open(src / "rowcopy.cpp", "a") as f:
+        f.write("\n// edited\n")
+    second = native.build(native.LIB_SOURCES, "ao_sparse_t")
+    assert second is not None and second != first  # an edit rebuilds into a new key
+
+
+def test_disabled_native_falls_back_to_twin_in_a_fresh_process(tmp_path) -> None:
+    code = textwrap.dedent("""
+        import os, torch
+        os.environ["ASCEND_OFFLOAD_DISABLE_NATIVE"] = "1"
+        from ascend_offload.config import SparseOffloadConfig
+        from ascend_offload.sparse.manager import SparseOffloadManager
+        from ascend_offload.sparse.residency import make_residency
+        assert make_residency(1, 1, 4).kind == "torch"
+        try:
+            make_residency(1, 1, 4, use_native="on")
+        except RuntimeError as e:
+            assert "use_native='on'" in str(e)
+        else:
+            raise SystemExit("use_native=on did not raise")
+        cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=8, index_topk=4)
+        m = SparseOffloadManager(cfg, num_layers=1, row_shape=(2,), dtype=torch.float32,
+                                 block_size=4, max_requests=1, pool_rows=8)
+        assert m.residency.kind == "torch"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(native.source_dir().parent))
+    assert out.returncode == 0, out.stderr
+    assert "ok" in out.stdout and "ASCEND_OFFLOAD_DISABLE_NATIVE" in out.stderr
+
+
+@pytest.mark.skipif(not native.available(), reason="native library unavailable")
+def test_native_copy_rows_matches_torch_and_checks_bounds() -> None:
+    src = torch.randn(100, 7)
+    dst = torch.zeros(20, 7)
+    sidx = torch.tensor([5, 99, 0, 42], dtype=torch.int32)
+    didx = torch.tensor([19, 0, 3, 7], dtype=torch.int32)
+    native.copy_rows(src, sidx, dst, didx)
+    want = torch.zeros(20, 7)
+    want[didx.long()] = src[sidx.long()]
+    assert torch.equal(dst, want)
+    with pytest.raises(IndexError, match="index 1"):
+        native.copy_rows(src, torch.tensor([0, 100], dtype=torch.int32), dst,
+                         torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="row layout"):
+        native.copy_rows(src, sidx, torch.zeros(20, 6), didx)
+
+
+def test_manager_uses_native_when_asked() -> None:
+    if not native.available():
+        pytest.skip("native library unavailable")
+    cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=8, index_topk=4, use_native="on")
+    m = SparseOffloadManager(cfg, num_layers=1, row_shape=(2,), dtype=torch.float32,
+                             block_size=4, max_requests=1, pool_rows=8)
+    assert m.residency.kind == "native"

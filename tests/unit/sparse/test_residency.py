@@ -1,0 +1,187 @@
+"""Native residency, its torch twin and a naive oracle agree on random traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sparse_oracle import Oracle
+
+from ascend_offload.sparse import native
+from ascend_offload.sparse.residency import (
+    NativeResidency,
+    ResidencyError,
+    TorchResidency,
+    make_residency,
+)
+
+needs_native = pytest.mark.skipif(not native.available(), reason="native library unavailable")
+
+BLOCK = 4
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> dict:
+    layers = draw(st.integers(1, 2))
+    rows = draw(st.integers(1, 3))
+    hot = draw(st.integers(1, 12))
+    k = draw(st.integers(1, hot))
+    max_len = draw(st.integers(1, 40))
+    calls = []
+    state = {r: {"tag": 1, "len": draw(st.integers(1, max_len))} for r in range(rows)}
+    for _ in range(draw(st.integers(1, 25))):
+        batch = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows, unique=True))
+        entries = []
+        for r in batch:
+            s = state[r]
+            if draw(st.integers(0, 9)) == 0:  # the row gets a new request
+                s["tag"] += 1
+            s["len"] = draw(st.integers(1, max_len))
+            stable = draw(st.integers(0, s["len"]))
+            topk = draw(st.lists(st.integers(-1, s["len"] - 1), min_size=k, max_size=k))
+            entries.append((r, s["tag"], stable, s["len"], topk))
+        calls.append((draw(st.integers(0, layers - 1)), entries))
+    release = draw(st.lists(st.integers(0, len(calls)), max_size=3))
+    return {"layers": layers, "rows": rows, "hot": hot, "k": k, "max_len": max_len,
+            "calls": calls, "release": release}
+
+
+def _block_table(rows: int, max_len: int) -> torch.Tensor:
+    nblk = -(-max_len // BLOCK)
+    # distinct, shuffled blocks per row so source rows are not just positions
+    perm = torch.randperm(rows * nblk, generator=torch.Generator().manual_seed(7))
+    return perm.view(rows, nblk).to(torch.int32)
+
+
+def _replay(impls: list, oracle: Oracle, tr: dict) -> None:
+    bt_all = _block_table(tr["rows"], tr["max_len"])
+    for n, (layer, entries) in enumerate(tr["calls"]):
+        if n in tr["release"]:
+            for impl in impls:
+                impl.release(entries[0][0])
+            oracle.release(entries[0][0])
+        rows = [e[0] for e in entries]
+        args = (layer, torch.tensor(rows), torch.tensor([e[1] for e in entries]),
+                torch.tensor([e[2] for e in entries]), torch.tensor([e[3] for e in entries]),
+                torch.tensor([e[4] for e in entries]), bt_all[rows], BLOCK)
+        results = [impl.resolve(*args) for impl in impls]
+        want_out, want_miss = [], []
+        for r, tag, stable, _, topk in entries:
+            o, m = oracle.resolve(layer, r, tag, stable, topk, bt_all[r].tolist(), BLOCK)
+            want_out.append(o)
+            want_miss += m
+        for res in results:
+            assert res.slots.tolist() == want_out, f"call {n}"
+            assert list(zip(res.miss_src.tolist(), res.miss_dst.tolist(), strict=True)) == want_miss
+            assert res.counts[:, 1].sum().item() == len(want_miss)
+            assert res.counts[:, 0].tolist() == [sum(p >= 0 for p in e[4]) for e in entries]
+        for r in rows:
+            views = [impl.inspect(layer, r) for impl in impls]
+            assert all(v == views[0] for v in views), f"state differs after call {n}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_twin_matches_oracle(tr: dict) -> None:
+    impls = [TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
+    _replay(impls, Oracle(tr["hot"]), tr)
+
+
+@needs_native
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_native_matches_twin_and_oracle(tr: dict) -> None:
+    impls = [NativeResidency(tr["layers"], tr["rows"], tr["hot"]),
+             TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
+    _replay(impls, Oracle(tr["hot"]), tr)
+
+
+@needs_native
+def test_native_matches_twin_on_long_trace_with_ring_compaction() -> None:
+    """Thousands of calls on one row: the native ring wraps and compacts many times."""
+    g = torch.Generator().manual_seed(3)
+    H, K, L = 64, 32, 600
+    nat, tw = NativeResidency(1, 2, H), TorchResidency(1, 2, H)
+    bt = torch.arange(2 * (L // BLOCK), dtype=torch.int32).view(2, -1)
+    cur = torch.randperm(L, generator=g)[:K]
+    for step in range(500):
+        keep = cur[torch.randperm(K, generator=g)[: int(K * 0.9)]]
+        fresh = torch.randint(0, L, (K - keep.numel(),), generator=g)
+        cur = torch.cat([keep, fresh])
+        topk = torch.stack([cur, cur.flip(0)])
+        stable = torch.tensor([L, L - (step % 5)])
+        args = (0, torch.tensor([0, 1]), torch.tensor([1, 1]), stable, torch.tensor([L, L]),
+                topk, bt, BLOCK)
+        a, b = nat.resolve(*args), tw.resolve(*args)
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.miss_src, b.miss_src)
+        assert torch.equal(a.miss_dst, b.miss_dst)
+    assert nat.inspect(0, 0) == tw.inspect(0, 0) and nat.inspect(0, 1) == tw.inspect(0, 1)
+
+
+def _impls(layers: int, rows: int, hot: int) -> list:
+    out: list = [TorchResidency(layers, rows, hot)]
+    if native.available():
+        out.append(NativeResidency(layers, rows, hot))
+    return out
+
+
+@pytest.mark.parametrize("impl", _impls(1, 2, 8), ids=lambda i: i.kind)
+def test_semantics_by_example(impl) -> None:
+    bt = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)  # identity-ish blocks of 4
+
+    def call(row: int, tag: int, stable: int, length: int, topk: list[int]):
+        return impl.resolve(0, torch.tensor([row]), torch.tensor([tag]), torch.tensor([stable]),
+                            torch.tensor([length]), torch.tensor([topk]), bt[[row]], BLOCK)
+
+    r = call(1, 5, 20, 20, [3, -1, 7, 3])
+    assert r.slots.tolist() == [[8, -1, 9, 8]]  # row 1 owns slots 8..15; duplicate shares
+    assert r.miss_src.tolist() == [8 * 4 + 3, 8 * 4 + 7] and r.miss_dst.tolist() == [8, 9]
+    assert call(1, 5, 20, 20, [7, 3]).num_misses == 0
+    # stable length 5 drops the resident position 7 (>= 5) but keeps 3
+    r = call(1, 5, 5, 20, [3, 7])
+    assert r.num_misses == 1 and r.miss_src.tolist() == [8 * 4 + 7]
+    # a new request in the row starts from scratch
+    assert call(1, 6, 20, 20, [3]).num_misses == 1
+    # rejected input names the offender and changes nothing
+    with pytest.raises(ResidencyError, match=r"top-k\[1\]=20"):
+        call(1, 6, 20, 20, [3, 20])
+    with pytest.raises(ResidencyError, match="stable=21"):
+        call(1, 6, 21, 20, [3])
+    assert call(1, 6, 20, 20, [3]).num_misses == 0
+
+
+def test_lru_eviction_order() -> None:
+    for impl in _impls(1, 1, 4):
+        bt = torch.arange(8, dtype=torch.int32).view(1, 8)
+
+        def call(topk: list[int], impl=impl, bt=bt):
+            return impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([32]),
+                                torch.tensor([32]), torch.tensor([topk]), bt, BLOCK)
+
+        call([0, 1])
+        call([2, 3])
+        call([1, -1])  # 1 is now the most recent; LRU order: 0, 2, 3, 1
+        r = call([10, 11])  # evicts 0 then 2
+        assert impl.inspect(0, 0)[0] == [10, 1, 11, 3], impl.kind
+        assert r.miss_dst.tolist() == [0, 2]
+
+
+def test_bad_arguments() -> None:
+    for impl in _impls(2, 2, 4):
+        bt = torch.zeros((1, 4), dtype=torch.int32)
+        with pytest.raises(ResidencyError, match="K=5"):
+            impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([1]),
+                         torch.tensor([1]), torch.zeros((1, 5), dtype=torch.int32), bt, BLOCK)
+        with pytest.raises(ResidencyError, match="repeated"):
+            impl.resolve(0, torch.tensor([1, 1]), torch.tensor([1, 1]), torch.tensor([1, 1]),
+                         torch.tensor([1, 1]), torch.zeros((2, 2), dtype=torch.int32),
+                         bt.repeat(2, 1), BLOCK)
+        with pytest.raises(ResidencyError, match="len=17"):
+            impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([1]),
+                         torch.tensor([17]), torch.zeros((1, 2), dtype=torch.int32), bt, BLOCK)
+    with pytest.raises(ResidencyError, match="topk_buffer_size=70000"):
+        TorchResidency(1, 1, 70000)
+    with pytest.raises(ResidencyError, match="use_native"):
+        make_residency(1, 1, 4, use_native="maybe")
+    assert make_residency(1, 1, 4, use_native="off").kind == "torch"
