@@ -1,0 +1,140 @@
+"""Layout hook logic that needs no engine: when it applies, what it refuses, how it plans."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_offload.config import ConfigError
+from ascend_offload.layerwise import layout
+from ascend_offload.layerwise.layout import (
+    LayerwiseStartupError,
+    check_engine_constraints,
+    layer_specs_from_groups,
+    layerwise_settings,
+    plan_from_groups,
+)
+
+
+def _vcfg(connector: str | None, extra: dict | None = None, **cache: object) -> SimpleNamespace:
+    kvt = None if connector is None else SimpleNamespace(
+        kv_connector=connector, kv_connector_extra_config=extra or {}
+    )
+    return SimpleNamespace(
+        kv_transfer_config=kvt,
+        cache_config=SimpleNamespace(enable_prefix_caching=cache.get("prefix", False)),
+        compilation_config=SimpleNamespace(cudagraph_mode=cache.get("mode")),
+    )
+
+
+def test_settings_only_for_layerwise_store() -> None:
+    assert layerwise_settings(_vcfg(None)) is None
+    assert layerwise_settings(_vcfg("NixlConnector", {"x": 1})) is None
+    assert layerwise_settings(_vcfg("AscendStoreConnector", {})) is None  # whole-prefix mode
+    cfg = layerwise_settings(_vcfg("AscendStoreConnector", {
+        "use_layerwise": True, "layerwise_num_shared_buffers": 3}))
+    assert cfg is not None and cfg.layerwise_num_shared_buffers == 3
+
+
+def test_settings_inside_multi_connector() -> None:
+    extra = {"connectors": [
+        {"kv_connector": "SfaRemoteD2HConnector", "kv_connector_extra_config": {}},
+        {"kv_connector": "AscendStoreConnector",
+         "kv_connector_extra_config": {"use_layerwise": True, "layerwise_independent_layers": "all"}},
+    ]}
+    for multi in ("AscendMultiConnector", "MultiConnector"):
+        cfg = layerwise_settings(_vcfg(multi, extra))
+        assert cfg is not None and cfg.layerwise_independent_layers == "all"
+
+
+def test_bad_store_config_fails_by_key() -> None:
+    with pytest.raises(ConfigError, match="layerwise_num_shared_buffers"):
+        layerwise_settings(_vcfg("AscendStoreConnector", {
+            "use_layerwise": True, "layerwise_num_shared_buffers": 0}))
+
+
+class _Mode:
+    def __init__(self, full: bool) -> None:
+        self.full = full
+        self.name = "FULL_AND_PIECEWISE" if full else "PIECEWISE"
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.full
+
+
+def test_engine_constraints() -> None:
+    check_engine_constraints(_vcfg("AscendStoreConnector"))
+    check_engine_constraints(_vcfg("AscendStoreConnector", mode=_Mode(False)))
+    with pytest.raises(LayerwiseStartupError, match="enable_prefix_caching"):
+        check_engine_constraints(_vcfg("AscendStoreConnector", prefix=True))
+    with pytest.raises(LayerwiseStartupError, match="cudagraph_mode=FULL_AND_PIECEWISE"):
+        check_engine_constraints(_vcfg("AscendStoreConnector", mode=_Mode(True)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    kind: str
+    page_size_bytes: int
+
+
+def _group(names: list[str], spec: object) -> SimpleNamespace:
+    return SimpleNamespace(layer_names=names, kv_cache_spec=spec)
+
+
+def test_specs_from_groups_order_mtp_and_indexer() -> None:
+    full = _Spec("full", 1152)
+    idx = _Spec("idx", 256)
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1, 3)]
+    groups = [
+        _group(names, full),
+        _group([f"model.layers.{i}.self_attn.indexer.k_cache" for i in (0, 1, 2, 3, 10)], idx),
+    ]
+    specs = layer_specs_from_groups(groups, num_hidden_layers=4)
+    mains = [s for s in specs if s.follows is None]
+    assert [s.name for s in mains] == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 3, 10)]
+    assert [s.mtp for s in mains] == [False, False, False, False, True]
+    f = {s.name: s.follows for s in specs if s.follows}
+    assert f["model.layers.2.self_attn.indexer.k_cache"] == "model.layers.2.self_attn.attn"
+    cfg = layerwise_settings(_vcfg("AscendStoreConnector", {
+        "use_layerwise": True, "layerwise_num_shared_buffers": 1,
+        "layerwise_independent_layers": [0, -1]}))
+    assert cfg is not None
+    plan = plan_from_groups(groups, cfg, num_hidden_layers=4)
+    assert plan.num_main_physical == 3  # layer 0, the MTP layer, one shared
+    assert plan.num_physical == 6  # each main slot has its indexer buffer
+    assert plan.footprint_ratio() == pytest.approx(3 / 5)
+
+
+def test_uniform_type_specs_per_layer() -> None:
+    a, b = _Spec("a", 100), _Spec("b", 200)
+    spec = SimpleNamespace(kv_cache_specs={"l.0.attn": a, "l.1.attn": b, "l.2.attn": a})
+    specs = layer_specs_from_groups([_group(["l.0.attn", "l.1.attn", "l.2.attn"], spec)])
+    assert [s.nbytes for s in specs] == [100, 200, 100]
+    assert specs[0].compat != specs[1].compat and specs[0].compat == specs[2].compat
+
+
+def test_install_is_idempotent_and_reversible() -> None:
+    core = pytest.importorskip("vllm.v1.engine.core")
+    layout.uninstall_layout_hook()
+    original = core.get_kv_cache_configs
+    try:
+        layout.install_layout_hook()
+        wrapped = core.get_kv_cache_configs
+        assert wrapped is not original
+        layout.install_layout_hook()
+        assert core.get_kv_cache_configs is wrapped
+        layout.uninstall_layout_hook()
+        assert core.get_kv_cache_configs is original
+    finally:
+        core.get_kv_cache_configs = original
+
+
+def test_wrapper_off_is_identity_on_checks_constraints() -> None:
+    sentinel = [object()]
+    wrapped = layout._wrap(lambda *a: sentinel)
+    assert wrapped(_vcfg(None), [], []) is sentinel
+    assert wrapped(_vcfg("AscendStoreConnector", {"use_layerwise": False}), [], []) is sentinel
+    with pytest.raises(LayerwiseStartupError, match="enable_prefix_caching"):
+        wrapped(_vcfg("AscendStoreConnector", {"use_layerwise": True}, prefix=True), [], [])
