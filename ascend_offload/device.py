@@ -9,9 +9,10 @@ CPU op is synchronous with respect to the issuing thread).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -173,6 +174,100 @@ def copy_rows(
         return
     rows = gather_rows(src, src_idx)
     scatter_rows(rows, dst_idx, dst)
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """View a tensor with contiguous rows (dim 0) as ``[rows, words]`` of the widest
+    integer type dividing the row size. Why: CPU index kernels move one element per
+    iteration, so 8-byte words copy ~8x faster than bytes (measured in bench store)."""
+    rows = t.shape[0]
+    flat = t.reshape(rows, -1)
+    if flat.stride(-1) != 1 or (rows > 1 and flat.stride(0) != flat.shape[1]):
+        raise ValueError("as_words needs contiguous rows")
+    flat = flat.view(torch.uint8)
+    nbytes = flat.shape[1]
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if nbytes % width == 0 and flat.data_ptr() % width == 0:
+            return flat.view(dtype)
+    return flat
+
+
+def runs(idx: list[int] | Any) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive values: (position in idx, first value, length)."""
+    import numpy as np
+
+    arr = np.asarray(idx, dtype=np.int64)
+    if arr.size == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(arr) != 1) + 1))
+    ends = np.concatenate((starts[1:], [arr.size]))
+    return [(int(p), int(arr[p]), int(e - p)) for p, e in zip(starts, ends, strict=True)]
+
+
+def _void_rows(t: torch.Tensor) -> Any:
+    """A host 2-D tensor as a 1-D numpy array of opaque row-sized elements: numpy
+    moves each element with one memcpy, which beats torch's per-word index kernels
+    for scatters (measured: ~1.0x a plain copy for 64 KiB rows, torch ~0.6x)."""
+    import numpy as np
+
+    arr = t.numpy()
+    return arr.view(np.uint8).view(np.dtype((np.void, arr.shape[1] * arr.itemsize))).reshape(arr.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """How to move rows ``src[src_idx[i]] -> dst[dst_idx[i]]``; computed once and
+    reused for every layer of a job (the index work is the same for all)."""
+
+    n: int
+    gathers: tuple[tuple[int, int, torch.Tensor], ...]  # (dst first row, count, src index)
+    src_idx: Any  # numpy int64
+    dst_idx: Any
+    src_run: tuple[int, int] | None  # the source rows are one consecutive run
+
+
+def plan_rows(src_idx: Sequence[int], dst_idx: Sequence[int]) -> RowPlan:
+    import numpy as np
+
+    n = len(src_idx)
+    if n != len(dst_idx):
+        raise ValueError(f"move_rows: {n} source rows but {len(dst_idx)} destination rows")
+    s = np.asarray(src_idx, dtype=np.int64)
+    d = np.asarray(dst_idx, dtype=np.int64)
+    d_runs = runs(d)
+    gathers: tuple[tuple[int, int, torch.Tensor], ...] = ()
+    if n and len(d_runs) * 4 <= n + 3:
+        gathers = tuple((first, k, torch.from_numpy(s[pos : pos + k].copy())) for pos, first, k in d_runs)
+    s_runs = runs(s)
+    src_run = (s_runs[0][1], n) if len(s_runs) == 1 else None
+    return RowPlan(n=n, gathers=gathers, src_idx=s, dst_idx=d, src_run=src_run)
+
+
+def move_rows(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
+    """Execute a :class:`RowPlan` between 2-D row views, in as few passes as possible:
+    a run of consecutive destination rows is filled by one indexed gather straight
+    into a contiguous slice; on the host, scatters move whole rows with memcpy."""
+    if plan.n == 0:
+        return
+    if plan.gathers:
+        for first, k, index in plan.gathers:
+            piece = dst[first : first + k]
+            if index.device != src.device:
+                index = index.to(src.device, non_blocking=True)
+            if piece.device == src.device:
+                torch.index_select(src, 0, index, out=piece)
+            else:
+                piece.copy_(torch.index_select(src, 0, index), non_blocking=True)
+        return
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        dv, sv = _void_rows(dst), _void_rows(src)
+        if plan.src_run is not None:
+            first, n = plan.src_run
+            dv[plan.dst_idx] = sv[first : first + n]
+        else:
+            dv[plan.dst_idx] = sv[plan.src_idx]
+        return
+    copy_rows(src, plan.src_idx.tolist(), dst, plan.dst_idx.tolist())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

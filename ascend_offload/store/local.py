@@ -53,12 +53,14 @@ class LocalStore(KVStore):
         self.num_pages = num_pages
         self._pool = device.empty_host((num_pages if with_data else 0, page_bytes), torch.uint8)
         self._flat = self._pool.view(-1)
+        self._words = device.as_words(self._pool) if with_data else self._pool
         self._with_data = with_data
         # Popped from the end: a fresh pool hands out pages 0, 1, 2, ... (runs copy as one).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._objects: dict[str, _Object] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # committed objects, oldest first
-        self._pins: dict[int, tuple[str, ...]] = {}
+        self._pins: dict[int, frozenset[str]] = {}
+        self._evictable = 0  # pages of committed, unpinned objects (kept exact, O(1) checks)
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._stats = StoreStats(total_pages=num_pages, free_pages=num_pages)
@@ -66,23 +68,23 @@ class LocalStore(KVStore):
     # ------------------------------------------------------------------ helpers
 
     def _pages_for(self, size: int) -> int:
-        return max(1, -(-size // self.page_bytes))
-
-    def _evictable_pages(self) -> int:
-        return sum(
-            len(self._objects[k].pages) for k in self._lru if self._objects[k].pins == 0
-        )
+        return (size + self.page_bytes - 1) // self.page_bytes  # size > 0 is checked
 
     def _evict_until(self, needed: int) -> None:
-        for key in list(self._lru):
-            if len(self._free) >= needed:
-                return
+        """Evict least recently used committed, unpinned objects until ``needed`` pages are free."""
+        victims, freed, want = [], 0, needed - len(self._free)
+        for key in self._lru:
+            if freed >= want:
+                break
             obj = self._objects[key]
-            if obj.pins:
-                continue
+            if obj.pins == 0:
+                victims.append(key)
+                freed += len(obj.pages)
+        for key in victims:
+            obj = self._objects.pop(key)
             del self._lru[key]
-            del self._objects[key]
             self._free.extend(reversed(obj.pages))
+            self._evictable -= len(obj.pages)
             self._stats.evicted_objects += 1
 
     def _need_data(self) -> None:
@@ -157,7 +159,7 @@ class LocalStore(KVStore):
                 out.append(None)
             needed = sum(self._pages_for(s) for _, _, s in new)
             if needed > len(self._free):
-                if needed > len(self._free) + self._evictable_pages():
+                if needed > len(self._free) + self._evictable:
                     self._stats.skipped_stores += len(new)
                     return None
                 self._evict_until(needed)
@@ -192,7 +194,8 @@ class LocalStore(KVStore):
             data = data.contiguous().view(torch.uint8)
         if data.shape[1] != self.page_bytes:
             raise StoreError(f"write_batch rows of {data.shape[1]} bytes into {self.page_bytes}-byte objects")
-        self._pool.index_copy_(0, rows, data)
+        plan = device.plan_rows(range(len(objs)), rows.tolist())
+        device.move_rows(device.as_words(data), self._words, plan)
         with self._lock:
             self._stats.bytes_written += data.numel()
 
@@ -202,6 +205,7 @@ class LocalStore(KVStore):
                 obj = self._pending_object(h)
                 obj.committed = True
                 self._lru[h.key] = None
+                self._evictable += len(obj.pages)
                 self._stats.committed_objects += 1
 
     def abort(self, handles: Sequence[WriteHandle]) -> None:
@@ -228,16 +232,19 @@ class LocalStore(KVStore):
             return n
 
     def pin(self, keys: Sequence[str]) -> Pin | None:
+        keys = list(dict.fromkeys(keys))  # a key pinned twice in one call counts once
         with self._lock:
             objs = [self._objects.get(k) for k in keys]
             if any(o is None or not o.committed for o in objs):
                 return None
             for key, obj in zip(keys, objs, strict=True):
                 assert obj is not None
+                if obj.pins == 0:
+                    self._evictable -= len(obj.pages)
                 obj.pins += 1
                 self._lru.move_to_end(key)
             token = next(self._tokens)
-            self._pins[token] = tuple(keys)
+            self._pins[token] = frozenset(keys)
             return Pin(keys=tuple(keys), token=token)
 
     def _pinned_object(self, pin: Pin, key: str) -> _Object:
@@ -270,7 +277,8 @@ class LocalStore(KVStore):
             out = out.view(torch.uint8)
         if out.shape[1] != self.page_bytes or not out.is_contiguous():
             raise StoreError("read_batch needs contiguous rows of one page each")
-        torch.index_select(self._pool, 0, rows, out=out)
+        plan = device.plan_rows(rows.tolist(), range(len(objs)))
+        device.move_rows(self._words, device.as_words(out), plan)
         with self._lock:
             self._stats.reads += len(keys)
             self._stats.bytes_read += out.numel()
@@ -284,6 +292,8 @@ class LocalStore(KVStore):
                 obj = self._objects.get(key)
                 if obj is not None and obj.pins > 0:
                     obj.pins -= 1
+                    if obj.pins == 0:
+                        self._evictable += len(obj.pages)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -293,3 +303,8 @@ class LocalStore(KVStore):
             s.stored_objects = len(self._lru)
             s.pinned_objects = sum(1 for o in self._objects.values() if o.pins)
             return s
+
+    def evictable_pages(self) -> int:
+        """Pages that eviction could free now (exposed for invariant checks)."""
+        with self._lock:
+            return self._evictable

@@ -1,9 +1,10 @@
 """A worker rank's host page pool mirroring its paged KV cache.
 
-One page holds one block of every cache-bearing layer of this rank
-(``[layer][bytes of that layer's block]``). The worker only moves bytes between
-page numbers and block ids that the scheduler chose, so it needs no knowledge of
-requests, and a batch moves with one indexed copy per layer.
+Page ``p`` holds one block of every cache-bearing layer of this rank, stored
+layer-major (one contiguous ``[num_pages, layer_block_bytes]`` plane per layer)
+so that every copy is one indexed op between two contiguous 2-D word views. The
+worker only moves bytes between page numbers and block ids the scheduler chose,
+so it needs no knowledge of requests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,42 @@ def block_dim(t: torch.Tensor, num_blocks: int) -> int:
     return dims[0]
 
 
+class _Layer:
+    """One layer's KV tensor and its host page plane."""
+
+    def __init__(self, kv: torch.Tensor, num_blocks: int, num_pages: int) -> None:
+        self.kv = kv
+        self.dim = block_dim(kv, num_blocks)
+        self.block_bytes = kv.numel() // num_blocks * kv.element_size()
+        self.plane = device.empty_host((num_pages, self.block_bytes), torch.uint8)
+        self.plane_words = device.as_words(self.plane)
+        # Block-first with contiguous blocks (vLLM's CPU layout): copy without temporaries.
+        self.kv_words = None
+        if self.dim == 0 and kv.is_contiguous():
+            words = device.as_words(kv)
+            if words.dtype == self.plane_words.dtype:
+                self.kv_words = words
+
+    def save(self, block_ids: Sequence[int], pages: Sequence[int], plan: device.RowPlan) -> None:
+        if self.kv_words is not None:
+            device.move_rows(self.kv_words, self.plane_words, plan)
+            return
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        rows = self.kv.index_select(self.dim, ids).movedim(self.dim, 0).contiguous()
+        device.scatter_rows(device.as_words(rows), list(pages), self.plane_words)
+
+    def load(self, pages: Sequence[int], block_ids: Sequence[int], plan: device.RowPlan) -> None:
+        if self.kv_words is not None:
+            device.move_rows(self.plane_words, self.kv_words, plan)
+            return
+        data = device.gather_rows(self.plane, list(pages))
+        shape = list(self.kv.shape)
+        shape.pop(self.dim)
+        rows = data.view(self.kv.dtype).view(len(pages), *shape).to(self.kv.device)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(self.dim, ids, rows.movedim(0, self.dim))
+
+
 class WorkerPagePool:
     """Host pages for one rank; ``save``/``load`` copy whole blocks of all layers."""
 
@@ -36,53 +73,31 @@ class WorkerPagePool:
     ) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors registered")
-        self.layers = list(kv_caches)
-        self._kv: list[torch.Tensor] = []
-        self._dims: list[int] = []
-        self._spans: list[tuple[int, int]] = []
-        offset = 0
-        for name in self.layers:
-            t = kv_caches[name]
-            d = block_dim(t, num_blocks)
-            nbytes = t.numel() // num_blocks * t.element_size()
-            self._kv.append(t)
-            self._dims.append(d)
-            self._spans.append((offset, offset + nbytes))
-            offset += nbytes
-        self.page_bytes = offset
-        if expected_page_bytes is not None and expected_page_bytes != offset:
+        self.layer_names = list(kv_caches)
+        self._layers = [_Layer(t, num_blocks, num_pages) for t in kv_caches.values()]
+        self.page_bytes = sum(layer.block_bytes for layer in self._layers)
+        if expected_page_bytes is not None and expected_page_bytes != self.page_bytes:
             raise ValueError(
-                f"KV block bytes across layers = {offset} on this rank, but the scheduler "
-                f"sized store pages at {expected_page_bytes}"
+                f"KV block bytes across layers = {self.page_bytes} on this rank, but the "
+                f"scheduler sized store pages at {expected_page_bytes}"
             )
         self.num_pages = num_pages
-        self.pages = device.empty_host((num_pages, offset), torch.uint8)
 
-    def _index(self, ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(list(ids), dtype=torch.long, device=like.device)
+    @staticmethod
+    def _check(block_ids: Sequence[int], pages: Sequence[int]) -> None:
+        if len(block_ids) != len(pages):
+            raise ValueError(f"{len(block_ids)} blocks but {len(pages)} pages")
 
     def save(self, block_ids: Sequence[int], pages: Sequence[int]) -> None:
         """``pages[i] <- block block_ids[i]`` for every layer."""
-        if len(block_ids) != len(pages):
-            raise ValueError(f"{len(block_ids)} blocks but {len(pages)} pages")
-        page_idx = self._index(pages, self.pages)
-        for kv, d, (a, b) in zip(self._kv, self._dims, self._spans, strict=True):
-            rows = kv.index_select(d, self._index(block_ids, kv)).movedim(d, 0)
-            data = rows.contiguous().view(len(block_ids), -1).view(torch.uint8)
-            if data.device != self.pages.device:
-                data = data.to(self.pages.device)
-            self.pages[:, a:b].index_copy_(0, page_idx, data)
+        self._check(block_ids, pages)
+        plan = device.plan_rows(block_ids, pages)
+        for layer in self._layers:
+            layer.save(block_ids, pages, plan)
 
     def load(self, pages: Sequence[int], block_ids: Sequence[int]) -> None:
         """``block block_ids[i] <- pages[i]`` for every layer."""
-        if len(block_ids) != len(pages):
-            raise ValueError(f"{len(block_ids)} blocks but {len(pages)} pages")
-        page_idx = self._index(pages, self.pages)
-        for kv, d, (a, b) in zip(self._kv, self._dims, self._spans, strict=True):
-            data = self.pages[:, a:b].index_select(0, page_idx)
-            shape = list(kv.shape)
-            shape.pop(d)
-            rows = data.view(kv.dtype).view(len(block_ids), *shape)
-            if rows.device != kv.device:
-                rows = rows.to(kv.device, non_blocking=True)
-            kv.index_copy_(d, self._index(block_ids, kv), rows.movedim(0, d))
+        self._check(block_ids, pages)
+        plan = device.plan_rows(pages, block_ids)
+        for layer in self._layers:
+            layer.load(pages, block_ids, plan)

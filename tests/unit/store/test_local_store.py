@@ -208,6 +208,11 @@ class StoreMachine(RuleBasedStateMachine):
     def pages_add_up(self) -> None:
         s = self.store.stats()
         assert 0 <= s.free_pages <= s.total_pages
+        objs = self.store._objects
+        evictable = sum(len(o.pages) for o in objs.values() if o.committed and o.pins == 0)
+        assert self.store.evictable_pages() == evictable
+        used = sum(len(o.pages) for o in objs.values())
+        assert used + s.free_pages == s.total_pages
 
     def teardown(self) -> None:
         for pin, _ in self.pins:
