@@ -85,14 +85,17 @@ def split_request(body: Any, path: str, max_fanout: int = 1024) -> list[SubReque
         prompt = body["prompt"]
         if isinstance(prompt, str) or (_is_int_list(prompt) and prompt):
             prompts = [prompt]
-        elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (_is_int_list(p) and p) for p in prompt
+        elif isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt)
+            or all(_is_int_list(p) and p for p in prompt)
         ):
             prompts = list(prompt)
         else:
+            # vLLM's own schema: str | list[int] | list[str] | list[list[int]] (no mixing).
             raise _bad(
                 "prompt",
-                "must be a string, a non-empty list of token ids, or a non-empty list of those",
+                "must be a string, a non-empty list of token ids, "
+                "or a non-empty list of strings or of token-id lists",
             )
         weights = [_prompt_weight(p) for p in prompts]
 

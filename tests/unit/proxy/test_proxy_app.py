@@ -85,10 +85,12 @@ def test_chat_stream_and_non_stream() -> None:
 
 def test_prompt_list_and_n_merged_non_stream() -> None:
     async def go() -> None:
-        prompts = ["one", "two words", [5, 6, 7]]
+        prompts = ["one", "two words", "x y z"]
         async with stack(n_decode=2, n_prefill=2) as st:
             status, body = await st.post(CMPL, {"prompt": prompts, "n": 2, "seed": 7})
             assert status == 200, body
+            status, ids = await st.post(CMPL, {"prompt": [[5, 6, 7], [8]], "n": 2})
+            assert status == 200 and [c["index"] for c in ids["choices"]] == [0, 1, 2, 3]
             choices = body["choices"]
             assert [c["index"] for c in choices] == list(range(6))
             for i, p in enumerate(prompts):
@@ -96,8 +98,8 @@ def test_prompt_list_and_n_merged_non_stream() -> None:
                     assert choices[i * 2 + j]["text"] == _text({"prompt": p, "seed": 7 + j})
             assert body["usage"] == {"prompt_tokens": 1 + 2 + 3, "completion_tokens": 96,
                                      "total_tokens": 102}
-            assert sum(d.stats["requests"] for d in st.decodes) == 6
-            assert sum(len(p.received) for p in st.prefills) == 6
+            assert sum(d.stats["requests"] for d in st.decodes) == 10
+            assert sum(len(p.received) for p in st.prefills) == 10
             assert all(r.get("n", 1) == 1 for d in st.decodes for r in d.received)
 
     run(go())

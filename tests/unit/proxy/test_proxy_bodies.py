@@ -19,9 +19,9 @@ def test_token_id_prompt_is_one_prompt() -> None:
 
 
 def test_prompt_list_times_n_in_openai_order_with_seeds() -> None:
-    subs = split_request({"prompt": ["a", [7, 8]], "n": 3, "seed": 10}, COMPLETIONS)
+    subs = split_request({"prompt": [[1], [7, 8]], "n": 3, "seed": 10}, COMPLETIONS)
     assert [s.index for s in subs] == [0, 1, 2, 3, 4, 5]
-    assert [s.body["prompt"] for s in subs] == ["a", "a", "a", [7, 8], [7, 8], [7, 8]]
+    assert [s.body["prompt"] for s in subs] == [[1], [1], [1], [7, 8], [7, 8], [7, 8]]
     assert [s.body["seed"] for s in subs] == [10, 11, 12, 10, 11, 12]
     assert [s.first_of_prompt for s in subs] == [True, False, False, True, False, False]
     assert all(s.body["n"] == 1 for s in subs)
@@ -44,6 +44,7 @@ def test_chat_n_fans_out_without_prompt_key() -> None:
         ({"prompt": []}, "'prompt'"),
         ({"prompt": [[]]}, "'prompt'"),
         ({"prompt": [1, "a"]}, "'prompt'"),
+        ({"prompt": ["a", [1, 2]]}, "'prompt'"),
         ({"prompt": 5}, "'prompt'"),
         ({"prompt": "x", "seed": 1.5}, "'seed'"),
         ({"prompt": "x", "use_beam_search": True}, "'use_beam_search'"),
