@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -120,6 +121,8 @@ class PipelineStats:
     save_duplicates: int = 0  # objects already in the store
     save_skipped: int = 0  # objects not stored because the store was full
     save_errors: int = 0
+    stolen_loads: int = 0  # queued loads the waiting thread ran itself
+    stolen_saves: int = 0  # queued saves drain ran itself
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -193,7 +196,8 @@ class LayerwisePipeline:
         self._load_errors: set[int] = set()
         self._step: StepIO | None = None
         self._state: dict[str, _UnitState] = {}
-        self._save_futures: set[cf.Future[None]] = set()
+        # queued saves (gate slot, job), so drain can run a not-yet-started save itself
+        self._save_futures: dict[cf.Future[None], tuple[int, Callable[[], None]]] = {}
         self._loader = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-load")
         self._saver = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-save")
         self._copy_stream = device.new_stream()
@@ -274,9 +278,10 @@ class LayerwisePipeline:
                 unit.gate_slot, st.lease.generation, f"store-save {layer}"
             )
             ready = device.record_after_compute()
-            fut = self._saver.submit(self._save_unit, unit, refs, token, ready)
+            job = functools.partial(self._save_unit, unit, refs, token, ready)
+            fut = self._saver.submit(job)
             with self._lock:
-                self._save_futures.add(fut)
+                self._save_futures[fut] = (unit.gate_slot, job)
             fut.add_done_callback(self._forget_save)
         st.released = True
         self.gate.release_write(st.lease)
@@ -297,7 +302,7 @@ class LayerwisePipeline:
         for main, st in list(self._state.items()):
             if st.released:
                 continue
-            if st.load is not None:
+            if st.load is not None and not st.load.cancel():  # a load that started must end
                 try:
                     st.load.result(timeout=self.load_timeout_s)
                 except cf.TimeoutError:
@@ -328,6 +333,8 @@ class LayerwisePipeline:
         deadline = time.monotonic() + (self.save_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             pending = list(self._save_futures)
+        for fut in pending:  # run queued saves here rather than wait for the I/O thread
+            self._steal(fut)
         _done, not_done = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
         if not_done:
             raise TimeoutError(
@@ -366,6 +373,19 @@ class LayerwisePipeline:
                 "scheduler_output.has_sync_kv_loads=True so vLLM calls it first"
             )
 
+    def _steal(self, fut: cf.Future[None]) -> None:
+        """Run a queued save on this thread if the I/O thread has not started it.
+
+        Why: under CPU oversubscription a hand-off to a starved I/O thread costs a
+        scheduler time slice per layer; a waiter that would block anyway does the work.
+        """
+        with self._lock:
+            entry = self._save_futures.get(fut)
+        if entry is not None and fut.cancel():
+            entry[1]()
+            with self._lock:
+                self._stats.stolen_saves += 1
+
     def _make_ready(self, unit: _Unit) -> None:
         """Own ``unit``'s slot (gate, deadline) and wait until its store load is in place."""
         st = self._state.get(unit.main)
@@ -373,24 +393,31 @@ class LayerwisePipeline:
             return
         t0 = time.perf_counter()
         if st is None:
+            # Saves are not stolen here: the writer waits on the gate, which is what the
+            # gate's counters and deadline report (a slow save shows as gate wait time).
             lease = self.gate.acquire_write(unit.gate_slot, unit.main)
             st = self._state[unit.main] = _UnitState(lease)
             st.load = self._submit_load(unit)
         if st.load is not None:
-            try:
-                st.load.result(timeout=self.load_timeout_s)
-            except cf.TimeoutError:
-                raise LoadTimeout(
-                    f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) did not "
-                    f"finish within load_timeout_s={self.load_timeout_s}"
-                ) from None
+            if st.load.cancel():  # not started by the I/O thread: load here
+                self._load_unit(unit)
+                with self._lock:
+                    self._stats.stolen_loads += 1
+            else:
+                try:
+                    st.load.result(timeout=self.load_timeout_s)
+                except cf.TimeoutError:
+                    raise LoadTimeout(
+                        f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) "
+                        f"did not finish within load_timeout_s={self.load_timeout_s}"
+                    ) from None
         st.loaded = True
         with self._lock:
             self._stats.load_wait_s += time.perf_counter() - t0
 
     def _forget_save(self, fut: cf.Future[None]) -> None:
         with self._lock:
-            self._save_futures.discard(fut)
+            self._save_futures.pop(fut, None)
 
     def _load_refs(self, layer: str) -> tuple[BlockRef, ...]:
         assert self._step is not None
