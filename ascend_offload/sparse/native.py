@@ -141,6 +141,23 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def load_bench() -> ctypes.CDLL | None:
+    """The benchmark-only baseline (reference design LRU), same compiler and flags."""
+    path = build(("ref_lru_baseline.cpp",), "ao_sparse_bench")
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.ao_base_create.restype = vp
+    lib.ao_base_create.argtypes = [i32, i32, i32, i32]
+    lib.ao_base_destroy.restype = None
+    lib.ao_base_destroy.argtypes = [vp]
+    lib.ao_base_resolve.restype = i64
+    lib.ao_base_resolve.argtypes = [vp, i32, i32, vp, vp, i32, vp, i32, i32, vp, vp, vp]
+    return lib
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     # Pointers travel as plain integers (tensor.data_ptr()): cheaper than ctypes.cast.
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64

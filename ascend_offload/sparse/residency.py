@@ -24,7 +24,7 @@ from ascend_offload.sparse import native
 
 logger = logging.getLogger(__name__)
 
-MAX_HOT_SIZE = 65534  # slots are stored as uint16 in the native table
+MAX_HOT_SIZE = 65534  # slots are uint16 in the native table (0xFFFF marks "claimed")
 
 
 class ResidencyError(ValueError):
