@@ -1,0 +1,507 @@
+"""``SfaRemoteD2HConnector``: vLLM adapter of the P/D pull (``ascend_offload.pd``).
+
+Decode (``kv_consumer``) — scheduler side: a request carrying
+``do_remote_prefill`` + ``metaserver`` is reported as an asynchronous external
+load of its whole prompt; once decode's blocks are allocated, the scheduler
+registers its endpoint and destination blocks with the proxy metaserver (in the
+background, retries + deadline) and tells its workers to expect the request.
+Worker side: each TP rank runs a :class:`~ascend_offload.pd.consumer.Consumer`
+that pulls every layer straight into the rank's own KV blocks (sparse decode
+offload off, so any model works) and reports the request received once every
+layer is terminal; failed blocks become vLLM load errors
+(``kv_load_failure_policy`` recomputes or fails them).
+
+Prefill (``kv_producer``) — scheduler side: requests carrying
+``do_remote_decode`` are tracked; in the step where a request's prompt
+finishes computing, its blocks and decode target go to the workers. Worker
+side: after each attention layer (``save_kv_layer``) the rank's
+:class:`~ascend_offload.pd.producer.Producer` publishes that layer to decode;
+blocks are freed only after decode answered for every layer or the ack
+deadline passed (``request_finished`` delays the free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ascend_offload import device
+from ascend_offload.config import ConfigError, RemoteD2HConfig, parse_extra_config
+from ascend_offload.pd.layout import extents, layer_desc
+from ascend_offload.pd.protocol import LayerDesc
+from ascend_offload.pd.registration import Registrar
+from ascend_offload.pd.topology import Topology, TopologyError, decode_port
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from ascend_offload.pd.consumer import Consumer
+    from ascend_offload.pd.producer import Producer
+    from ascend_offload.transfer.base import TransferEngine
+
+log = logging.getLogger(__name__)
+
+NAME = "SfaRemoteD2HConnector"
+# Keys decode registers with the metaserver (and prefill then receives).
+REMOTE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size", "remote_dp_rank",
+               "remote_request_id", "remote_block_ids", "remote_block_offset")
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvJob:
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SendJob:
+    request_id: str  # prefill's own id
+    remote_request_id: str  # decode's id: the name on the wire
+    block_ids: tuple[int, ...]  # prefill blocks, aligned with decode's block list
+    host: str
+    kv_port: int
+    d_tp: int
+    dp_rank: int
+
+
+@dataclasses.dataclass
+class RemoteD2HMetadata(KVConnectorMetadata):
+    recv: list[RecvJob] = dataclasses.field(default_factory=list)
+    fail_recv: dict[str, str] = dataclasses.field(default_factory=dict)
+    cancel_recv: list[str] = dataclasses.field(default_factory=list)
+    send: list[SendJob] = dataclasses.field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def block_views(t: torch.Tensor, block_dim: int) -> list[torch.Tensor]:
+    """Split a paged KV tensor into tensors indexed by block on dim 0, each block contiguous.
+
+    ``(2, num_blocks, ...)`` (K and V halves) gives two views; ``(num_blocks, ...)``
+    one. Dimensions before the block dimension, and after it while a block is
+    not contiguous, are unrolled.
+    """
+    if block_dim > 0:
+        return [v for i in range(t.shape[0]) for v in block_views(t[i], block_dim - 1)]
+    if t.shape[0] == 0 or t[0].is_contiguous():
+        return [t]
+    if t.dim() < 2:
+        raise ValueError(f"KV tensor shape={tuple(t.shape)} stride={t.stride()}: blocks not contiguous")
+    return [v for j in range(t.shape[1]) for v in block_views(t[:, j], 0)]
+
+
+def find_block_dim(t: torch.Tensor, num_blocks: int) -> int:
+    """The dimension indexing blocks: prefer dim 1 of a (2, num_blocks, ...) K/V stack."""
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return 1
+    for i, n in enumerate(t.shape):
+        if n == num_blocks:
+            return i
+    raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV tensor {tuple(t.shape)}")
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Attention layers in model order (both nodes must agree on layer indices)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=lambda n: (extract_layer_index(n), n))
+
+
+def _wire_logging() -> None:
+    """Let ``ascend_offload.*`` loggers print through vLLM's handlers (vLLM configures only its own)."""
+    ours = logging.getLogger("ascend_offload")
+    if ours.handlers:
+        return
+    for h in logging.getLogger("vllm").handlers:
+        ours.addHandler(h)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+def _host_ip() -> str:
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
+
+
+# ----------------------------------------------------------------------------- connector
+
+
+class SfaRemoteD2HConnector(KVConnectorBase_V1):
+    """P/D pull connector; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _wire_logging()
+        tc = vllm_config.kv_transfer_config
+        self.cfg: RemoteD2HConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
+        if self.cfg.sparse_offload.enabled:
+            raise ConfigError("key 'sparse_offload.enabled'=True: sparse decode offload is not available "
+                              "in this build (accepted: False)")
+        if self.cfg.transfer_backend != "mooncake":
+            raise ConfigError(f"key 'transfer_backend'={self.cfg.transfer_backend!r}: needs the Ascend "
+                              "driver, not available here (accepted: 'mooncake')")
+        self.is_producer = bool(tc.is_kv_producer)
+        self.is_consumer = bool(tc.is_kv_consumer)
+        self.engine_id = str(tc.engine_id)
+        self.kv_port = int(tc.kv_port)
+        self.block_size = vllm_config.cache_config.block_size
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        self.dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
+        if self.is_consumer:
+            p_tp = self.cfg.prefill_tp_size or self.tp_size
+            try:
+                self.topology = Topology(p_tp, self.tp_size)
+            except TopologyError as exc:
+                raise ConfigError(f"key 'prefill_tp_size'={p_tp}: {exc}") from None
+            if self.topology.ratio > 1 and not vllm_config.model_config.use_mla:
+                raise ConfigError(
+                    f"key 'prefill_tp_size'={p_tp} with decode tp={self.tp_size}: a prefill TP larger "
+                    "than decode's needs replicated (MLA) KV; this model shards KV by head "
+                    f"(accepted: {self.tp_size})"
+                )
+        self.host = _host_ip()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer must run between layers
+
+    # ======================================================================= scheduler
+
+    def _init_scheduler(self) -> None:
+        self._registrar = Registrar(timeout_s=self.cfg.registration_timeout_s,
+                                    retries=self.cfg.registration_retries) if self.is_consumer else None
+        self._recv_new: list[RecvJob] = []
+        self._recv_fail: dict[str, str] = {}
+        self._recv_cancel: list[str] = []
+        self._recving: set[str] = set()
+        self._send_pending: dict[str, Request] = {}
+        self._send_new: list[SendJob] = []
+        self._sending: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if self.is_consumer and params and params.get("do_remote_prefill"):
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if self.is_consumer and params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False  # one transfer per request
+            if num_external_tokens <= 0:
+                return
+            mgr = getattr(self, "_kv_cache_manager", None)
+            all_blocks = list(mgr.get_block_ids(rid)[0]) if mgr is not None else list(blocks.get_block_ids()[0])
+            first = request.num_computed_tokens // self.block_size
+            n = math.ceil(request.num_prompt_tokens / self.block_size) - first
+            dst = tuple(all_blocks[first:first + n])
+            self._recv_new.append(RecvJob(rid, dst))
+            self._recving.add(rid)
+            url, prid = params.get("metaserver"), params.get("proxy_request_id")
+            if len(dst) != n:
+                self._recv_fail[rid] = f"decode allocated {len(dst)} blocks, the prompt needs {n}"
+            elif not url or not prid:
+                self._recv_fail[rid] = "kv_transfer_params lacks 'metaserver' or 'proxy_request_id'"
+            else:
+                assert self._registrar is not None
+                self._registrar.submit(rid, url, prid, {
+                    "remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.kv_port,
+                    "remote_tp_size": self.tp_size, "remote_dp_rank": self.dp_rank,
+                    "remote_request_id": rid, "remote_block_ids": list(dst), "remote_block_offset": first,
+                })
+        elif self.is_producer and params.get("do_remote_decode"):
+            missing = [k for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids")
+                       if k not in params]
+            if missing:
+                log.error("%s: request %s has do_remote_decode but lacks %s; decode will not get its KV",
+                          NAME, rid, missing)
+                return
+            self._send_pending[rid] = request
+
+    def _send_job(self, request: Request) -> SendJob | None:
+        params = request.kv_transfer_params or {}
+        mgr = getattr(self, "_kv_cache_manager", None)
+        if mgr is None:
+            log.error("%s: no KV cache manager bound; cannot send %s", NAME, request.request_id)
+            return None
+        mine = list(mgr.get_block_ids(request.request_id)[0])
+        offset = int(params.get("remote_block_offset", 0))
+        want = len(params["remote_block_ids"])
+        src = mine[offset:offset + want]
+        if len(src) != want:
+            log.error("%s: request %s has %d prefill blocks from offset %d; decode expects %d",
+                      NAME, request.request_id, len(mine), offset, want)
+            return None
+        return SendJob(request.request_id, str(params["remote_request_id"]), tuple(src),
+                       str(params["remote_host"]), int(params["remote_port"]),
+                       int(params.get("remote_tp_size", 1)), int(params.get("remote_dp_rank", 0)))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = RemoteD2HMetadata(recv=self._recv_new, cancel_recv=self._recv_cancel)
+        self._recv_new, self._recv_cancel = [], []
+        if self._registrar is not None:
+            for rid, err in self._registrar.poll().items():
+                if err is not None and rid in self._recving:
+                    log.error("%s: request %s: %s", NAME, rid, err)
+                    self._recv_fail[rid] = str(err)
+        meta.fail_recv, self._recv_fail = self._recv_fail, {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid, req in list(self._send_pending.items()):
+            n = scheduled.get(rid, 0)
+            if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
+                del self._send_pending[rid]
+                job = self._send_job(req)
+                if job is not None:
+                    log.debug("%s: %s prefill completes this step; %d blocks -> decode %s:%d as %s", NAME,
+                              rid, len(job.block_ids), job.host, job.kv_port, job.remote_request_id)
+                    meta.send.append(job)
+                    self._sending.add(rid)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._send_pending.pop(rid, None)
+        if rid in self._recving:
+            # Still pulling into these blocks: they must not be reused before the
+            # consumer stops; the worker reports the request "sent" when it has.
+            self._recv_cancel.append(rid)
+            return True, None
+        if rid in self._sending:
+            return True, None  # decode still reads these blocks
+        return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._recving.discard(rid)
+        for rid in connector_output.finished_sending or ():
+            self._sending.discard(rid)
+            self._recving.discard(rid)
+
+    # ======================================================================= worker
+
+    def _init_worker(self) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self._engine: TransferEngine | None = None
+        self._consumer: Consumer | None = None
+        self._producers: dict[int, Producer] = {}
+        self._layers: list[LayerDesc] = []
+        self._layer_index: dict[str, int] = {}
+        self._registered: list[int] = []
+        self._load_errors: set[int] = set()
+        self._cancelled: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._cancel_done: set[str] = set()
+        self._step_sends: dict[int, list[str]] = {}
+        self._by_remote: dict[tuple[int, str], str] = {}
+        self._send_layers: dict[str, int] = {}
+        self._send_done: set[str] = set()
+        self._seen_finished: set[str] = set()
+        self._slot_ids = itertools.count()
+        self._prepared: RemoteD2HMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from ascend_offload.transfer.base import create_engine
+
+        num_blocks = self._kv_cache_config.num_blocks
+        names = layer_order(list(kv_caches))
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        for name in names:
+            t = kv_caches[name]
+            if t.device.type != "cpu":
+                raise ConfigError(f"{NAME}: KV cache of {name} is on {t.device}; the Mooncake backend here "
+                                  "reads host memory (device memory needs the Ascend backend)")
+            self._layers.append(layer_desc(block_views(t, find_block_dim(t, num_blocks))))
+        self._engine = create_engine("mooncake", host=self.host, protocol=self.cfg.mooncake_protocol,
+                                     device_name=self.cfg.mooncake_device_name)
+        for addr, length in extents(self._layers):
+            self._engine.register(addr, length)
+            self._registered.append(addr)
+        if self.is_consumer:
+            from ascend_offload.pd.consumer import Consumer
+
+            port = decode_port(self.kv_port, dp_rank=self.dp_rank, d_tp=self.tp_size, tp_rank=self.tp_rank)
+            self._consumer = Consumer(
+                engine_id=self.engine_id, d_rank=self.tp_rank, topology=self.topology, transfer=self._engine,
+                layers=self._layers, host=self.host, port=port, read_timeout_s=self.cfg.read_timeout_s,
+                request_timeout_s=self.cfg.request_timeout_s, read_retries=self.cfg.read_retries,
+                register_memory=False,
+            )
+            log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
+                     len(self._layers), self._consumer.address)
+
+    def _producer(self, d_tp: int) -> Producer:
+        prod = self._producers.get(d_tp)
+        if prod is None:
+            from ascend_offload.pd.producer import Producer
+
+            assert self._engine is not None
+            prod = Producer(engine_id=self.engine_id, p_rank=self.tp_rank, topology=Topology(self.tp_size, d_tp),
+                            transfer=self._engine, layers=self._layers, ack_timeout_s=self.cfg.ack_timeout_s,
+                            request_timeout_s=self.cfg.request_timeout_s, register_memory=False)
+            self._producers[d_tp] = prod
+        return prod
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Apply this step's metadata once, from whichever hook runs first.
+
+        vLLM (0.32) calls ``start_load_kv`` *after* the forward for async
+        connectors, but the producer must know this step's requests before the
+        first ``save_kv_layer``.
+        """
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RemoteD2HMetadata)
+        if meta is self._prepared:
+            return
+        self._prepared = meta
+        if meta.recv or meta.send or meta.fail_recv or meta.cancel_recv:
+            log.debug("%s: step metadata %s", NAME, meta)
+        if self._consumer is not None:
+            for job in meta.recv:
+                try:
+                    self._consumer.expect(job.request_id, job.block_ids)
+                except ValueError as exc:
+                    log.error("%s: cannot receive %s: %s", NAME, job.request_id, exc)
+                    self._load_errors.update(job.block_ids)
+                    self._recv_failed.add(job.request_id)
+            for rid, reason in meta.fail_recv.items():
+                self._consumer.fail(rid, reason)
+            for rid in meta.cancel_recv:
+                self._cancelled.add(rid)
+                self._consumer.fail(rid, "request finished on decode before its KV arrived")
+        self._step_sends = defaultdict(list)
+        for job in meta.send:
+            try:
+                prod = self._producer(job.d_tp)
+                from ascend_offload.pd.producer import DecodeTarget
+
+                prod.add_request(job.remote_request_id, job.block_ids,
+                                 DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
+            except (ValueError, TopologyError) as exc:
+                log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
+                self._send_done.add(job.request_id)
+                continue
+            self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
+            self._step_sends[job.d_tp].append(job.remote_request_id)
+        if not self._step_sends:
+            self._step_sends = {}
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous (a request runs only after all its layers
+        # arrived); this hook only makes sure the step's metadata is applied.
+        self._prepare()
+
+    def _publish(self, layer: int) -> None:
+        device.synchronize()  # the layer's KV must be in memory before decode may read it
+        for d_tp, rids in self._step_sends.items():
+            self._producers[d_tp].publish_layer(layer, slot=next(self._slot_ids), request_ids=rids)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._prepare()
+        if self._step_sends and self.cfg.use_layerwise:
+            idx = self._layer_index.get(layer_name)
+            if idx is None:
+                log.error("%s: unknown layer %r; not published", NAME, layer_name)
+                return
+            self._publish(idx)
+
+    def wait_for_save(self) -> None:
+        self._prepare()
+        if self._step_sends and not self.cfg.use_layerwise:
+            for i in range(len(self._layers)):
+                self._publish(i)
+        self._step_sends = {}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self._consumer is not None:
+            for o in self._consumer.finished():
+                if o.request_id in self._cancelled:
+                    self._cancelled.discard(o.request_id)
+                    sending.add(o.request_id)  # blocks may be freed now
+                    continue
+                recving.add(o.request_id)
+                if not o.ok:
+                    self._load_errors.update(o.failed_blocks)
+                    log.warning("%s: request %s: %d blocks failed to load: %s", NAME, o.request_id,
+                                len(o.failed_blocks), "; ".join(o.reasons)[:500])
+            recving |= self._recv_failed
+            self._recv_failed.clear()
+        if self._producers:
+            self._seen_finished |= finished_req_ids
+            for d_tp, prod in self._producers.items():
+                for rid in finished_req_ids:
+                    remote = next((r for (t, r), own in self._by_remote.items() if own == rid and t == d_tp), None)
+                    if remote is not None:
+                        prod.abort_request(remote)  # no-op unless layers were never published
+                for o in prod.finished():
+                    own = self._by_remote.pop((d_tp, o.request_id), None)
+                    if own is not None:
+                        self._send_done.add(own)
+                        if not o.ok:
+                            log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
+        if self._send_done:
+            self._seen_finished |= finished_req_ids
+            ready = self._send_done & self._seen_finished
+            self._send_done -= ready
+            self._seen_finished -= ready
+            sending |= ready
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if getattr(self, "_consumer", None) is not None:
+            self._consumer.close()
+        for prod in getattr(self, "_producers", {}).values():
+            prod.close()
+        eng = getattr(self, "_engine", None)
+        if eng is not None:
+            for addr in self._registered:
+                eng.unregister(addr)
+            eng.close()
+        if getattr(self, "_registrar", None) is not None:
+            self._registrar.close()
