@@ -158,6 +158,35 @@ class HostKVPool:
         """``[num_rows, *row_shape]`` view of one layer."""
         return self.kv[layer]
 
+    # ------------------------------------------------------------------ remote-D2H seam
+
+    def runs(self, req_id: str, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions ``[start, end)`` of a request as coalesced host-row runs
+        ``(position, host_row, n_rows)``: what a transfer engine reads prompt KV
+        into, one contiguous range per run (adjacent blocks merge)."""
+        blocks = self._tables[req_id]
+        if not 0 <= start <= end <= len(blocks) * self.block_size:
+            raise IndexError(f"request {req_id!r}: positions [{start}, {end}) outside its "
+                             f"{len(blocks) * self.block_size} reserved rows")
+        out: list[tuple[int, int, int]] = []
+        pos = start
+        while pos < end:
+            blk, off = divmod(pos, self.block_size)
+            row = blocks[blk] * self.block_size + off
+            n = min(self.block_size - off, end - pos)
+            if out and out[-1][1] + out[-1][2] == row:
+                p0, r0, n0 = out[-1]
+                out[-1] = (p0, r0, n0 + n)
+            else:
+                out.append((pos, row, n))
+            pos += n
+        return out
+
+    def layer_region(self, layer: int) -> tuple[int, int]:
+        """``(address, nbytes)`` of one layer's rows, for transfer-engine registration."""
+        t = self.kv[layer]
+        return t.data_ptr(), t.numel() * t.element_size()
+
     def write_rows(self, layer: int, req_id: str, start: int, rows: torch.Tensor) -> None:
         """Write ``rows`` as positions ``start..`` of a request (prompt KV, tests)."""
         pos = torch.arange(start, start + rows.shape[0])

@@ -138,3 +138,23 @@ def test_shared_pool_tp_rank0_writes_others_read() -> None:
     assert not os.path.exists(f"/dev/shm/ascend_offload_{name}")
     with pytest.raises(FileNotFoundError, match="rank 0"):
         HostKVPool(2, 32, (3,), torch.float32, 4, shared_name=name, create=False)
+
+
+def test_remote_d2h_runs_coalesce_adjacent_blocks() -> None:
+    pool = HostKVPool(3, 64, (2,), torch.float16, 8)
+    pool.admit("x", 8)  # block 0
+    pool.admit("a", 30)  # blocks 1..4
+    pool.release("x")
+    pool.admit("b", 8)  # takes block 0 back
+    assert pool.runs("a", 0, 30) == [(0, 8, 30)]  # one contiguous range
+    assert pool.runs("a", 5, 12) == [(5, 13, 7)]
+    pool.release("a")
+    pool.admit("c", 20)  # lowest free: 1, 2, 3
+    assert pool.runs("c", 0, 20) == [(0, 8, 20)]
+    pool.release("b")
+    pool.admit("d", 24)  # blocks 0, 4, 5: two runs
+    assert pool.runs("d", 0, 24) == [(0, 0, 8), (8, 32, 16)]
+    with pytest.raises(IndexError, match="outside"):
+        pool.runs("d", 0, 25)
+    addr, nbytes = pool.layer_region(2)
+    assert nbytes == 64 * 2 * 2 and addr == pool.kv[2].data_ptr()
