@@ -141,10 +141,9 @@ class _Unit:
 
 @dataclasses.dataclass
 class _UnitState:
-    lease: WriteLease
-    load: cf.Future[None] | None = None
+    lease: WriteLease | None = None
+    job: cf.Future[WriteLease] | None = None  # prefetch: gate + load on the I/O thread
     loaded: bool = False
-    prefetched: bool = False
     released: bool = False
 
 
@@ -176,6 +175,7 @@ class LayerwisePipeline:
         self.save_delay_s = save_delay_s
         self.block_dim = block_dim
         self.ready_before_hook = ready_before_hook
+        self._job_timeout_s = save_timeout_s + load_timeout_s  # gate wait + load
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
         self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
         followers: dict[str, list[str]] = {}
@@ -263,13 +263,13 @@ class LayerwisePipeline:
         self._check_step(layer)
         assert self._step is not None
         st = self._state.get(unit.main)
-        if st is None:
+        if st is not None and st.released:
+            raise PipelineError(f"layerwise: layer {layer!r} saved twice in one step")
+        if st is None or not st.loaded or st.lease is None:
             raise PipelineError(
                 f"layerwise: save_kv_layer({layer!r}) without a preceding wait_for_layer_load "
                 "in this step (the slot was never owned)"
             )
-        if st.released:
-            raise PipelineError(f"layerwise: layer {layer!r} saved twice in one step")
         tokens = [self.gate.add_consumer(unit.gate_slot, st.lease.generation, name)
                   for name in extra_consumers]
         refs = self._step.save
@@ -302,16 +302,18 @@ class LayerwisePipeline:
         for main, st in list(self._state.items()):
             if st.released:
                 continue
-            if st.load is not None and not st.load.cancel():  # a load that started must end
-                try:
-                    st.load.result(timeout=self.load_timeout_s)
+            st.released = True
+            lease = st.lease
+            if lease is None and st.job is not None and not st.job.cancel():
+                try:  # a prefetch that started owns the slot once it ends
+                    lease = st.job.result(timeout=self._job_timeout_s)
                 except cf.TimeoutError:
                     raise LoadTimeout(
                         f"layerwise: prefetch of layer {main!r} still running at step end after "
-                        f"load_timeout_s={self.load_timeout_s}"
+                        f"{self._job_timeout_s}s"
                     ) from None
-            st.released = True
-            self.gate.release_write(st.lease)
+            if lease is not None:
+                self.gate.release_write(lease)
         self._state.clear()
         self._step = None
         if wait_saves:
@@ -387,33 +389,41 @@ class LayerwisePipeline:
                 self._stats.stolen_saves += 1
 
     def _make_ready(self, unit: _Unit) -> None:
-        """Own ``unit``'s slot (gate, deadline) and wait until its store load is in place."""
+        """Own ``unit``'s slot (gate, deadline) and have its store objects in it."""
         st = self._state.get(unit.main)
         if st is not None and (st.loaded or st.released):
             return
         t0 = time.perf_counter()
-        if st is None:
-            # Saves are not stolen here: the writer waits on the gate, which is what the
-            # gate's counters and deadline report (a slow save shows as gate wait time).
-            lease = self.gate.acquire_write(unit.gate_slot, unit.main)
-            st = self._state[unit.main] = _UnitState(lease)
-            st.load = self._submit_load(unit)
-        if st.load is not None:
-            if st.load.cancel():  # not started by the I/O thread: load here
-                self._load_unit(unit)
+        if st is None:  # not prefetched: own the slot and load on this thread
+            lease = self._acquire_and_load(unit)
+            st = self._state[unit.main] = _UnitState(lease=lease)
+        else:
+            assert st.job is not None
+            if st.job.cancel():  # the I/O thread has not started it: do it here
+                st.lease = self._acquire_and_load(unit)
                 with self._lock:
                     self._stats.stolen_loads += 1
             else:
                 try:
-                    st.load.result(timeout=self.load_timeout_s)
+                    st.lease = st.job.result(timeout=self._job_timeout_s)
                 except cf.TimeoutError:
                     raise LoadTimeout(
                         f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) "
-                        f"did not finish within load_timeout_s={self.load_timeout_s}"
+                        f"did not finish within {self._job_timeout_s}s"
                     ) from None
         st.loaded = True
         with self._lock:
             self._stats.load_wait_s += time.perf_counter() - t0
+
+    def _acquire_and_load(self, unit: _Unit) -> WriteLease:
+        """Wait (with the gate's deadline) for the slot, then fill it from the store."""
+        lease = self.gate.acquire_write(unit.gate_slot, unit.main)
+        try:
+            self._load_unit(unit)
+        except BaseException:
+            self.gate.release_write(lease)
+            raise
+        return lease
 
     def _forget_save(self, fut: cf.Future[None]) -> None:
         with self._lock:
@@ -425,13 +435,12 @@ class LayerwisePipeline:
             return self._step.load + self._step.load_shared
         return self._step.load
 
-    def _submit_load(self, unit: _Unit) -> cf.Future[None] | None:
-        if not any(self._load_refs(m) for m in unit.members):
-            return None
-        return self._loader.submit(self._load_unit, unit)
-
     def _prefetch_from(self, start: int) -> None:
-        """Start loads for the next ``prefetch_layers`` layers whose slots are free now."""
+        """Queue gate + load of the next ``prefetch_layers`` layers on the I/O thread.
+
+        A queued job waits on the gate itself, so a slot whose previous contents are
+        still being saved is filled as soon as that save ends, while this thread computes.
+        """
         if self._step is None:
             return
         stop = min(len(self._units), start + (self.prefetch_layers if start else 1 + self.prefetch_layers))
@@ -439,15 +448,12 @@ class LayerwisePipeline:
             if unit.main in self._state:
                 continue
             if not any(self._load_refs(m) for m in unit.members):
-                continue  # nothing to move: the lease is taken when the layer runs
+                continue  # nothing to move: the slot is owned when the layer runs
             # Slot order within a step: an earlier user of the slot must be done with it.
             if any(e not in self._state or not self._state[e].released for e in unit.earlier):
                 continue
-            lease = self.gate.try_acquire_write(unit.gate_slot, unit.main)
-            if lease is None:
-                continue
-            st = self._state[unit.main] = _UnitState(lease, prefetched=True)
-            st.load = self._submit_load(unit)
+            st = self._state[unit.main] = _UnitState()
+            st.job = self._loader.submit(self._acquire_and_load, unit)
             with self._lock:
                 self._stats.prefetched_loads += 1
 
