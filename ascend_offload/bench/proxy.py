@@ -46,6 +46,7 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
     lat: list[float] = []
     ttfc: list[float] = []
     errors = 0
+    total = 0  # every completed request, warm-up and tail included (for CPU per request)
     t_start = time.perf_counter()
     t_measure = t_start + warmup
     t_end = t_measure + duration
@@ -54,7 +55,7 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
 
         async def worker() -> None:
-            nonlocal errors
+            nonlocal errors, total
             while True:
                 t0 = time.perf_counter()
                 if t0 >= t_end:
@@ -69,7 +70,9 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
                 except (aiohttp.ClientError, TimeoutError):
                     ok = False
                 t1 = time.perf_counter()
-                if t0 >= t_measure and t1 <= t_end:
+                total += ok
+                # Steady-state throughput: everything that completes inside the window.
+                if t_measure <= t1 <= t_end:
                     if ok:
                         lat.append(t1 - t0)
                         ttfc.append((first or t1) - t0)
@@ -89,7 +92,8 @@ async def _load(url: str, concurrency: int, duration: float, warmup: float, stre
         "latency_ms_p99": _pct(lat, 0.99) * ms,
         "ttfc_ms_p50": _pct(ttfc, 0.5) * ms,
         "ttfc_ms_p99": _pct(ttfc, 0.99) * ms,
-        "client_cpu_ms_per_req": cpu * ms / (len(lat) * (duration + warmup) / duration) if lat else None,
+        "requests_total": total,
+        "client_cpu_ms_per_req": cpu * ms / total if total else None,
     }
 
 
@@ -110,6 +114,90 @@ def client_main(argv: list[str]) -> int:
         res = asyncio.run(coro)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
+
+
+# ---------------------------------------------------------------------- FastAPI + httpx baseline
+
+
+def fastapi_proxy_main(argv: list[str]) -> int:
+    """The same decode-first flow on FastAPI + uvicorn + httpx: the stack we chose against.
+
+    Hot path only (one prompt, n = 1; no fan-out, no failure handling), and
+    chunks are relayed as raw bytes like ours, so the difference to our proxy
+    is the HTTP stack, not extra parsing. One shared ``httpx.AsyncClient``
+    (one pool for all backends), as typical proxies do.
+    """
+    ap = argparse.ArgumentParser(prog="bench-proxy-fastapi")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", required=True)
+    ap.add_argument("--decode", required=True)
+    a = ap.parse_args(argv)
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=httpx.Limits(max_connections=None))
+    pending: dict[str, dict[str, Any]] = {}
+    background: set[asyncio.Task[Any]] = set()
+    ids = iter(range(1 << 62))
+    meta_url = f"http://127.0.0.1:{a.port}/v1/metaserver"
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        rid = f"fa-{next(ids)}"
+        pending[rid] = body
+        fwd = dict(body, kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": False,
+                                             "metaserver": meta_url, "proxy_request_id": rid})
+        resp = await client.send(client.build_request("POST", a.decode + "/v1/completions", json=fwd),
+                                 stream=True)
+
+        async def relay() -> Any:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:
+                await resp.aclose()
+                pending.pop(rid, None)
+
+        return StreamingResponse(relay(), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type"))
+
+    async def metaserver(request: Request) -> JSONResponse:
+        msg = await request.json()
+        body = pending.get(msg.get("proxy_request_id", ""))
+        if body is None:
+            return JSONResponse({"error": "unknown"}, status_code=404)
+        params = {"do_remote_decode": True, "do_remote_prefill": False, **msg["kv_transfer_params"]}
+        pbody = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+        task = asyncio.get_running_loop().create_task(
+            client.post(a.prefill + "/v1/completions", json=pbody))
+        background.add(task)
+        task.add_done_callback(background.discard)
+        await asyncio.sleep(0)  # let the request start, as "dispatched" promises
+        return JSONResponse({"status": "dispatched"})
+
+    # This module uses postponed annotations; FastAPI resolves them in module
+    # globals, where the locally imported Request is not: give it the class.
+    for path, fn in (("/v1/completions", completions), ("/v1/metaserver", metaserver)):
+        fn.__annotations__["request"] = Request
+        app.post(path)(fn)
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False,
+                loop="uvloop" if _has("uvloop") else "asyncio",
+                http="httptools" if _has("httptools") else "h11")
+    return 0
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 # ---------------------------------------------------------------------- orchestration
@@ -148,6 +236,13 @@ def spawn_server(args: list[str], ready_word: str, timeout: float = 30.0) -> tup
     raise RuntimeError(f"{args[:3]} did not become ready within {timeout:g} s")
 
 
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def _run_client(url: str, concurrency: int, duration: float, stream: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "ascend_offload.bench.proxy", "--client", "--url", url,
            "--concurrency", str(concurrency), "--duration", str(duration)]
@@ -160,7 +255,40 @@ def _run_client(url: str, concurrency: int, duration: float, stream: bool) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_bench(concurrencies: list[int], duration: float, stream: bool) -> dict[str, Any]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} not up within {timeout:g} s")
+
+
+def _proxied_phase(url: str, c: int, duration: float, stream: bool, pids: dict[str, int]) -> dict[str, Any]:
+    cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+    res = _run_client(url, c, duration, stream)
+    for k, pid in pids.items():
+        res[f"{k}_cpu_ms_per_req"] = _per_req(cpu_seconds(pid) - cpu0[k], res)
+    return res
+
+
+def run_bench(
+    concurrencies: list[int], duration: float, stream: bool, baseline: bool = True
+) -> dict[str, Any]:
     fb = "ascend_offload.testing.fake_backends"
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -176,28 +304,48 @@ def run_bench(concurrencies: list[int], duration: float, stream: bool) -> dict[s
         procs.append(prx)
         direct_url = f"http://127.0.0.1:{dec_port}/v1/completions"
         proxy_url = f"http://127.0.0.1:{prx_port}/v1/completions"
+        fa_url = None
+        fa: subprocess.Popen[str] | None = None
+        if baseline and all(_has(m) for m in ("fastapi", "httpx", "uvicorn")):
+            fa_port = _free_port()
+            fa = subprocess.Popen(
+                [sys.executable, "-m", "ascend_offload.bench.proxy", "--fastapi-proxy",
+                 "--port", str(fa_port), "--prefill", f"http://127.0.0.1:{pre_port}",
+                 "--decode", f"http://127.0.0.1:{dec_port}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=_env(),
+            )
+            procs.append(fa)
+            _wait_http(f"http://127.0.0.1:{fa_port}/health", fa)
+            fa_url = f"http://127.0.0.1:{fa_port}/v1/completions"
+            _run_client(fa_url, 4, 0.3, stream)
         _run_client(proxy_url, 4, 0.3, stream)  # warm every connection pool once
         rows = []
         for c in concurrencies:
             d_cpu0 = cpu_seconds(dec.pid)
             direct = _run_client(direct_url, c, duration, stream)
             direct["decode_cpu_ms_per_req"] = _per_req(cpu_seconds(dec.pid) - d_cpu0, direct)
-            p_cpu0, d_cpu0, f_cpu0 = cpu_seconds(prx.pid), cpu_seconds(dec.pid), cpu_seconds(pre.pid)
-            proxied = _run_client(proxy_url, c, duration, stream)
-            proxied["proxy_cpu_ms_per_req"] = _per_req(cpu_seconds(prx.pid) - p_cpu0, proxied)
-            proxied["decode_cpu_ms_per_req"] = _per_req(cpu_seconds(dec.pid) - d_cpu0, proxied)
-            proxied["prefill_cpu_ms_per_req"] = _per_req(cpu_seconds(pre.pid) - f_cpu0, proxied)
+            proxied = _proxied_phase(
+                proxy_url, c, duration, stream, {"proxy": prx.pid, "decode": dec.pid, "prefill": pre.pid}
+            )
             ratio = proxied["req_s"] / direct["req_s"] if direct["req_s"] else float("nan")
-            rows.append({
+            row: dict[str, Any] = {
                 "concurrency": c, "direct": direct, "proxied": proxied, "ratio_req_s": ratio,
                 "cpu_bound": _cpu_bound(direct, proxied),
-            })
+            }
+            if fa is not None and fa_url is not None:
+                base = _proxied_phase(
+                    fa_url, c, duration, stream, {"proxy": fa.pid, "decode": dec.pid, "prefill": pre.pid}
+                )
+                row["fastapi_httpx"] = base
+                row["fastapi_ratio_req_s"] = base["req_s"] / direct["req_s"] if direct["req_s"] else None
+            rows.append(row)
         return {
             "bench": "proxy",
             "stream": stream,
             "chunks": 16,
             "duration_s": duration,
             "cpus": os.cpu_count(),
+            "loadavg_after": os.getloadavg(),
             "results": rows,
         }
     finally:
@@ -232,9 +380,8 @@ def _cpu_bound(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, flo
 
 
 def _per_req(cpu_s: float, res: dict[str, Any]) -> float:
-    # CPU is measured over the whole client run (warm-up included), requests
-    # only over the measured window: scale requests up by the warm-up share.
-    n = res["requests"] * (res["seconds"] + 0.3) / res["seconds"]
+    # CPU is read around the whole client run, so divide by every request it completed.
+    n = res["requests_total"]
     return cpu_s * 1e3 / n if n else float("nan")
 
 
@@ -256,11 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "--client":
         return client_main(args[1:])
+    if args and args[0] == "--fastapi-proxy":
+        return fastapi_proxy_main(args[1:])
     ap = argparse.ArgumentParser(prog="ascend-offload bench proxy", description=__doc__)
     ap.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                     help="comma-separated client concurrencies (default 1,8,32,64)")
     ap.add_argument("--duration", type=float, default=2.0, help="measured seconds per phase")
     ap.add_argument("--no-stream", action="store_true", help="non-streamed requests instead")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the FastAPI + httpx proxy of the same flow")
     ap.add_argument("--json", default=None, help="write results JSON here")
     a = ap.parse_args(args)
     try:
@@ -271,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--concurrency values must be >= 1, got {a.concurrency!r}")
     if a.duration <= 0:
         ap.error(f"--duration must be > 0, got {a.duration}")
-    res = run_bench(conc, a.duration, not a.no_stream)
+    load = os.getloadavg()
+    res = run_bench(conc, a.duration, not a.no_stream, baseline=not a.no_baseline)
+    res["loadavg_before"] = load
     _print(res)
     for r in res["results"]:
         b = r["cpu_bound"]
@@ -279,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
               f"proxied {b['proxied_total_cpu_ms_per_req']:.2f} (proxy share "
               f"{b['proxy_share_of_proxied_cpu']:.0%}); CPU-bound ratio "
               f"{b['ratio_if_cpu_bound']:.2f}x, with a zero-cost proxy {b['ratio_if_proxy_were_free']:.2f}x")
+    for r in res["results"]:
+        b = r.get("fastapi_httpx")
+        if b is not None:
+            print(f"c={r['concurrency']}: FastAPI+httpx proxy of the same flow: {b['req_s']:.0f} req/s "
+                  f"({r['fastapi_ratio_req_s']:.2f}x direct), {b['proxy_cpu_ms_per_req']:.2f} ms CPU/req "
+                  f"vs ours {r['proxied']['req_s']:.0f} req/s, "
+                  f"{r['proxied']['proxy_cpu_ms_per_req']:.2f} ms CPU/req")
     ratios = ", ".join(f"c={r['concurrency']}: {r['ratio_req_s']:.2f}x" for r in res["results"])
     print(f"proxied/direct req/s: {ratios} (target at c=8: >= 0.6x)")
     if a.json:

@@ -18,8 +18,10 @@ def test_bench_proxy_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     res = json.loads(out.read_text())
     assert [r["concurrency"] for r in res["results"]] == [1, 4]
     for r in res["results"]:
-        for mode in ("direct", "proxied"):
-            assert r[mode]["requests"] > 0 and r[mode]["errors"] == 0
+        for mode in ("direct", "proxied", "fastapi_httpx"):
+            if mode == "fastapi_httpx" and mode not in r:
+                continue  # baseline stack not installed
+            assert r[mode]["requests_total"] > 0 and r[mode]["errors"] == 0
         assert r["proxied"]["proxy_cpu_ms_per_req"] > 0
         assert r["ratio_req_s"] > 0
     out_text = capsys.readouterr().out
