@@ -364,8 +364,11 @@ class Proxy:
         if t is not None and not t.done() and not ok:
             t.cancel()  # closes the prefill connection: vLLM aborts the request
 
-    async def _open_decode(self, path: str, payload: bytes) -> _Decode:
+    async def _open_decode(self, path: str, payload: bytes, request_id: str | None = None) -> _Decode:
         assert self._dsession is not None
+        # vLLM takes X-Request-Id as its request id: decode and prefill logs then
+        # carry the proxy_request_id, which makes one request traceable end to end.
+        headers = {"Content-Type": JSON_TYPE, "X-Request-Id": request_id} if request_id else _JSON_HEADERS
         tried: list[Instance] = []
         while True:
             inst = self.decoders.pick(tried)
@@ -375,7 +378,7 @@ class Proxy:
             tried.append(inst)
             Balancer.acquire(inst)
             try:
-                resp = await self._dsession.post(inst.url + path, data=payload, headers=_JSON_HEADERS)
+                resp = await self._dsession.post(inst.url + path, data=payload, headers=headers)
             except _CONNECT_ERRORS as e:
                 Balancer.release(inst)
                 self.decoders.mark_down(inst)
@@ -394,7 +397,7 @@ class Proxy:
         payload = _encode(decode_body(p.body, self.metaserver_url, p.id))
         d: _Decode | None = None
         try:
-            d = await self._open_decode(p.path, payload)
+            d = await self._open_decode(p.path, payload, p.id)
             if stream and d.status == 200:
                 d.data = await d.resp.content.readany()
                 if not d.data:
@@ -585,6 +588,7 @@ class Proxy:
         assert self._psession is not None and p.dispatched is not None and p.params is not None
         dispatched = p.dispatched
         payload = _encode(prefill_body(p.body, p.path, p.params))
+        headers = {"Content-Type": JSON_TYPE, "X-Request-Id": p.id}
         tried: list[Instance] = []
         try:
             while True:
@@ -596,7 +600,7 @@ class Proxy:
                 Balancer.acquire(inst, p.weight)
                 try:
                     async with self._psession.post(
-                        inst.url + p.path, data=payload, headers=_JSON_HEADERS, trace_request_ctx=p
+                        inst.url + p.path, data=payload, headers=headers, trace_request_ctx=p
                     ) as resp:
                         if not dispatched.done():
                             dispatched.set_result(True)

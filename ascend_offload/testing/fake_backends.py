@@ -100,6 +100,7 @@ class FakeBackend:
         self.register_timeout_s = register_timeout_s
         self.record = record
         self.received: list[dict[str, Any]] = []
+        self.request_ids: list[str | None] = []  # X-Request-Id headers, as vLLM would use them
         self.stats: dict[str, int] = {
             "requests": 0,
             "completed": 0,
@@ -174,6 +175,7 @@ class FakeBackend:
 
     async def _reset(self, request: web.Request) -> web.Response:
         self.received.clear()
+        self.request_ids.clear()
         for k in self.stats:
             self.stats[k] = 0
         return web.Response(body=b"{}", headers=_JSON)
@@ -203,6 +205,7 @@ class FakeBackend:
         body = _dec(await request.read())
         if self.record:
             self.received.append(body)
+            self.request_ids.append(request.headers.get("X-Request-Id"))
         try:
             resp = await self._generate_inner(request, body, chat)
         except asyncio.CancelledError:

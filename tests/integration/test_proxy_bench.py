@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 def test_bench_proxy_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sub" / "proxy.json"
-    assert main(["--concurrency", "1,4", "--duration", "0.4", "--json", str(out)]) == 0
+    assert main(["--concurrency", "1,4", "--duration", "0.3", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [r["concurrency"] for r in res["results"]] == [1, 4]
     for r in res["results"]:

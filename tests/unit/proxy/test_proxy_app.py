@@ -50,6 +50,8 @@ def test_completion_non_stream_follows_the_contract() -> None:
             assert pkv["do_remote_decode"] is True and pkv["do_remote_prefill"] is False
             assert pkv["remote_port"] == dec.port and pkv["remote_request_id"]
             assert dec.stats["registered"] == 1 and dec.stats["kv_notified"] == 1
+            # both engines see the proxy_request_id as their request id (X-Request-Id)
+            assert dec.request_ids == [kv["proxy_request_id"]] == pre.request_ids
             assert len(st.server.proxy.pending) == 0
 
     run(go())
