@@ -97,6 +97,8 @@ class ProxyConfig:
             raise ValueError(f"max_connections must be >= 0, got {self.max_connections!r}")
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
+        if self.max_body_mb < 1:
+            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb!r}")
         if not self.prefillers:
             raise ValueError("at least one prefill instance is required")
         if not self.decoders:

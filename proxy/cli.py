@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="connections per backend instance (0 = unlimited)")
     ap.add_argument("--max-fanout", type=int, default=1024,
                     help="limit on prompts x n of one request")
+    ap.add_argument("--max-body-mb", type=int, default=64,
+                    help="largest accepted client request body (long token-id prompts)")
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -94,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         keepalive_s=args.keepalive_s,
         max_connections=args.max_connections,
         max_fanout=args.max_fanout,
+        max_body_mb=args.max_body_mb,
     )
 
 

@@ -13,7 +13,8 @@ the metaserver contract like real vLLM instances with our connector would:
 
 Faults (``--fault`` or ``POST /_fake/fault {"mode": ...}``): ``none``,
 ``500`` (answer an OpenAI error), ``hang`` (never answer), ``drop`` (close the
-connection without answering). "Down" is simply a server that is not running.
+connection without answering), ``break`` (register and start answering, then
+cut the connection after a few stream chunks, or before a whole answer). "Down" is simply a server that is not running.
 
 Output text is a pure function of (prompt, seed, chunk index) — see
 ``expected_texts`` — so tests can check that fanned-out answers were merged
@@ -46,7 +47,7 @@ _dec = msgspec.json.decode
 _JSON = {"Content-Type": "application/json"}
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 MODEL = "fake-model"
-FAULTS = ("none", "500", "hang", "drop")
+FAULTS = ("none", "500", "hang", "drop", "break")
 
 
 def prompt_tag(body: dict[str, Any]) -> str:
@@ -250,6 +251,12 @@ class FakeBackend:
         if self.role == "prefill" and params.get("do_remote_decode") and params.get("remote_host"):
             await self._notify_decode(params)
 
+        if self.fault == "break":
+            if body.get("stream") is True:
+                return await self._stream(request, body, chat, rid, cut_after=4)
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=500)
         if body.get("stream") is True:
             return await self._stream(request, body, chat, rid)
         texts = expected_texts(body, self._n_chunks(body))
@@ -321,7 +328,7 @@ class FakeBackend:
         return out
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], chat: bool, rid: str
+        self, request: web.Request, body: dict[str, Any], chat: bool, rid: str, cut_after: int = -1
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE)
         await resp.prepare(request)
@@ -335,6 +342,10 @@ class FakeBackend:
             await resp.write(b"data: " + _enc(first) + b"\n\n")
         last = len(texts) - 1
         for i, t in enumerate(texts):
+            if i == cut_after:
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             finish = "length" if i == last else None
             if chat:
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": t}, "logprobs": None,

@@ -350,3 +350,52 @@ def test_health_models_metrics() -> None:
             assert "ascend_offload_proxy_pending_requests 0.0" in text
 
     run(go())
+
+
+def test_decode_breaks_mid_stream_sse_error_event() -> None:
+    async def go() -> None:
+        async with stack(decode_kw={"fault": "break"}) as st:
+            status, events = await st.post(CMPL, {"prompt": "p", "stream": True})
+            assert status == 200  # headers were out before the decode broke
+            texts = [e["choices"][0]["text"] for e in events[:-2]]
+            assert texts == expected_texts({"prompt": "p"})[:4]
+            assert events[-2]["error"]["code"] == 502 and events[-1] == "[DONE]"
+            status, body = await st.post(CMPL, {"prompt": "p"})
+            assert status == 502 and body["error"]["code"] == 502
+            assert len(st.server.proxy.pending) == 0
+            _, metrics = await st.get("/metrics")
+            assert 'ascend_offload_proxy_backend_errors_total{kind="stream_broken",role="decode"} 1.0' in metrics
+
+    run(go())
+
+
+def test_fanout_with_a_failing_sub_request() -> None:
+    async def go() -> None:
+        async with stack(n_decode=2) as st:
+            st.decodes[1].fault = "500"
+            for stream in (False, True):
+                status, body = await st.post(CMPL, {"prompt": ["a", "b", "c", "d"], "stream": stream})
+                assert status == 500, body  # the failing decode's own answer
+                assert body["error"]["message"] == "fake decode failure"
+            assert await until(lambda: len(st.server.proxy.pending) == 0)
+        async with stack(n_prefill=0, dead_prefills=1) as st:
+            for stream in (False, True):
+                status, body = await st.post(CMPL, {"prompt": "q", "n": 3, "stream": stream})
+                assert status == 503 and "prefill" in body["error"]["message"]
+            assert await until(lambda: st.decodes[0].stats["aborted"] == 6)
+            assert st.decodes[0].stats["completed"] == 0
+
+    run(go())
+
+
+def test_fanout_stream_breaks_after_start() -> None:
+    async def go() -> None:
+        async with stack(n_decode=2) as st:
+            st.decodes[1].fault = "break"
+            status, events = await st.post(CMPL, {"prompt": ["a", "b"], "stream": True})
+            assert status == 200
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            assert "error" in events[-2]
+            assert await until(lambda: len(st.server.proxy.pending) == 0)
+
+    run(go())

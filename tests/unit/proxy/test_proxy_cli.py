@@ -36,6 +36,7 @@ def test_config_from_args() -> None:
         ({"register_timeout_s": -1}, "register_timeout_s"),
         ({"max_connections": -1}, "max_connections"),
         ({"max_fanout": 0}, "max_fanout"),
+        ({"max_body_mb": 0}, "max_body_mb"),
         ({"prefillers": []}, "prefill"),
     ],
 )
