@@ -325,7 +325,10 @@ class Proxy:
         t0 = time.perf_counter()
         status = 500
         try:
-            raw = await request.read()
+            try:
+                raw = await request.read()
+            except web.HTTPException as e:  # e.g. 413 above --max-body-mb
+                raise ProxyError(e.status, f"invalid request: {e.reason}", "bad_request") from None
             try:
                 body = _decode(raw)
             except msgspec.DecodeError as e:

@@ -325,11 +325,13 @@ def test_client_disconnect_aborts_both_backends() -> None:
 
 def test_bad_client_body_400() -> None:
     async def go() -> None:
-        async with stack() as st:
+        async with stack(max_body_mb=1) as st:
             status, body = await st.post(CMPL, None, raw=b"nope")
             assert status == 400 and body["error"]["type"] == "BadRequestError"
             status, body = await st.post(CMPL, {"prompt": "x", "n": 0})
             assert status == 400 and "'n'" in body["error"]["message"]
+            status, body = await st.post(CMPL, {"prompt": "x" * (2 * 1024 * 1024)})
+            assert status == 413 and body["error"]["code"] == 413
             assert st.decodes[0].received == []
 
     run(go())
