@@ -38,11 +38,19 @@ def _parse_independent(text: str) -> Independent:
 
 
 class _Compute:
-    """A matmul whose duration is calibrated to ``target_s`` (single thread)."""
+    """A matmul whose duration is calibrated to ``target_s`` (single thread).
 
-    def __init__(self, target_s: float) -> None:
+    ``kind="sleep"`` instead idles the host thread for ``target_s``, like a host that
+    launched the layer on an accelerator and waits: it separates the pipeline's own
+    overhead from CPU contention on a shared CPU-only box.
+    """
+
+    def __init__(self, target_s: float, kind: str = "matmul") -> None:
         self.n = 64
-        self._calibrate(target_s)
+        self.kind = kind
+        self.target_s = target_s
+        if kind == "matmul":
+            self._calibrate(target_s)
 
     def _time(self, n: int, reps: int = 3) -> float:
         a = torch.randn(n, n)
@@ -66,9 +74,11 @@ class _Compute:
         self.b = torch.randn(n, n)
         self.out = torch.empty(n, n)
 
-    def run(self) -> torch.Tensor:
+    def run(self) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.target_s)
+            return
         torch.mm(self.a, self.b, out=self.out)
-        return self.out
 
 
 class _Bench:
@@ -201,7 +211,7 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
         target = statistics.median(shared0) * args.compute_scale
         if args.compute_ms is not None:
             target = args.compute_ms / 1e3
-        compute = _Compute(target)
+        compute = _Compute(target, args.compute_kind)
         probe = parallel_probe(compute, args.page_kib * 1024 * args.load_blocks)
         for _ in range(2):
             bench.step(compute)  # warm-up
@@ -226,7 +236,8 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
             "shared_buffers": b,
             "physical_buffers": bench.plan.num_physical,
             "footprint_ratio": bench.plan.footprint_ratio(),
-            "matmul_n": compute.n,
+            "compute_kind": compute.kind,
+            "matmul_n": compute.n if compute.kind == "matmul" else 0,
             "compute_ms_per_layer": mid["compute_ms"],
             "transfer_ms_shared_layer": mid["transfer_ms_shared"],
             "ideal_ms": mid["ideal_ms"],
@@ -250,7 +261,7 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ascend-offload bench layerwise", description=__doc__)
     p.add_argument("--layers", type=int, default=16, help="cache-bearing layers N")
-    p.add_argument("--shared-buffers", default="2,3", help="B values to run (comma list)")
+    p.add_argument("--shared-buffers", default="1,2,3", help="B values to run (comma list)")
     p.add_argument("--independent", default="0", help="independent layers (comma list or 'all')")
     p.add_argument("--prefetch", type=int, default=1, help="layerwise_prefetch_layers")
     p.add_argument("--page-kib", type=int, default=256, help="bytes of one layer's block page, KiB")
@@ -260,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer compute time (default: the measured shared-layer transfer time "
                         "x --compute-scale, the balanced and hardest case)")
     p.add_argument("--compute-scale", type=float, default=1.0)
+    p.add_argument("--compute-kind", choices=["matmul", "sleep"], default="matmul",
+                   help="matmul: real CPU compute; sleep: host idles as with device compute")
     p.add_argument("--steps", type=int, default=9, help="measured rounds (median reported)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alone-measurements")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the compute")
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         sys.stdout.write(
             f"layerwise N={args.layers} B={r['shared_buffers']} (physical {r['physical_buffers']}, "
+            f"{r['compute_kind']}, "
             f"footprint {r['footprint_ratio']:.3f}): compute {r['compute_ms_per_layer']:.2f} ms/layer, "
             f"transfer {r['transfer_ms_shared_layer']:.2f} ms/shared layer; step achieved "
             f"{r['achieved_ms']:.1f} ms, ideal max(compute,transfer) {r['ideal_ms']:.1f} ms, "
