@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAME = "SfaRemoteD2HConnector"
+# Test-only fault injection on the prefill side, e.g. "none,invalid:1,drop:2"
+# (see ascend_offload.pd.producer.parse_faults). Unset in production.
+FAULTS_ENV = "ASCEND_OFFLOAD_PD_FAULTS"
 # Keys decode registers with the metaserver (and prefill then receives).
 REMOTE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size", "remote_dp_rank",
                "remote_request_id", "remote_block_ids", "remote_block_offset")
@@ -373,7 +377,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
             assert self._engine is not None
             prod = Producer(engine_id=self.engine_id, p_rank=self.tp_rank, topology=Topology(self.tp_size, d_tp),
                             transfer=self._engine, layers=self._layers, ack_timeout_s=self.cfg.ack_timeout_s,
-                            request_timeout_s=self.cfg.request_timeout_s, register_memory=False)
+                            request_timeout_s=self.cfg.request_timeout_s, register_memory=False,
+                            faults=os.environ.get(FAULTS_ENV) or None)
             self._producers[d_tp] = prod
         return prod
 

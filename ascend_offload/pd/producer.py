@@ -80,6 +80,10 @@ class ProducerStats:
     send_errors: int = 0
 
 
+# Test-only fault injection: (kind, layer, only for requests of this many blocks).
+Fault = tuple[str, int, "int | None"]
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -91,6 +95,7 @@ class _Request:
     deadline: float = float("inf")
     terminal: dict[int, bool] = field(default_factory=dict)  # layer -> ok
     published: set[int] = field(default_factory=set)
+    fault: Fault | None = None
 
 
 @dataclass
@@ -118,6 +123,7 @@ class Producer:
         ack_timeout_s: float = 30.0,
         listener: SlotListener | None = None,
         request_timeout_s: float | None = None,
+        faults: str | None = None,
         register_memory: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -133,6 +139,9 @@ class Producer:
         self.listener = listener
         # Layers never published (prefill failed mid-request) must not pin the request forever.
         self.request_timeout_s = request_timeout_s
+        # Test-only fault injection (see parse_faults); requests take the specs round-robin.
+        self._faults = parse_faults(faults) if faults else []
+        self._fault_seq = 0
         self.stats = ProducerStats()
         self._clock = clock
         self._registered: list[int] = []
@@ -183,8 +192,12 @@ class Producer:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already added")
             deadline = (self._clock() + self.request_timeout_s) if self.request_timeout_s else float("inf")
+            fault = None
+            if self._faults:
+                fault, turn = _pick_fault(self._faults, self._fault_seq, len(blocks))
+                self._fault_seq += int(turn)
             self._requests[request_id] = _Request(request_id, blocks, target, n, d_rank, (target.host, port),
-                                                  deadline)
+                                                  deadline, fault=fault)
 
     def publish_layer(self, layer: int, *, slot: int | None = None,
                       request_ids: Iterable[str] | None = None, tag: object = None) -> int:
@@ -215,12 +228,18 @@ class Producer:
                 if req is None or layer >= req.num_layers or layer in req.terminal:
                     continue
                 lo, hi = self.topology.index_range(self.p_rank, len(req.src_blocks))
-                per_ep[req.endpoint].append(P.ReadReady(
-                    request_id=rid, layer=layer, slot=slot, generation=gen, src_blocks=req.src_blocks,
-                    main=self.topology.sends_main(self.p_rank), index_lo=lo, index_hi=hi,
-                ))
+                main = self.topology.sends_main(self.p_rank)
                 pending.add(rid)
                 req.published.add(layer)
+                if req.fault is not None and req.fault[1] == layer:
+                    log.warning("fault injection: %s layer %d of request %r", req.fault[0], layer, rid)
+                    if req.fault[0] == "drop":
+                        continue
+                    main = not main  # "invalid": decode must reject it
+                per_ep[req.endpoint].append(P.ReadReady(
+                    request_id=rid, layer=layer, slot=slot, generation=gen, src_blocks=req.src_blocks,
+                    main=main, index_lo=lo, index_hi=hi,
+                ))
             use = _SlotUse(slot, gen, layer, self._clock() + self.ack_timeout_s, pending, tag=tag)
             budget_ms = max(1, int(self.ack_timeout_s * 500))  # half: see ReadReadyBatch
             for ep, items in per_ep.items():
@@ -414,6 +433,40 @@ class Producer:
                     req.deadline = float("inf")
                     self._maybe_finish(req)
         self._deliver()
+
+
+def parse_faults(spec: str) -> list[Fault | None]:
+    """Parse a fault-injection spec such as ``"none,invalid:1,drop:2@7"`` (tests only).
+
+    ``drop:L`` never sends layer L's readiness (decode and producer deadlines
+    must end the request); ``invalid:L`` sends it with a wrong main-KV flag
+    (decode must answer ``read_failed``); ``none`` leaves a request alone.
+    ``@N`` restricts an entry to requests of exactly N blocks; entries without
+    it are taken round-robin by the other requests.
+    """
+    out: list[Fault | None] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part == "none":
+            out.append(None)
+            continue
+        body, _, blocks = part.partition("@")
+        kind, _, layer = body.partition(":")
+        if kind not in ("drop", "invalid") or not layer.isdigit() or (blocks and not blocks.isdigit()):
+            raise ValueError(
+                f"fault spec {part!r} in {spec!r} (accepted: none, drop:<layer>[@<blocks>], "
+                "invalid:<layer>[@<blocks>])"
+            )
+        out.append((kind, int(layer), int(blocks) if blocks else None))
+    return out
+
+
+def _pick_fault(faults: list[Fault | None], seq: int, num_blocks: int) -> tuple[Fault | None, bool]:
+    """The fault for a new request, and whether it consumed a round-robin turn."""
+    for f in faults:
+        if f is not None and f[2] == num_blocks:
+            return f, False
+    rr = [f for f in faults if f is None or f[2] is None]
+    return (rr[seq % len(rr)], True) if rr else (None, False)
 
 
 def stats_dict(stats: ProducerStats) -> dict[str, int]:

@@ -306,3 +306,41 @@ def test_abort_waits_for_published_layers(pair_factory):
     sent = pr.wait_send(1)
     assert [(s.request_id, s.failed_layers) for s in sent] == [("r1", (0, 1, 2))]
     assert pr.releases and pr.releases[0].failures == (("r1", "timeout"),)
+
+
+def test_parse_faults():
+    from ascend_offload.pd.producer import parse_faults
+
+    assert parse_faults("none, invalid:1,drop:12@7") == [None, ("invalid", 1, None), ("drop", 12, 7)]
+    with pytest.raises(ValueError, match="'boom:1'"):
+        parse_faults("none,boom:1")
+    with pytest.raises(ValueError, match="'drop:1@x'"):
+        parse_faults("drop:1@x")
+
+
+def test_injected_invalid_item_fails_fast_and_drop_times_out(port, kv):
+    src, src_desc = kv(3, 8, seed=9)
+    dst, dst_desc = kv(3, 8)
+    pe, de = LoopbackEngine(), LoopbackEngine()
+    topo = Topology(1, 1)
+    prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc, ack_timeout_s=5,
+                    faults="none,invalid:1,drop:2")
+    cons = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=de, layers=dst_desc, port=port,
+                    request_timeout_s=1.0)
+    try:
+        for i in range(3):
+            cons.expect(f"r{i}", [i])
+            prod.add_request(f"r{i}", [i + 3], DecodeTarget("127.0.0.1", port, 1))
+        for layer in range(3):
+            prod.publish_layer(layer)
+        outs = {o.request_id: o for o in cons.wait_finished(3, WAIT)}
+        if len(outs) < 3:
+            outs.update({o.request_id: o for o in cons.wait_finished(3 - len(outs), WAIT)})
+        assert outs["r0"].ok and torch.equal(dst[2][0][:, 0], src[2][0][:, 3])
+        assert not outs["r1"].ok and outs["r1"].failed_blocks == (1,) and "main=False" in outs["r1"].reasons[0]
+        assert not outs["r2"].ok and outs["r2"].failed_blocks == (2,) and "timeout" in outs["r2"].reasons[0]
+    finally:
+        prod.close()
+        cons.close()
+        pe.close()
+        de.close()
