@@ -457,17 +457,20 @@ class Proxy:
             await out.prepare(request)
             await out.write(d.data)
             content = d.resp.content
-            try:
-                while True:
+            while True:
+                # Only reads are guarded: a failed write is the client's side
+                # (aiohttp reports it as a ClientError too) and must propagate.
+                try:
                     chunk = await content.readany()
-                    if not chunk:
-                        break
-                    await out.write(chunk)
-                ok = True
-            except (aiohttp.ClientError, TimeoutError) as e:
-                self.metrics.backend_error("decode", "stream_broken")
-                log.warning("decode %s broke the stream of %s: %r", d.inst.name, p.id, e)
-                await out.write(sse_error_event(502, f"decode {d.inst.name} failed mid-stream: {e!r}"))
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    self.metrics.backend_error("decode", "stream_broken")
+                    log.warning("decode %s broke the stream of %s: %r", d.inst.name, p.id, e)
+                    await out.write(sse_error_event(502, f"decode {d.inst.name} failed mid-stream: {e!r}"))
+                    break
+                if not chunk:
+                    ok = True
+                    break
+                await out.write(chunk)
             await out.write_eof()
             return out
         finally:
@@ -506,6 +509,7 @@ class Proxy:
         except ProxyError as e:
             queue.put_nowait(("fail", sub, e))
         except (aiohttp.ClientError, TimeoutError) as e:
+            self.metrics.backend_error("decode", "stream_broken")
             queue.put_nowait(("fail", sub, ProxyError(502, f"decode failed mid-stream: {e!r}")))
         finally:
             self._end(p, d, ok)
