@@ -203,6 +203,7 @@ class LayerwisePipeline:
         self._copy_stream = device.new_stream()
         self.aliased = False
         self._closed = False
+        self._save_listeners: list[Callable[[str, int, int], None]] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -225,6 +226,13 @@ class LayerwisePipeline:
         if not self.aliased and self.plan.num_physical < self.plan.num_logical:
             log.warning("layerwise: KV tensors of shared slots do not alias (layout hook not "
                         "applied?); correct, but device memory is not saved")
+
+    def add_save_listener(self, listener: Callable[[str, int, int], None]) -> None:
+        """Call ``listener(layer, gate_slot, generation)`` in every ``save_layer``, before the
+        slot is handed on. Why: a sibling connector (the P/D producer in a multi connector)
+        registers its reads with ``gate.add_consumer(gate_slot, generation, ...)`` here, so
+        the next layer of the slot cannot take it before those reads are answered."""
+        self._save_listeners.append(listener)
 
     # ------------------------------------------------------------------ per step
 
@@ -272,6 +280,8 @@ class LayerwisePipeline:
             )
         tokens = [self.gate.add_consumer(unit.gate_slot, st.lease.generation, name)
                   for name in extra_consumers]
+        for listener in self._save_listeners:
+            listener(layer, unit.gate_slot, st.lease.generation)
         refs = self._step.save
         if refs:
             token = self.gate.add_consumer(

@@ -282,3 +282,27 @@ def test_concurrent_saves_release_in_background() -> None:
     assert all(sim.pipe.gate.is_free(s) for s in range(plan.num_physical))
     assert threading.active_count() >= 1
     sim.pipe.close()
+
+
+def test_save_listener_registers_consumers_before_the_slot_moves_on() -> None:
+    """A sibling (P/D producer) adds its reads as consumers from the listener; the next layer
+    of the slot waits for them exactly like for the store save."""
+    store = DictStore()
+    plan = plan_uniform(3, 1, [0])
+    sim = Sim(plan, store, save_timeout_s=5.0)
+    gate = sim.pipe.gate
+    tokens = []
+
+    def listener(layer: str, slot: int, generation: int) -> None:
+        tok = gate.add_consumer(slot, generation, f"rd2h {layer}")
+        tokens.append(tok)
+        threading.Timer(0.03, gate.release_consumer, args=(tok,)).start()
+
+    sim.pipe.add_save_listener(listener)
+    chunked_prefill(sim, ["a", "b", "c"], blocks=[0, 1, 2], chunk=3)
+    sim.pipe.close()
+    gate.wait_consumers(timeout_s=5.0)  # the last remote read is answered after the step
+    assert sim.mismatches == []
+    assert len(tokens) == 3
+    assert gate.stats().waits > 0  # layer 2 waited for layer 1's remote read
+    assert gate.stats().consumers_released == gate.stats().consumers_added
