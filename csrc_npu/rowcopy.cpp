@@ -8,16 +8,37 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define AO_HAVE_SSE2 1
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace {
 
-constexpr int64_t kAhead = 4;  // rows prefetched ahead of the one being copied
+constexpr int64_t kAhead = 16;  // rows prefetched ahead (measured best of 4/8/16 here)
 
 inline void prefetch_row(const uint8_t* p, int64_t row_bytes) {
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+}
+
+// Non-temporal stores on x86 (no read-for-ownership of the destination line);
+// plain memcpy elsewhere or when the row is not 16-byte aligned.
+inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t row_bytes) {
+#ifdef AO_HAVE_SSE2
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(row_bytes)) &
+       15) == 0) {
+    for (int64_t off = 0; off < row_bytes; off += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + off),
+                       _mm_load_si128(reinterpret_cast<const __m128i*>(src + off)));
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, size_t(row_bytes));
 }
 
 }  // namespace
@@ -43,9 +64,11 @@ int64_t ao_copy_rows(const uint8_t* src, int64_t src_rows, const int32_t* sidx, 
     for (int64_t i = lo; i < hi && i < lo + kAhead; ++i) prefetch_row(src + int64_t(sidx[i]) * row_bytes, row_bytes);
     for (int64_t i = lo; i < hi; ++i) {
       if (i + kAhead < hi) prefetch_row(src + int64_t(sidx[i + kAhead]) * row_bytes, row_bytes);
-      std::memcpy(dst + int64_t(didx[i]) * row_bytes, src + int64_t(sidx[i]) * row_bytes,
-                  size_t(row_bytes));
+      copy_row(dst + int64_t(didx[i]) * row_bytes, src + int64_t(sidx[i]) * row_bytes, row_bytes);
     }
+#ifdef AO_HAVE_SSE2
+    _mm_sfence();  // make the streamed rows visible before returning
+#endif
   }
   return 0;
 }
