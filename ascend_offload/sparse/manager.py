@@ -195,7 +195,8 @@ class SparseOffloadManager:
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:
         copy the misses host -> hot buffer and return ``[B, K]`` int32 indices
-        into :meth:`hot_buffer` (``-1`` where top-k had padding)."""
+        into :meth:`hot_buffer` (``-1`` where top-k had padding). The result may
+        be reused by the next resolve of the same layer (the next step)."""
         b = self._batch
         if topk.dim() != 2 or topk.shape[0] != len(self._step):
             raise ValueError(f"layer {layer}: top-k shape {tuple(topk.shape)} does not match the "
@@ -216,7 +217,7 @@ class SparseOffloadManager:
             done = dev.new_event()
             done.record(self._stream)
             dev.current_stream().wait_event(done)
-        self.stats.resolved_positions += int(res.counts[:, 0].sum())
+        self.stats.resolved_positions += int(res.counts.numpy()[:, 0].sum())  # numpy: no dispatch cost
         self.stats.miss_rows += n
         self.stats.onload_bytes += n * self.pool.row_bytes
         slots = res.slots

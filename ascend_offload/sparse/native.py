@@ -202,12 +202,14 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         raise ValueError("native copy_rows needs host tensors")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("native copy_rows needs contiguous tensors")
-    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
     if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
         raise ValueError(f"row layout differs: src {tuple(src.shape)} {src.dtype}, "
                          f"dst {tuple(dst.shape)} {dst.dtype}")
-    sidx = src_idx.to(torch.int32).contiguous()
-    didx = dst_idx.to(torch.int32).contiguous()
+    row_bytes = src.element_size() * (src.numel() // src.shape[0] if src.shape[0] else 0)
+    sidx = src_idx if src_idx.dtype == torch.int32 and src_idx.is_contiguous() else \
+        src_idx.to(torch.int32).contiguous()
+    didx = dst_idx if dst_idx.dtype == torch.int32 and dst_idx.is_contiguous() else \
+        dst_idx.to(torch.int32).contiguous()
     n = sidx.numel()
     if n != didx.numel():
         raise ValueError(f"copy_rows: {n} source rows but {didx.numel()} destination rows")

@@ -33,7 +33,10 @@ class ResidencyError(ValueError):
 
 @dataclasses.dataclass
 class Resolved:
-    """The result of one layer's resolve for a batch."""
+    """The result of one layer's resolve for a batch.
+
+    The native implementation returns views of per-layer buffers: they stay
+    valid until the same layer is resolved again (the next step)."""
 
     slots: torch.Tensor  # [B, K] int32 global hot-buffer rows, -1 for padding
     miss_src: torch.Tensor  # [M] int32 host-pool rows to copy
@@ -84,6 +87,7 @@ class NativeResidency:
         self._lib = lib
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
         self.nthreads = max(1, nthreads)
+        self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
         if not self._h:
             raise RuntimeError("ao_res_create failed")
@@ -101,11 +105,7 @@ class NativeResidency:
         topk, block_table = _i32(topk), _i32(block_table)
         tags = tags.to(device="cpu", dtype=torch.int64).contiguous()
         B, K = topk.shape
-        out = torch.empty((B, K), dtype=torch.int32)
-        msrc = torch.empty(B * K, dtype=torch.int32)
-        mdst = torch.empty(B * K, dtype=torch.int32)
-        counts = torch.empty((B, 2), dtype=torch.int32)
-        err = torch.empty(2, dtype=torch.int32)
+        out, msrc, mdst, counts, err = self._buffers(layer, B, K)
         n = self._lib.ao_res_resolve(
             self._h, layer, B, rows.data_ptr(), tags.data_ptr(), stable.data_ptr(),
             lens.data_ptr(), topk.data_ptr(), K, block_table.data_ptr(), block_table.shape[1],
@@ -115,6 +115,25 @@ class NativeResidency:
             _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
                           block_table, block_size)
         return Resolved(out, msrc[:n], mdst[:n], counts)
+
+    def _buffers(self, layer: int, B: int, K: int) -> tuple[torch.Tensor, ...]:
+        """Per-layer output buffers, allocated once (a fresh allocation per call
+        costs more than the resolve itself at small batches). Results of a layer
+        stay valid until that layer is resolved again, i.e. the next step."""
+        if not 0 <= layer < self.num_layers:
+            raise ResidencyError(f"layer={layer}: out of range [0, {self.num_layers})")
+        cap = self.num_rows * K
+        buf = self._bufs.get(layer)
+        if buf is None or buf[0].numel() < cap:
+            buf = (torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.int32),
+                   torch.empty(cap, dtype=torch.int32),
+                   torch.empty(2 * self.num_rows, dtype=torch.int32),
+                   torch.empty(2, dtype=torch.int32))
+            self._bufs[layer] = buf
+        if B > self.num_rows:
+            raise ResidencyError(f"batch of {B} requests exceeds num_rows={self.num_rows}")
+        out, msrc, mdst, counts, err = buf
+        return out[: B * K].view(B, K), msrc, mdst, counts[: 2 * B].view(B, 2), err
 
     def release(self, row: int) -> None:
         if self._lib.ao_res_release(self._h, row) != 0:
