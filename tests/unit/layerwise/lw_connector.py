@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.config import parse_extra_config
 from ascend_offload.layerwise.layout import plan_from_groups
-from ascend_offload.layerwise.pipeline import BlockRef, LayerwisePipeline, StepIO
+from ascend_offload.layerwise.pipeline import LayerwisePipeline, StepBuilder, StepIO
 from tests.unit.layerwise.dict_store import DictStore
 
 _STORE = DictStore()
@@ -41,22 +41,14 @@ class _Meta(KVConnectorMetadata):
     io: StepIO
 
 
-@dataclasses.dataclass
-class _Req:
-    request: Any
-    block_ids: list[int]
-    keys: dict[int, str] = dataclasses.field(default_factory=dict)  # block index -> saved key
-    hits: int = 0  # blocks to load from the store in the first step
-    first: bool = True
-
-
 class AscendStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.cfg = parse_extra_config("AscendStoreConnector", extra)
         self.bs = vllm_config.cache_config.block_size
-        self._reqs: dict[str, _Req] = {}
+        self.steps = StepBuilder(self.bs, partial_prefix=f"partial-{os.getpid()}")
+        self._requests: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self.pipe: LayerwisePipeline | None = None
         if role == KVConnectorRole.WORKER:
@@ -93,49 +85,38 @@ class AscendStoreConnector(KVConnectorBase_V1):
         # start_load_kv must run before the forward (vLLM defers it otherwise): the
         # pipeline owns and fills layer 0's slot there.
         scheduler_output.has_sync_kv_loads = True
-        load: list[BlockRef] = []
-        shared: list[BlockRef] = []
-        save: list[BlockRef] = []
-        steps: list[tuple[_Req, int, int]] = []
+        steps = self.steps
         for new in scheduler_output.scheduled_new_reqs:
             request, hits = self._pending.pop(new.req_id)
-            st = self._reqs[new.req_id] = _Req(request, list(new.block_ids[0]), hits=hits)
-            for i in range(hits):
-                st.keys[i] = self._hash_key(request, i)
+            self._requests[new.req_id] = request
+            steps.begin(new.req_id, new.block_ids[0],
+                        [self._hash_key(request, i) for i in range(hits)])
             _STATS["hit_tokens"] += hits * self.bs
-            steps.append((st, new.num_computed_tokens, scheduler_output.num_scheduled_tokens[new.req_id]))
+            steps.schedule(new.req_id, new.num_computed_tokens,
+                           scheduler_output.num_scheduled_tokens[new.req_id],
+                           self._full_key(request))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            st = self._reqs[rid]
             assert rid not in cached.resumed_req_ids, "test connector: no preemption support"
             if cached.new_block_ids[i] is not None:
-                st.block_ids.extend(cached.new_block_ids[i][0])
-            steps.append((st, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[rid]))
-        for st, computed, scheduled in steps:
-            bids = st.block_ids
-            if st.first:
-                load += [BlockRef(bids[i], st.keys[i]) for i in range(st.hits)]
-                own_from = st.hits
-            else:
-                own_from = 0
-            n_prev = -(-computed // self.bs)
-            shared += [BlockRef(bids[i], st.keys[i]) for i in range(own_from, n_prev)]
-            end = computed + scheduled
-            for i in range(computed // self.bs, -(-end // self.bs)):
-                fill = min(self.bs, end - i * self.bs)
-                if fill == self.bs and i < len(st.request.block_hashes):
-                    key = self._hash_key(st.request, i)
-                else:
-                    key = f"r:{st.request.request_id}/{i}/{fill}"
-                st.keys[i] = key
-                save.append(BlockRef(bids[i], key))
-            st.first = False
+                steps.add_blocks(rid, cached.new_block_ids[i][0])
+            steps.schedule(rid, cached.num_computed_tokens[i],
+                           scheduler_output.num_scheduled_tokens[rid],
+                           self._full_key(self._requests[rid]))
         for rid in scheduler_output.finished_req_ids:
-            self._reqs.pop(rid, None)
-        return _Meta(StepIO(tuple(load), tuple(shared), tuple(save)))
+            steps.end(rid)
+            self._requests.pop(rid, None)
+        return _Meta(steps.build())
+
+    def _full_key(self, request: Any) -> Any:
+        def key(i: int) -> str | None:
+            return self._hash_key(request, i) if i < len(request.block_hashes) else None
+
+        return key
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        self._reqs.pop(request.request_id, None)
+        self.steps.end(request.request_id)
+        self._requests.pop(request.request_id, None)
         return False, None
 
     # ---------------------------------------------------------------- worker
