@@ -185,7 +185,10 @@ class SparseOffloadManager:
         ready = dev.record_after_compute()
         with dev.stream_context(self._stream):
             self._stream.wait_event(ready)
-            dev.scatter_rows(new_kv, dst, self.pool.layer(layer))
+            # A blocking D2H on the offload stream: the host scatter below must
+            # not read a buffer whose asynchronous copy is still in flight.
+            rows = new_kv if new_kv.device.type == "cpu" else new_kv.to("cpu")
+            dev.scatter_rows(rows, dst, self.pool.layer(layer))
         if self.pool.shared_name is not None:
             self._stream.synchronize()  # published rows must really be there
             self.pool.publish(layer, self._step_no)

@@ -185,3 +185,21 @@ def test_bad_arguments() -> None:
     with pytest.raises(ResidencyError, match="use_native"):
         make_residency(1, 1, 4, use_native="maybe")
     assert make_residency(1, 1, 4, use_native="off").kind == "torch"
+
+
+@needs_native
+def test_native_parallel_rows_match_single_thread() -> None:
+    """The OpenMP path (several threads over the requests of a batch) gives the same results."""
+    g = torch.Generator().manual_seed(11)
+    B, H, K, L = 6, 32, 16, 200
+    one, par = NativeResidency(2, B, H, nthreads=1), NativeResidency(2, B, H, nthreads=3)
+    bt = torch.arange(B * (L // BLOCK), dtype=torch.int32).view(B, -1)
+    for step in range(120):
+        layer = step % 2
+        topk = torch.randint(-1, L, (B, K), generator=g)
+        stable = torch.randint(L - 3, L + 1, (B,), generator=g)
+        args = (layer, torch.arange(B), torch.ones(B, dtype=torch.int64), stable,
+                torch.full((B,), L), topk, bt, BLOCK)
+        a, b = one.resolve(*args), par.resolve(*args)
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.counts, b.counts)
+        assert torch.equal(a.miss_src, b.miss_src) and torch.equal(a.miss_dst, b.miss_dst)
