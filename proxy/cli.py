@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="limit on prompts x n of one request")
     ap.add_argument("--max-body-mb", type=int, default=64,
                     help="largest accepted client request body (long token-id prompts)")
+    ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                    help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -100,9 +102,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     )
 
 
-async def serve(cfg: ProxyConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    cfg: ProxyConfig, ready: asyncio.Event | None = None, shutdown_grace_s: float = 5.0
+) -> None:
     """Serve until SIGINT/SIGTERM."""
-    server = ProxyServer(cfg)
+    server = ProxyServer(cfg, shutdown_grace_s=shutdown_grace_s)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ascend-offload-proxy: error: {e}\n")
         return 2
     try:
-        run_loop(serve(cfg))
+        run_loop(serve(cfg, shutdown_grace_s=max(0.0, args.shutdown_grace_s)))
     except OSError as e:
         sys.stderr.write(f"ascend-offload-proxy: error: cannot serve on {cfg.host}:{cfg.port}: {e}\n")
         return 1

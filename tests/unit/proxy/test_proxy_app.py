@@ -401,3 +401,23 @@ def test_fanout_stream_breaks_after_start() -> None:
             assert await until(lambda: len(st.server.proxy.pending) == 0)
 
     run(go())
+
+
+def test_metaserver_url_override_and_advertised_host() -> None:
+    from proxy.app import advertised_host
+
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("0.0.0.0") not in ("", "0.0.0.0")
+
+    async def go() -> None:
+        async with stack(metaserver_url="http://127.0.0.1:1/elsewhere",
+                         decode_kw={"register_timeout_s": 0.5}) as st:
+            assert st.server.proxy.metaserver_url == "http://127.0.0.1:1/elsewhere"
+            status, body = await st.post(CMPL, {"prompt": "p"})
+            # the fake decode registers at the advertised URL, which is wrong here
+            assert status == 500 and "registration failed" in body["error"]["message"]
+            assert st.decodes[0].received[0]["kv_transfer_params"]["metaserver"] == (
+                "http://127.0.0.1:1/elsewhere"
+            )
+
+    run(go())
