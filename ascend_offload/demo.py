@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # One OMP thread on one core: with a KV connector configured, vLLM's CPU backend
+    # otherwise reserves/binds both cores of a small machine and spin-waits (measured
+    # 5-8x slower steps here, with or without our connector doing any work).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     from ascend_offload.testing.tiny_model import make_tiny_llama
 
     model = str(make_tiny_llama(Path(tempfile.gettempdir()) / "ascend-offload-demo-model"))

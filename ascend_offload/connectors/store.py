@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats, StorePromMetrics
 from ascend_offload.store.base import Pin, WriteHandle
 from ascend_offload.store.keys import block_keys, layout_fingerprint
 from ascend_offload.store.local import LocalStore
@@ -185,6 +186,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._pending_loads: list[CopyJob] = []
+        self._totals: Counter[str] = Counter()
+        self._deltas = CounterDeltas()
         log.info(
             "%s: local store index with %d pages of %d bytes per rank", NAME, self.num_pages, self.page_bytes
         )
@@ -246,6 +249,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self._pending_loads.append(job)
         st.load_pin = None  # owned by the job now; released when every rank reported
         st.loaded_blocks += last - first
+        self._totals["loaded_blocks"] += last - first
         st.saved_upto = max(st.saved_upto, last)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -276,6 +280,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         handles = self.index.allocate(keys, [self.page_bytes] * len(keys))
         if handles is None:
             st.skipped_blocks += len(keys)
+            self._totals["skipped_blocks"] += len(keys)
             return None
         assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
         block_ids = self._kv_cache_manager.get_block_ids(st.request.request_id)[0]
@@ -283,6 +288,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         for i, h in enumerate(handles):
             if h is None:
                 st.duplicate_blocks += 1
+                self._totals["duplicate_blocks"] += 1
                 continue
             ids.append(block_ids[first + i])
             pages.append(self.index.pages(h.key)[0])
@@ -290,6 +296,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if not owned:
             return None
         st.saved_blocks += len(owned)
+        self._totals["saved_blocks"] += len(owned)
         job = CopyJob(next(self._job_ids), tuple(ids), tuple(pages))
         self._jobs[job.job_id] = _Job(kind="save", req_id=st.request.request_id, handles=owned)
         return job
@@ -313,6 +320,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if job.done + job.failed < self.world_size:
             return
         del self._jobs[job_id]
+        if job.failed:
+            self._totals[f"{job.kind}_failed_jobs"] += 1
         if job.kind == "save":
             if job.failed:
                 self.index.abort(job.handles)
@@ -344,6 +353,32 @@ class AscendStoreConnector(KVConnectorBase_V1):
         }
         log.debug("%s: request %s finished: %s", NAME, request.request_id, stats)
         return False, {"ascend_store": stats}
+
+    def get_kv_connector_stats(self) -> StoreConnectorStats | None:
+        """Counter deltas since the last call (scheduler side; workers report none)."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        g = self.index.stats()
+        totals = dict(self._totals)
+        totals.update(
+            lookups=g.lookups, hit_objects=g.hit_objects, miss_objects=g.miss_objects,
+            evicted_objects=g.evicted_objects,
+        )
+        return self._deltas.take(totals)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> StoreConnectorStats | None:
+        return StoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> StorePromMetrics:
+        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ======================================================================= worker
 

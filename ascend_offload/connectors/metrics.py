@@ -1,0 +1,91 @@
+"""Store-tier counters exported through vLLM's connector stats and Prometheus.
+
+The scheduler-side connector hands vLLM the counter *deltas* since its last
+report; vLLM sums them across workers/intervals (``aggregate``), prints them in
+its periodic log line and feeds ``StorePromMetrics.observe``, which increments
+``ascend_offload_store_*`` counters on the OpenAI server's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# counter name -> help text
+COUNTERS: dict[str, str] = {
+    "loaded_blocks": "KV blocks loaded from the host store into vLLM's cache",
+    "saved_blocks": "KV blocks copied into the host store",
+    "skipped_blocks": "KV blocks not saved because the store was full",
+    "duplicate_blocks": "KV blocks not saved because the store already had them",
+    "load_failed_jobs": "load jobs that failed on some rank (blocks reported as load errors)",
+    "save_failed_jobs": "save jobs that failed on some rank (objects aborted)",
+    "lookups": "store prefix lookups",
+    "hit_objects": "objects found by lookups",
+    "miss_objects": "objects missed by lookups",
+    "evicted_objects": "objects evicted (LRU) to make room",
+}
+
+
+@dataclasses.dataclass
+class StoreConnectorStats(KVConnectorStats):
+    """Counter deltas; sums under aggregation."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for k, v in (other.data or {}).items():
+            merged[k] = merged.get(k, 0) + v
+        return StoreConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class CounterDeltas:
+    """Turns monotonically growing totals into per-report deltas."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, totals: dict[str, int]) -> StoreConnectorStats | None:
+        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        self._last = dict(totals)
+        delta = {k: v for k, v in delta.items() if v}
+        return StoreConnectorStats(data=delta) if delta else None
+
+
+class StorePromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"ascend_offload_store_{name}", documentation=doc, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value > 0:
+                per_engine[engine_idx].inc(value)
