@@ -64,13 +64,21 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-def run(config: str, model: str, delay: float) -> dict[str, Any]:
+def run(config: str, model: str, delay: float, multiprocess: bool = False) -> dict[str, Any]:
+    """One engine. ``multiprocess``: vLLM's default engine-core child process, where only
+    the ``vllm.general_plugins`` entry point (plugin.register) installs the layout hook."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from ascend_offload.layerwise.layout import install_layout_hook
+    stats_file = None
+    if multiprocess:
+        stats_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"lw-stats-{os.getpid()}-{config}.json"
+        stats_file.unlink(missing_ok=True)
+        os.environ["ASCEND_OFFLOAD_LW_STATS"] = str(stats_file)
+    else:
+        from ascend_offload.layerwise.layout import install_layout_hook
 
-    install_layout_hook()
+        install_layout_hook()
     kwargs: dict[str, Any] = dict(
         model=model, dtype="float32", block_size=BLOCK, enforce_eager=True,
         max_model_len=1024, enable_prefix_caching=False, seed=0,
@@ -103,6 +111,8 @@ def run(config: str, model: str, delay: float) -> dict[str, Any]:
         first, second = _prompts()
         out1 = llm.generate([{"prompt_token_ids": p} for p in first], sp, use_tqdm=False)
         hits_before = conn._STATS["hit_tokens"] if conn else 0
+        if stats_file is not None:
+            hits_before = json.loads(stats_file.read_text())["hit_tokens"]
         out2 = llm.generate([{"prompt_token_ids": p} for p in second], sp, use_tqdm=False)
         result: dict[str, Any] = {
             "config": config,
@@ -112,11 +122,17 @@ def run(config: str, model: str, delay: float) -> dict[str, Any]:
         }
         if conn is not None:
             st = conn._STATS
+            if stats_file is not None:
+                # the child writes after every step; the prefix request was its last step
+                st = json.loads(stats_file.read_text())
+                conn._LAST.update(gate=st["gate"], pipeline=st["pipeline"])
             result.update(
                 prefix_hit_tokens=st["hit_tokens"] - hits_before,
                 physical_buffers=st.get("physical_buffers"),
                 aliased=st.get("aliased"),
-                same_process=st.get("scheduler_pid") == st.get("worker_pid") == os.getpid(),
+                same_process=st.get("scheduler_pid") == st.get("worker_pid")
+                and (multiprocess or st.get("worker_pid") == os.getpid()),
+                multiprocess=multiprocess,
             )
         return result
     finally:
@@ -131,16 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="base,1,2,3", help="comma list: base and/or B values")
     p.add_argument("--delay", type=float, default=0.0, help="debug_save_delay_s for B configs")
     p.add_argument("--slow-config", default="", help="the one B config that gets --delay")
+    p.add_argument("--multiprocess", action="store_true",
+                   help="engine core in a child process; the layout hook comes from the plugin")
     p.add_argument("--model-dir", default=os.environ.get(
         "ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
     args = p.parse_args(argv)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = _make_model(Path(args.model_dir) / f"tiny-llama-{NUM_LAYERS}l")
     results = []
     for config in args.configs.split(","):
         delay = args.delay if config == args.slow_config else 0.0
-        res = run(config, model, delay)
+        res = run(config, model, delay, args.multiprocess)
         if config != "base":
             from tests.unit.layerwise import lw_connector as conn
 

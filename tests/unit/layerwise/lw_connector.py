@@ -10,12 +10,14 @@ CPU), so one in-process store serves both; no preemption handling.
 
 Keys: a full block is stored under its vLLM block hash (shareable between
 requests), a partial block under ``request/index/fill`` (immutable objects).
-Counters are kept in module globals (``_STATS``, ``_LAST``) for the in-process engine check.
+Counters are kept in module globals (``_STATS``, ``_LAST``) for the in-process engine check,
+and written to the JSON file named by ``ASCEND_OFFLOAD_LW_STATS`` when that is set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -151,6 +153,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def _record(self) -> None:
         assert self.pipe is not None
         _LAST.update(pipeline=self.pipe.stats().as_dict(), gate=self.pipe.gate.stats().as_dict())
+        path = os.environ.get("ASCEND_OFFLOAD_LW_STATS")
+        if path:  # the engine core runs in a child process: hand the counters over by file
+            with open(path + ".tmp", "w") as f:
+                json.dump(dict(_STATS, **_LAST), f)
+            os.replace(path + ".tmp", path)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.pipe.take_load_errors() if self.pipe is not None else set()

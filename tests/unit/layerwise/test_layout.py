@@ -138,3 +138,21 @@ def test_wrapper_off_is_identity_on_checks_constraints() -> None:
     assert wrapped(_vcfg("AscendStoreConnector", {"use_layerwise": False}), [], []) is sentinel
     with pytest.raises(LayerwiseStartupError, match="enable_prefix_caching"):
         wrapped(_vcfg("AscendStoreConnector", {"use_layerwise": True}, prefix=True), [], [])
+
+
+def test_plugin_entry_point_installs_the_hook() -> None:
+    """vLLM's general-plugin loading (every vLLM process) ends with the hook installed."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "import vllm.v1.engine.core as core\n"
+        "from ascend_offload.layerwise import layout\n"
+        "print('HOOKED', getattr(core.get_kv_cache_configs, layout._MARK, None) is not None)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert "HOOKED True" in proc.stdout, proc.stderr[-3000:]
