@@ -421,3 +421,40 @@ def test_metaserver_url_override_and_advertised_host() -> None:
             )
 
     run(go())
+
+
+def test_nothing_leaks_under_mixed_load_cancellations_and_faults() -> None:
+    import random
+
+    async def go() -> None:
+        rng = random.Random(7)
+        async with stack(n_decode=2, n_prefill=2, register_timeout_s=2, timeout_s=2) as st:
+            st.prefills[1].fault = "hang"  # some prefills time out (504), decodes get aborted
+            st.decodes[1].fault = "break"  # some streams break mid-way
+
+            async def one(i: int) -> int:
+                body: dict[str, Any] = {"prompt": f"p{i}", "stream": rng.random() < 0.5}
+                if rng.random() < 0.3:
+                    body["prompt"] = [f"a{i}", f"b{i}"]
+                    body["n"] = 2
+                task = asyncio.ensure_future(st.post(CMPL, body))
+                if rng.random() < 0.3:
+                    await asyncio.sleep(rng.random() * 0.05)
+                    task.cancel()
+                try:
+                    status, _ = await task
+                    return status
+                except asyncio.CancelledError:
+                    return -1
+
+            statuses = await asyncio.gather(*(one(i) for i in range(60)))
+            assert set(statuses) <= {-1, 200, 502, 503, 504}, statuses
+            assert 200 in statuses
+            proxy = st.server.proxy
+            assert await until(lambda: len(proxy.pending) == 0, timeout=15)
+            assert await until(lambda: not proxy._bg, timeout=15)
+            for b in (proxy.decoders, proxy.prefillers):
+                for inst in b.instances:
+                    assert inst.inflight == 0 and inst.load == 0, b.snapshot()
+
+    run(go())
