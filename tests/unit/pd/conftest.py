@@ -16,6 +16,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (decode TP ranks listen on base + rank)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def make_kv(num_layers: int, num_blocks: int, *, main_shape: tuple[int, ...] = (4, 8),
             indexer_shape: tuple[int, ...] | None = (4, 2), seed: int | None = None):
     """Per layer: K/V-style main tensors as two halves of one (2, blocks, ...) buffer, plus an indexer."""
@@ -41,3 +62,8 @@ def port() -> int:
 @pytest.fixture
 def kv():
     return make_kv
+
+
+@pytest.fixture
+def port_pair() -> int:
+    return free_port_range(2)

@@ -119,13 +119,12 @@ def test_size_mismatch_fails_exactly_that_request(pair_factory):
 def test_dead_decode_releases_slot_at_deadline(pair_factory):
     pr = pair_factory(ack_timeout_s=0.3, start_consumer=False)
     pr.producer.add_request("r1", [1], pr.target)
-    t0 = time.monotonic()
     pr.producer.publish_layer(0)
     end = time.monotonic() + WAIT
     while not pr.releases and time.monotonic() < end:
         time.sleep(0.01)
+    # nobody listens: only the ack deadline can have released the slot
     assert pr.releases and pr.releases[0].failures == (("r1", "timeout"),)
-    assert time.monotonic() - t0 < WAIT
     assert pr.producer.pending_slots() == {}
     assert pr.producer.stats.timed_out == 1
 
@@ -195,7 +194,8 @@ def test_garbled_and_invalid_items_rejected_consumer_lives(pair_factory, port):
         d.close(linger=0)
 
 
-def test_unequal_tp_in_process(port, kv):
+def test_unequal_tp_in_process(port_pair, kv):
+    port = port_pair
     make_kv = kv
     """p_tp=4, d_tp=2 with loopback engines: each decode rank gets exactly its group's data."""
     topo = Topology(4, 2)
@@ -235,11 +235,12 @@ def test_unequal_tp_in_process(port, kv):
             e.close()
 
 
-def test_reuse_gate_waits_for_decode_read(port, kv):
+def test_reuse_gate_waits_for_decode_read(port_pair, kv):
     """The layerwise gate holds a physical slot until decode's read of it is answered."""
     from ascend_offload.layerwise.gate import ReuseGate
     from ascend_offload.pd.producer import gate_listener
 
+    port = port_pair
     gate = ReuseGate(1, default_timeout_s=10.0)
     src, src_desc = kv(2, 4, seed=5)
     dst, dst_desc = kv(2, 4)
