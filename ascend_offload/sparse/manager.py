@@ -30,7 +30,12 @@ import torch
 from ascend_offload import device as dev
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse import native
-from ascend_offload.sparse.pools import HostKVPool, HotBuffers, PoolCapacityError
+from ascend_offload.sparse.pools import (
+    HostKVPool,
+    HotBuffers,
+    PoolCapacityError,
+    pool_rows_from_config,
+)
 from ascend_offload.sparse.residency import Residency, make_residency
 
 logger = logging.getLogger(__name__)
@@ -77,8 +82,6 @@ class SparseOffloadManager:
         self.tp_rank = tp_rank
         self.fence_timeout_s = fence_timeout_s
         if pool is None:
-            from ascend_offload.sparse.pools import pool_rows_from_config
-
             rows = pool_rows if pool_rows is not None else pool_rows_from_config(
                 cfg, num_layers=num_layers, row_shape=row_shape, dtype=dtype,
                 block_size=block_size)
