@@ -156,3 +156,57 @@ def test_plugin_entry_point_installs_the_hook() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False)
     assert "HOOKED True" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC", "LBNHC"])
+def test_rewrite_with_vllm_allocator_hybrid_groups(layout_name: str) -> None:
+    """vLLM's own planner + allocator on a rewritten config: slot layers share memory,
+    num_blocks grows by the saved pages, for layer- and block-outermost layouts."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from ascend_offload.config import StoreConnectorConfig
+    from ascend_offload.layerwise.layout import rewrite_kv_cache_config
+
+    lay = KVCacheLayout[layout_name]
+    vcfg = SimpleNamespace(
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: lay,
+                                     num_gpu_blocks_override=None,
+                                     prefix_cache_retention_interval=None),
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32,
+                            sliding_window=64)
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{i}.attn" for i in (0, 2, 4, 6, 8, 10)], full),
+        KVCacheGroupSpec([f"model.layers.{i}.attn" for i in (1, 3, 5, 7, 9, 11)], swa),
+    ]
+    mem = 6 << 20
+    before = get_kv_cache_config_from_groups(vcfg, groups, mem)
+    cfg = StoreConnectorConfig(use_layerwise=True, layerwise_num_shared_buffers=2)
+    plan = plan_from_groups(groups, cfg)
+    # full: layer 0 independent + 2 shared slots; sliding: 2 shared slots
+    assert plan.num_physical == 5
+    after = rewrite_kv_cache_config(vcfg, before, mem, plan)
+    # vLLM overlays groups, so a block costs the largest group's pages: 6 -> 3
+    assert after.num_blocks == before.num_blocks * 2
+    assert after.kv_cache_groups == before.kv_cache_groups
+    kv = allocate_kv_cache(after, torch.device("cpu"), lay)
+    assert set(kv) == {n for g in groups for n in g.layer_names}
+    for buf in plan.buffers:
+        assert len({kv[n].data_ptr() for n in buf.layers}) == 1
+        assert all(kv[n].shape[0] == after.num_blocks for n in buf.layers)
+    # slots of one group never overlap
+    for g in groups:
+        slots = {plan.slot_of[n] for n in g.layer_names}
+        reps = [kv[plan.buffers[s].layers[0]] for s in slots]
+        for i, a in enumerate(reps):
+            for b in reps[i + 1:]:
+                a[0].fill_(1.0)
+                b[0].fill_(2.0)
+                assert torch.all(a[0] == 1.0)
