@@ -122,6 +122,19 @@ def _snippet(data: bytes, limit: int = 300) -> str:
     return text + ("..." if len(data) > limit else "")
 
 
+def _backend_headers(p: Pending) -> dict[str, str]:
+    """Headers of both backend requests of ``p``.
+
+    vLLM takes ``X-Request-Id`` as its request id, so the decode's and the
+    prefill's logs carry the proxy_request_id; the client's Authorization is
+    passed on so backends started with ``--api-key`` work behind the proxy.
+    """
+    headers = {"Content-Type": JSON_TYPE, "X-Request-Id": p.id}
+    if p.auth is not None:
+        headers["Authorization"] = p.auth
+    return headers
+
+
 def _json_error(err: ProxyError) -> web.Response:
     return web.Response(status=err.status, body=err.body(), headers=_JSON_HEADERS)
 
@@ -254,7 +267,9 @@ class Proxy:
         while (inst := self.decoders.pick(tried)) is not None:
             tried.append(inst)
             try:
-                async with self._dsession.get(inst.url + "/v1/models") as resp:
+                auth = request.headers.get("Authorization")
+                headers = {"Authorization": auth} if auth else None
+                async with self._dsession.get(inst.url + "/v1/models", headers=headers) as resp:
                     data = await resp.read()
                     return web.Response(
                         status=resp.status,
@@ -353,8 +368,9 @@ class Proxy:
             self.metrics.request(path, status)
             self.metrics.latency.observe(time.perf_counter() - t0)
 
-    def _new_pending(self, path: str, sub: SubRequest) -> Pending:
+    def _new_pending(self, path: str, sub: SubRequest, auth: str | None) -> Pending:
         p = Pending(self._next_id(), path, sub.body, sub.weight)
+        p.auth = auth
         p.owner = asyncio.current_task()
         self.pending.add(p)
         p.arm_deadline(asyncio.get_running_loop(), self.cfg.register_timeout_s)
@@ -369,11 +385,8 @@ class Proxy:
         if t is not None and not t.done() and not ok:
             t.cancel()  # closes the prefill connection: vLLM aborts the request
 
-    async def _open_decode(self, path: str, payload: bytes, request_id: str | None = None) -> _Decode:
+    async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str]) -> _Decode:
         assert self._dsession is not None
-        # vLLM takes X-Request-Id as its request id: decode and prefill logs then
-        # carry the proxy_request_id, which makes one request traceable end to end.
-        headers = {"Content-Type": JSON_TYPE, "X-Request-Id": request_id} if request_id else _JSON_HEADERS
         tried: list[Instance] = []
         while True:
             inst = self.decoders.pick(tried)
@@ -402,7 +415,7 @@ class Proxy:
         payload = _encode(decode_body(p.body, self.metaserver_url, p.id))
         d: _Decode | None = None
         try:
-            d = await self._open_decode(p.path, payload, p.id)
+            d = await self._open_decode(p.path, payload, _backend_headers(p))
             if stream and d.status == 200:
                 d.data = await d.resp.content.readany()
                 if not d.data:
@@ -442,7 +455,7 @@ class Proxy:
     async def _single(
         self, request: web.Request, path: str, sub: SubRequest, stream: bool
     ) -> web.StreamResponse:
-        p = self._new_pending(path, sub)
+        p = self._new_pending(path, sub, request.headers.get("Authorization"))
         d: _Decode | None = None
         ok = False
         try:
@@ -478,8 +491,8 @@ class Proxy:
 
     # ------------------------------------------------------------------ fan-out
 
-    async def _sub_whole(self, path: str, sub: SubRequest) -> _Decode:
-        p = self._new_pending(path, sub)
+    async def _sub_whole(self, path: str, sub: SubRequest, auth: str | None) -> _Decode:
+        p = self._new_pending(path, sub, auth)
         d: _Decode | None = None
         try:
             d = await self._begin(p, stream=False)
@@ -488,9 +501,13 @@ class Proxy:
             self._end(p, d, d is not None and d.status == 200)
 
     async def _sub_stream(
-        self, path: str, sub: SubRequest, queue: asyncio.Queue[tuple[str, SubRequest, Any]]
+        self,
+        path: str,
+        sub: SubRequest,
+        auth: str | None,
+        queue: asyncio.Queue[tuple[str, SubRequest, Any]],
     ) -> None:
-        p = self._new_pending(path, sub)
+        p = self._new_pending(path, sub, auth)
         d: _Decode | None = None
         ok = False
         try:
@@ -519,9 +536,10 @@ class Proxy:
         self, request: web.Request, path: str, subs: list[SubRequest], stream: bool
     ) -> web.StreamResponse:
         rid = ("chatcmpl-" if path == CHAT else "cmpl-") + self._next_id()
+        auth = request.headers.get("Authorization")
         loop = asyncio.get_running_loop()
         if not stream:
-            tasks = [loop.create_task(self._sub_whole(path, s)) for s in subs]
+            tasks = [loop.create_task(self._sub_whole(path, s, auth)) for s in subs]
             try:
                 results: list[_Decode] = await asyncio.gather(*tasks)
             finally:
@@ -540,7 +558,7 @@ class Proxy:
             return web.Response(body=merged, headers=_JSON_HEADERS)
 
         queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue()
-        tasks = [loop.create_task(self._sub_stream(path, s, queue)) for s in subs]
+        tasks = [loop.create_task(self._sub_stream(path, s, auth, queue)) for s in subs]
         splitters = {id(s): SSESplitter() for s in subs}
         merger = StreamMerger(rid)
         out: web.StreamResponse | None = None
@@ -597,7 +615,7 @@ class Proxy:
         assert self._psession is not None and p.dispatched is not None and p.params is not None
         dispatched = p.dispatched
         payload = _encode(prefill_body(p.body, p.path, p.params))
-        headers = {"Content-Type": JSON_TYPE, "X-Request-Id": p.id}
+        headers = _backend_headers(p)
         tried: list[Instance] = []
         try:
             while True:

@@ -24,6 +24,7 @@ class Pending:
 
     __slots__ = (
         "_deadline",
+        "auth",
         "body",
         "dispatched",
         "done",
@@ -42,6 +43,7 @@ class Pending:
         self.path = path
         self.body = body
         self.weight = weight
+        self.auth: str | None = None  # the client's Authorization header, passed on
         self.params: dict[str, Any] | None = None
         self.dispatched: asyncio.Future[bool] | None = None
         self.prefill_task: asyncio.Task[None] | None = None

@@ -102,6 +102,7 @@ class FakeBackend:
         self.record = record
         self.received: list[dict[str, Any]] = []
         self.request_ids: list[str | None] = []  # X-Request-Id headers, as vLLM would use them
+        self.auth_headers: list[str | None] = []
         self.stats: dict[str, int] = {
             "requests": 0,
             "completed": 0,
@@ -177,6 +178,7 @@ class FakeBackend:
     async def _reset(self, request: web.Request) -> web.Response:
         self.received.clear()
         self.request_ids.clear()
+        self.auth_headers.clear()
         for k in self.stats:
             self.stats[k] = 0
         return web.Response(body=b"{}", headers=_JSON)
@@ -207,6 +209,7 @@ class FakeBackend:
         if self.record:
             self.received.append(body)
             self.request_ids.append(request.headers.get("X-Request-Id"))
+            self.auth_headers.append(request.headers.get("Authorization"))
         try:
             resp = await self._generate_inner(request, body, chat)
         except asyncio.CancelledError:

@@ -41,10 +41,12 @@ class Stack:
     def url(self) -> str:
         return self.server.url
 
-    async def post(self, path: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+    async def post(
+        self, path: str, body: Any, raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         data = raw if raw is not None else json.dumps(body).encode()
         async with self.client.post(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
+            self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
         ) as r:
             text = await r.text()
             ctype = r.headers.get("Content-Type", "")

@@ -458,3 +458,20 @@ def test_nothing_leaks_under_mixed_load_cancellations_and_faults() -> None:
                     assert inst.inflight == 0 and inst.load == 0, b.snapshot()
 
     run(go())
+
+
+def test_authorization_is_passed_to_both_backends() -> None:
+    async def go() -> None:
+        async with stack() as st:
+            auth = {"Authorization": "Bearer sk-test"}
+            status, _ = await st.post(CMPL, {"prompt": "p"}, headers=auth)
+            assert status == 200
+            status, _ = await st.post(CMPL, {"prompt": ["a", "b"], "stream": True}, headers=auth)
+            assert status == 200
+            status, _ = await st.post(CMPL, {"prompt": "q"})
+            assert status == 200
+            expected = ["Bearer sk-test"] * 3 + [None]
+            assert st.decodes[0].auth_headers == expected
+            assert st.prefills[0].auth_headers == expected
+
+    run(go())
