@@ -75,3 +75,64 @@ def test_offloaded_logits_bit_identical(topk: int, use_native: str) -> None:
     assert mgr.active_requests == [] and mgr.pool.free_blocks == mgr.pool.num_blocks
     # hot buffer rows per request are far fewer than the longest context
     assert mgr.hot_size * 10 < max(n for _, n, _, _ in SCHEDULE)
+
+
+class _TwoRankOffloadKV:
+    """TP=2 on one shared host pool: rank 0 writes, both ranks onload and attend."""
+
+    def __init__(self, m0: SparseOffloadManager, m1: SparseOffloadManager) -> None:
+        self.r0, self.r1 = OffloadKV(m0), OffloadKV(m1)
+
+    def add(self, req_id: str, max_tokens: int) -> None:
+        self.r0.add(req_id, max_tokens)
+        self.r1.add(req_id, max_tokens)
+
+    def remove(self, req_id: str) -> None:
+        self.r0.remove(req_id)
+        self.r1.remove(req_id)
+
+    def write_prompt(self, layer: int, req_id: str, kv: torch.Tensor) -> None:
+        self.r0.write_prompt(layer, req_id, kv)  # the shared pool: written once
+
+    def begin_step(self, entries) -> None:
+        self.r0.begin_step(entries)
+        self.r1.begin_step(entries)
+
+    def offload_new(self, layer: int, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        self.r0.offload_new(layer, kv, positions)
+        self.r1.offload_new(layer, torch.full_like(kv, float("nan")), positions)  # must not write
+
+    def select(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        a, b = self.r0.select(layer, topk), self.r1.select(layer, topk)
+        assert torch.equal(a, b)
+        return b
+
+    def end_step(self) -> None:
+        self.r0.end_step()
+        self.r1.end_step()
+
+
+def test_tp2_shared_pool_bit_identical() -> None:
+    import uuid
+
+    from ascend_offload.sparse.pools import HostKVPool
+
+    cfg = RefConfig(topk=64)
+    full_logits, _ = _run(cfg, FullKV(cfg.num_layers, cfg.latent))
+    scfg = SparseOffloadConfig(enabled=True, topk_buffer_size=128, index_topk=64)
+    name = f"parity_{uuid.uuid4().hex[:8]}"
+    rows = 32 * 1024
+    p0 = HostKVPool(cfg.num_layers, rows, (cfg.latent,), torch.float32, BLOCK, shared_name=name)
+    try:
+        p1 = HostKVPool(cfg.num_layers, rows, (cfg.latent,), torch.float32, BLOCK,
+                        shared_name=name, create=False)
+        kw = dict(num_layers=cfg.num_layers, row_shape=(cfg.latent,), dtype=torch.float32,
+                  block_size=BLOCK, max_requests=4)
+        m0 = SparseOffloadManager(scfg, pool=p0, tp_rank=0, **kw)
+        m1 = SparseOffloadManager(scfg, pool=p1, tp_rank=1, fence_timeout_s=5.0, **kw)
+        tp_logits, _ = _run(cfg, _TwoRankOffloadKV(m0, m1))
+    finally:
+        p0.unlink()
+    for step, (a, b) in enumerate(zip(full_logits, tp_logits, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+    assert m1.stats.offload_rows == 0 and m0.stats.offload_rows > 0
