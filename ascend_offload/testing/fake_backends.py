@@ -237,20 +237,20 @@ class FakeBackend:
         params = body.get("kv_transfer_params") or {}
         if self.role == "decode" and params.get("do_remote_prefill") and params.get("metaserver"):
             ev = self._kv_event(rid) if self.wait_kv else None
-            err = await self._register(params, rid)
-            if err is not None:
-                self._kv_ready.pop(rid, None)
-                return web.Response(status=500, body=_enc({"error": {"message": err, "code": 500}}),
-                                    headers=_JSON)
-            if ev is not None:
-                try:
-                    await asyncio.wait_for(ev.wait(), self.kv_timeout_s)
-                except TimeoutError:
-                    msg = f"fake decode: KV for {rid} not delivered within {self.kv_timeout_s} s"
-                    return web.Response(status=500, body=_enc({"error": {"message": msg, "code": 500}}),
+            try:
+                err = await self._register(params, rid)
+                if err is not None:
+                    return web.Response(status=500, body=_enc({"error": {"message": err, "code": 500}}),
                                         headers=_JSON)
-                finally:
-                    self._kv_ready.pop(rid, None)
+                if ev is not None:
+                    try:
+                        await asyncio.wait_for(ev.wait(), self.kv_timeout_s)
+                    except TimeoutError:
+                        msg = f"fake decode: KV for {rid} not delivered within {self.kv_timeout_s} s"
+                        return web.Response(status=500, body=_enc({"error": {"message": msg, "code": 500}}),
+                                            headers=_JSON)
+            finally:
+                self._kv_ready.pop(rid, None)  # also when the client went away meanwhile
         if self.role == "prefill" and params.get("do_remote_decode") and params.get("remote_host"):
             await self._notify_decode(params)
 
