@@ -1,7 +1,7 @@
 """Per-layer load / save / prefetch orchestration for layerwise prefill offload.
 
 Why a vLLM-free domain object: the ordering rules (gate before write, save
-before reuse, prefetch only into free slots) are the whole correctness story of
+before reuse, prefetch in slot order) are the whole correctness story of
 layer sharing, so they live here where unit tests can drive them with plain
 tensors and a dict store. The connector is a thin adapter over these calls,
 made from vLLM's per-layer connector hooks on the worker side:
@@ -20,15 +20,17 @@ vLLM connector hook (worker)           pipeline call
 
 Per layer L with physical slot S (see plan.py):
 
-1. ``wait_for_layer_load(L)``: own S through the reuse gate (waits, with a
-   deadline, for the store save / remote reads of S's previous contents), then
-   load L's objects for the step's blocks from the store into S - unless a
-   prefetch already did - and wait for that load (deadline ``load_timeout_s``).
-2. vLLM's attention writes the step's new KV of L into S.
-3. ``save_layer(L)``: register the store save as a consumer of S (plus any
-   ``extra_consumers``, e.g. the P/D producer's decode reads), release the write
-   lease, queue the save on the I/O thread, then prefetch the next
-   ``prefetch_layers`` layers whose slots are free.
+1. S is owned through the reuse gate (waiting, with a deadline, for the store
+   save / remote reads of S's previous contents) and L's objects are read from
+   the store into S. Because vLLM writes a layer's new KV *before* it calls
+   ``wait_for_layer_load`` (``unified_kv_cache_update``), this happens for layer
+   0 in ``start_step`` and for layer L+1 at the end of ``save_layer(L)``
+   (``ready_before_hook=True``); ``wait_for_layer_load`` then only checks.
+2. vLLM writes L's new KV into S and runs attention.
+3. ``save_layer(L)``: register the store save as a consumer of S (plus
+   ``extra_consumers`` and save listeners, e.g. the P/D producer's decode reads),
+   release the write lease, queue the save on the save thread, and queue gate +
+   load of the next ``prefetch_layers`` layers on the load thread.
 
 What is loaded: ``StepIO.load`` (prefix hits found in the store) into every
 layer, and ``StepIO.load_shared`` (the step's requests' own earlier chunks,
@@ -42,8 +44,9 @@ The save consumer is released only after the store commit: so by the time a
 later writer owns the slot, the bytes it replaced are readable from the store
 (the next chunk's ``load_shared`` of the same layer can never miss its own
 previous save). Within a step only the gate orders saves against reuse;
-``finish_step`` additionally drains the step's saves by default (see there). A failed or missing object is a load error for exactly the
-affected device blocks (``take_load_errors``), never silent garbage.
+``finish_step`` additionally drains the step's saves by default (see there).
+A failed or missing object is a load error for exactly the affected device
+blocks (``take_load_errors``), never silent garbage.
 """
 
 from __future__ import annotations
@@ -295,7 +298,9 @@ class LayerwisePipeline:
         self._save_futures: dict[cf.Future[None], tuple[int, Callable[[], None]]] = {}
         self._loader = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-load")
         self._saver = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-save")
-        self._copy_stream = device.new_stream()
+        # one copy stream per direction, so a load never waits on an unrelated save's copies
+        self._load_stream = device.new_stream()
+        self._save_stream = device.new_stream()
         self.aliased = False
         self._closed = False
         self._save_listeners: list[Callable[[str, int, int], None]] = []
@@ -568,12 +573,12 @@ class LayerwisePipeline:
         return kv.select(self.block_dim, block_id)
 
     def _load_unit(self, unit: _Unit) -> None:
-        with device.stream_context(self._copy_stream):
+        with device.stream_context(self._load_stream):
             for layer in unit.members:
                 refs = self._load_refs(layer)
                 if refs:
                     self._load_layer(layer, refs)
-            self._copy_stream.synchronize()
+            self._load_stream.synchronize()
 
     def _load_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
         kv = self._kv[layer]
@@ -652,7 +657,7 @@ class LayerwisePipeline:
             return
         handles: list[WriteHandle] = []
         try:
-            with device.stream_context(self._copy_stream):
+            with device.stream_context(self._save_stream):
                 for r, h in zip(refs, got, strict=True):
                     if h is None:
                         continue
@@ -661,7 +666,7 @@ class LayerwisePipeline:
                     if not view.is_contiguous() or device.is_accelerator(view):
                         view = view.to("cpu").contiguous()
                     self.store.write(h, 0, view.view(torch.uint8).reshape(-1))
-                self._copy_stream.synchronize()
+                self._save_stream.synchronize()
             self.store.commit(handles)
         except BaseException:
             self.store.abort(handles)
