@@ -23,7 +23,7 @@ import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
-from ascend_offload.pd.layout import extents, incompatibility
+from ascend_offload.pd.layout import block_capacity, extents, incompatibility, out_of_range
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 
@@ -105,10 +105,12 @@ class Consumer:
         read_timeout_s: float = 30.0,
         request_timeout_s: float = 120.0,
         read_retries: int = 1,
+        max_parked: int = 100_000,
         register_memory: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         topology.contributors(d_rank)  # validates d_rank
+        self.max_parked = max_parked
         self.engine_id = engine_id
         self.d_rank = d_rank
         self.topology = topology
@@ -152,12 +154,10 @@ class Consumer:
         blocks = [int(b) for b in dst_blocks]
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"request {request_id!r}: duplicate destination blocks")
-        for layer in self.layers[:n]:
-            for t in (*layer.main, *([layer.indexer] if layer.indexer else [])):
-                bad = [b for b in blocks if not 0 <= b < t.num_blocks]
-                if bad:
-                    raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside "
-                                     f"0..{t.num_blocks - 1}")
+        cap = block_capacity(self.layers[:n])
+        bad = out_of_range(blocks, cap)
+        if bad:
+            raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside 0..{cap - 1}")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already expected")
@@ -284,10 +284,10 @@ class Consumer:
         why = incompatibility(src, dst)
         if why:
             return P.FAIL_INVALID, f"layer {it.layer}: {why}"
-        for t in (*src.main, *([src.indexer] if src.indexer else [])):
-            bad = [b for b in it.src_blocks if b >= t.num_blocks]
-            if bad:
-                return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {t.num_blocks}"
+        cap = block_capacity([src])
+        bad = out_of_range(it.src_blocks, cap)
+        if bad:
+            return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {cap}"
         return None
 
     def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
@@ -397,19 +397,26 @@ class Consumer:
                 assert isinstance(msg, P.ReadReadyBatch)
                 for it in msg.items:
                     self.stats.items += 1
-                    work.append(_Parked(ident, msg.engine_id, msg.p_rank, msg.read_budget_ms / 1000.0, now, it))
+                    # A garbled budget must not park items forever: never beyond our own read timeout.
+                    budget = min(msg.read_budget_ms / 1000.0, self.read_timeout_s)
+                    work.append(_Parked(ident, msg.engine_id, msg.p_rank, budget, now, it))
         now = self._clock()
         with self._lock:
             # Items that arrived before expect(): serve them once it happens.
             for rid in [r for r in self._parked if r in self._requests]:
                 work[:0] = self._parked.pop(rid)
             run: list[_Parked] = []
+            refused: list[_Parked] = []
+            n_parked = sum(len(v) for v in self._parked.values())
             for p in work:
                 if p.item.request_id in self._requests:
                     run.append(p)
+                elif n_parked >= self.max_parked:
+                    refused.append(p)
                 else:
                     self._parked.setdefault(p.item.request_id, []).append(p)
                     self.stats.parked += 1
+                    n_parked += 1
             expired: list[_Parked] = []
             for rid in list(self._parked):
                 keep = [p for p in self._parked[rid] if p.received + p.budget_s > now]
@@ -421,6 +428,9 @@ class Consumer:
         for p in expired:
             self._fail(p.ident, p.p_rank, p.item, P.FAIL_UNKNOWN_REQUEST,
                        f"request {p.item.request_id!r} was never expected within the read budget")
+        for p in refused:
+            self._fail(p.ident, p.p_rank, p.item, P.FAIL_UNKNOWN_REQUEST,
+                       f"request {p.item.request_id!r} is not expected and {self.max_parked} items are parked")
         for p in run:
             self._serve(p)
             self._run_commands()

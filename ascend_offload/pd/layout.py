@@ -97,3 +97,17 @@ def incompatibility(src: LayerDesc, dst: LayerDesc) -> str | None:
         return (f"indexer block_bytes {src.indexer.block_bytes} (prefill) != "
                 f"{dst.indexer.block_bytes} (decode)")
     return None
+
+
+def block_capacity(layers: Iterable[LayerDesc]) -> int:
+    """The smallest block count of any tensor: valid block ids are below it."""
+    counts = [t.num_blocks for layer in layers
+              for t in (*layer.main, *([layer.indexer] if layer.indexer else []))]
+    return min(counts) if counts else 0
+
+
+def out_of_range(blocks: Sequence[int], capacity: int) -> list[int]:
+    """Block ids outside ``0..capacity-1`` (O(n) once, not per tensor)."""
+    if not blocks or (min(blocks) >= 0 and max(blocks) < capacity):
+        return []
+    return [b for b in blocks if not 0 <= b < capacity]

@@ -26,7 +26,7 @@ import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
-from ascend_offload.pd.layout import extents
+from ascend_offload.pd.layout import block_capacity, extents, out_of_range
 from ascend_offload.pd.topology import Topology, decode_port
 from ascend_offload.transfer.base import TransferEngine
 
@@ -183,11 +183,10 @@ class Producer:
         d_rank = self.topology.d_rank_of(self.p_rank)
         port = decode_port(target.kv_port, dp_rank=target.dp_rank, d_tp=target.d_tp, tp_rank=d_rank)
         blocks = [int(b) for b in src_blocks]
-        for layer in self.layers[:n]:
-            for t in (*layer.main, *([layer.indexer] if layer.indexer else [])):
-                bad = [b for b in blocks if not 0 <= b < t.num_blocks]
-                if bad:
-                    raise ValueError(f"request {request_id!r}: source blocks {bad[:8]} outside 0..{t.num_blocks - 1}")
+        cap = block_capacity(self.layers[:n])
+        bad = out_of_range(blocks, cap)
+        if bad:
+            raise ValueError(f"request {request_id!r}: source blocks {bad[:8]} outside 0..{cap - 1}")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already added")

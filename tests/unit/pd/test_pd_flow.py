@@ -345,3 +345,26 @@ def test_injected_invalid_item_fails_fast_and_drop_times_out(port, kv):
         cons.close()
         pe.close()
         de.close()
+
+
+def test_parking_is_bounded(port, kv):
+    _, dst_desc = kv(2, 4)
+    de = LoopbackEngine()
+    cons = Consumer(engine_id="D", d_rank=0, topology=Topology(1, 1), transfer=de, layers=dst_desc, port=port,
+                    max_parked=1)
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        items = [P.ReadReady(request_id=f"u{i}", layer=0, slot=0, generation=1, src_blocks=[0], main=True,
+                             index_lo=0, index_hi=1) for i in range(2)]
+        d.send(P.encode(P.ReadReadyBatch(version=1, engine_id="X", p_rank=0, read_budget_ms=60_000,
+                                         items=items)))
+        assert d.poll(5000)
+        ans = P.decode(d.recv())
+        assert isinstance(ans, P.ReadFailed) and ans.code == P.FAIL_UNKNOWN_REQUEST and ans.request_id == "u1"
+        assert cons.stats.parked == 1
+    finally:
+        d.close(linger=0)
+        cons.close()
+        de.close()
