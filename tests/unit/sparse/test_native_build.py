@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +96,24 @@ def test_manager_uses_native_when_asked() -> None:
     m = SparseOffloadManager(cfg, num_layers=1, row_shape=(2,), dtype=torch.float32,
                              block_size=4, max_requests=1, pool_rows=8)
     assert m.residency.kind == "native"
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("aarch64-linux-gnu-g++") is None
+    or shutil.which("qemu-aarch64-static") is None,
+    reason="needs g++, aarch64-linux-gnu-g++ and qemu-aarch64-static")
+def test_aarch64_build_gives_identical_results(tmp_path) -> None:
+    """The same random trace (tags, invalidation, releases, 2 threads, row copy)
+    gives the same checksum built for x86-64 and for aarch64 (run under qemu)."""
+    src = native.source_dir()
+    drv = Path(__file__).with_name("native_trace_driver.cpp")
+    files = [str(drv), str(src / "residency.cpp"), str(src / "rowcopy.cpp")]
+    flags = ["-O3", "-std=c++17", "-fno-strict-aliasing", "-fopenmp"]
+    x86, arm = tmp_path / "drv_host", tmp_path / "drv_arm"
+    subprocess.run(["g++", *flags, *files, "-o", str(x86)], check=True, timeout=300)
+    subprocess.run(["aarch64-linux-gnu-g++", *flags, "-static", *files, "-o", str(arm)],
+                   check=True, timeout=300, capture_output=True)
+    a = subprocess.run([str(x86)], capture_output=True, text=True, timeout=120, check=True)
+    b = subprocess.run(["qemu-aarch64-static", str(arm)], capture_output=True, text=True,
+                       timeout=300, check=True)
+    assert a.stdout.strip() and a.stdout.strip() == b.stdout.strip()
