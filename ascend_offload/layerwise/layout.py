@@ -140,6 +140,17 @@ def plan_from_groups(
     )
 
 
+def plan_for_engine(vllm_config: Any, kv_cache_config: Any) -> LayerwisePlan | None:
+    """The plan the layout hook applied to this engine (``None`` when layerwise is off).
+
+    The connector's worker side calls this with the ``kv_cache_config`` vLLM hands it,
+    so pipeline and allocation agree by construction."""
+    cfg = layerwise_settings(vllm_config)
+    if cfg is None:
+        return None
+    return plan_from_groups(kv_cache_config.kv_cache_groups, cfg, _num_hidden_layers(vllm_config))
+
+
 def _num_hidden_layers(vllm_config: Any) -> int | None:
     mc = getattr(vllm_config, "model_config", None)
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)

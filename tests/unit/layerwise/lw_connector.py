@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_offload.config import parse_extra_config
-from ascend_offload.layerwise.layout import plan_from_groups
+from ascend_offload.layerwise.layout import plan_for_engine
 from ascend_offload.layerwise.pipeline import LayerwisePipeline, StepBuilder, StepIO
 from tests.unit.layerwise.dict_store import DictStore
 
@@ -55,7 +55,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self.pipe: LayerwisePipeline | None = None
         if role == KVConnectorRole.WORKER:
             _STATS["worker_pid"] = os.getpid()
-            plan = plan_from_groups(kv_cache_config.kv_cache_groups, self.cfg)
+            plan = plan_for_engine(vllm_config, kv_cache_config)
+            assert plan is not None
             self.pipe = LayerwisePipeline(
                 plan, _STORE,
                 prefetch_layers=self.cfg.layerwise_prefetch_layers,

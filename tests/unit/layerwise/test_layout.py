@@ -107,6 +107,20 @@ def test_specs_from_groups_order_mtp_and_indexer() -> None:
     assert plan.footprint_ratio() == pytest.approx(3 / 5)
 
 
+def test_plan_for_engine_matches_hook_inputs() -> None:
+    groups = [_group([f"model.layers.{i}.attn" for i in range(5)], _Spec("full", 64))]
+    kvc = SimpleNamespace(kv_cache_groups=groups)
+    vcfg = _vcfg("AscendStoreConnector", {"use_layerwise": True, "layerwise_num_shared_buffers": 1,
+                                          "layerwise_independent_layers": [-1]})
+    vcfg.model_config = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=4))
+    plan = layout.plan_for_engine(vcfg, kvc)
+    assert plan is not None
+    assert plan.layers[-1] == "model.layers.4.attn"  # the MTP layer, independent via -1
+    assert plan.independent == frozenset({"model.layers.4.attn"})
+    assert plan.num_physical == 2
+    assert layout.plan_for_engine(_vcfg(None), kvc) is None
+
+
 def test_uniform_type_specs_per_layer() -> None:
     a, b = _Spec("a", 100), _Spec("b", 200)
     spec = SimpleNamespace(kv_cache_specs={"l.0.attn": a, "l.1.attn": b, "l.2.attn": a})
