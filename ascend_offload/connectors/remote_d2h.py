@@ -229,7 +229,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                 return
             mgr = getattr(self, "_kv_cache_manager", None)
             all_blocks = list(mgr.get_block_ids(rid)[0]) if mgr is not None else list(blocks.get_block_ids()[0])
-            first = request.num_computed_tokens // self.block_size
+            # request.num_computed_tokens is not set yet here; local prefix hits are
+            # whatever get_num_new_matched_tokens did not claim (whole blocks).
+            first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
             n = math.ceil(request.num_prompt_tokens / self.block_size) - first
             dst = tuple(all_blocks[first:first + n])
             self._recv_new.append(RecvJob(rid, dst))
@@ -332,7 +334,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._recv_failed: set[str] = set()
         self._cancel_done: set[str] = set()
         self._step_sends: dict[int, list[str]] = {}
-        self._by_remote: dict[tuple[int, str], str] = {}
+        self._by_remote: dict[tuple[int, str], str] = {}  # (decode tp, decode id) -> our id
+        self._own: dict[str, tuple[int, str]] = {}  # our id -> (decode tp, decode id)
         self._send_layers: dict[str, int] = {}
         self._send_done: set[str] = set()
         self._seen_finished: set[str] = set()
@@ -427,6 +430,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                 self._send_done.add(job.request_id)
                 continue
             self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
+            self._own[job.request_id] = (job.d_tp, job.remote_request_id)
             self._step_sends[job.d_tp].append(job.remote_request_id)
         if not self._step_sends:
             self._step_sends = {}
@@ -473,22 +477,25 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                                 len(o.failed_blocks), "; ".join(o.reasons)[:500])
             recving |= self._recv_failed
             self._recv_failed.clear()
-        if self._producers:
-            self._seen_finished |= finished_req_ids
-            for d_tp, prod in self._producers.items():
-                for rid in finished_req_ids:
-                    remote = next((r for (t, r), own in self._by_remote.items() if own == rid and t == d_tp), None)
-                    if remote is not None:
-                        prod.abort_request(remote)  # no-op unless layers were never published
-                for o in prod.finished():
-                    own = self._by_remote.pop((d_tp, o.request_id), None)
-                    if own is not None:
-                        self._send_done.add(own)
-                        if not o.ok:
-                            log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
-        if self._send_done:
-            self._seen_finished |= finished_req_ids
-            ready = self._send_done & self._seen_finished
+        # Prefill: a request's blocks are freed once vLLM finished it *and* decode
+        # answered every published layer (or the ack deadline passed).
+        mine = {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
+        self._seen_finished |= mine
+        for rid in mine:
+            key = self._own.get(rid)
+            if key is not None:
+                self._producers[key[0]].abort_request(key[1])  # no-op unless layers were never published
+        for d_tp, prod in self._producers.items():
+            for o in prod.finished():
+                own = self._by_remote.pop((d_tp, o.request_id), None)
+                if own is None:
+                    continue
+                self._own.pop(own, None)
+                self._send_done.add(own)
+                if not o.ok:
+                    log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
+        ready = self._send_done & self._seen_finished
+        if ready:
             self._send_done -= ready
             self._seen_finished -= ready
             sending |= ready
