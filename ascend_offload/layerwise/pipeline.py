@@ -273,6 +273,7 @@ class LayerwisePipeline:
         self.save_delay_s = save_delay_s
         self.block_dim = block_dim
         self.ready_before_hook = ready_before_hook
+        self._direct_host_io = True  # tests turn it off to run the staging path on CPU
         self._job_timeout_s = save_timeout_s + load_timeout_s  # gate wait + load
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
         self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
@@ -580,6 +581,19 @@ class LayerwisePipeline:
                     self._load_layer(layer, refs)
             self._load_stream.synchronize()
 
+    def _direct(self, kv: torch.Tensor) -> bool:
+        """Host KV with contiguous block pages: copy straight between store and KV tensor."""
+        return (self._direct_host_io and not device.is_accelerator(kv)
+                and self._block_view(kv, 0).is_contiguous())
+
+    def _read_one(self, pin: object, key: str, dst: torch.Tensor) -> bool:
+        try:
+            self.store.read(pin, key, 0, dst)  # type: ignore[arg-type]
+            return True
+        except Exception as exc:  # a broken object: that block only
+            log.warning("layerwise: load of %s failed: %s", key, exc)
+            return False
+
     def _load_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
         kv = self._kv[layer]
         keys = [self.key_fn(r.key, layer) for r in refs]
@@ -600,20 +614,31 @@ class LayerwisePipeline:
                 refs, keys = [], []
         moved = 0
         try:
-            for r, k in zip(refs, keys, strict=True):
-                assert pin is not None
-                view = self._block_view(kv, r.block_id)
-                try:
-                    if view.is_contiguous() and not device.is_accelerator(view):
-                        self.store.read(pin, k, 0, view.view(torch.uint8).reshape(-1))
-                    else:
-                        host = device.empty_host(tuple(view.shape), view.dtype)
-                        self.store.read(pin, k, 0, host.view(torch.uint8).reshape(-1))
-                        view.copy_(host, non_blocking=True)
-                    moved += 1
-                except Exception as exc:  # a broken object: that block only
-                    log.warning("layerwise: load of %s failed: %s", k, exc)
-                    failed.append(r.block_id)
+            if pin is not None and refs:
+                if self._direct(kv):
+                    for r, k in zip(refs, keys, strict=True):
+                        view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
+                        if self._read_one(pin, k, view):
+                            moved += 1
+                        else:
+                            failed.append(r.block_id)
+                else:  # accelerator: one host staging buffer, one H2D scatter per layer
+                    page = tuple(self._block_view(kv, 0).shape)
+                    staging = device.empty_host((len(refs), *page), kv.dtype)
+                    ok: list[int] = []
+                    for i, (r, k) in enumerate(zip(refs, keys, strict=True)):
+                        if self._read_one(pin, k, staging[i].view(torch.uint8).reshape(-1)):
+                            ok.append(i)
+                        else:
+                            failed.append(r.block_id)
+                    if ok:
+                        rows = staging if len(ok) == len(refs) else staging[ok]
+                        idx = torch.tensor([refs[i].block_id for i in ok], dtype=torch.long)
+                        kv.index_copy_(
+                            self.block_dim, idx.to(kv.device),
+                            rows.to(kv.device, non_blocking=True).movedim(0, self.block_dim),
+                        )
+                    moved = len(ok)
         finally:
             if pin is not None:
                 self.store.unpin(pin)
@@ -655,17 +680,23 @@ class LayerwisePipeline:
             with self._lock:
                 self._stats.save_skipped += len(keys)
             return
-        handles: list[WriteHandle] = []
+        pairs = [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
+        handles: list[WriteHandle] = [h for _, h in pairs]  # all aborted if anything fails
         try:
             with device.stream_context(self._save_stream):
-                for r, h in zip(refs, got, strict=True):
-                    if h is None:
-                        continue
-                    handles.append(h)
-                    view = self._block_view(kv, r.block_id)
-                    if not view.is_contiguous() or device.is_accelerator(view):
-                        view = view.to("cpu").contiguous()
-                    self.store.write(h, 0, view.view(torch.uint8).reshape(-1))
+                if self._direct(kv):
+                    rows = [self._block_view(kv, r.block_id) for r, _ in pairs]
+                elif pairs:  # accelerator: one gather + one D2H copy per layer
+                    idx = torch.tensor([r.block_id for r, _ in pairs], dtype=torch.long)
+                    picked = kv.index_select(self.block_dim, idx.to(kv.device)).movedim(self.block_dim, 0)
+                    host = device.empty_host(tuple(picked.shape), kv.dtype)
+                    host.copy_(picked, non_blocking=True)
+                    self._save_stream.synchronize()
+                    rows = list(host)
+                else:
+                    rows = []
+                for (_, h), row in zip(pairs, rows, strict=True):
+                    self.store.write(h, 0, row.reshape(-1).view(torch.uint8))
                 self._save_stream.synchronize()
             self.store.commit(handles)
         except BaseException:

@@ -378,3 +378,32 @@ def test_step_builder_drives_the_pipeline_to_exact_kv() -> None:
         done += n
     sim.pipe.close()
     assert sim.mismatches == []
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_staging_path_moves_exact_kv(b: int) -> None:
+    """The accelerator path (host staging buffer, one scatter / gather per layer) run on CPU."""
+    store = DictStore()
+    sim = Sim(plan_uniform(5, b, [0]), store, prefetch_layers=1)
+    sim.pipe._direct_host_io = False
+    keys = [f"x{i}" for i in range(5)]
+    chunked_prefill(sim, keys, blocks=[0, 2, 4, 6, 8], chunk=2)
+    chunked_prefill(sim, [*keys[:3], "y3"], blocks=[9, 7, 5, 3], chunk=1, hits=3)
+    sim.pipe.close()
+    assert sim.mismatches == []
+    assert sim.pipe.stats().load_errors == 0 and sim.pipe.stats().blocks_loaded > 0
+
+
+def test_failed_save_aborts_every_pending_object() -> None:
+    class Failing(DictStore):
+        def write(self, handle, offset, src):  # type: ignore[override]
+            raise RuntimeError("disk on fire")
+
+    store = Failing()
+    sim = Sim(plan_uniform(2, 1, [0]), store)
+    chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2)
+    sim.pipe.close()
+    st = store.stats()
+    assert st.allocated_objects == 4 and st.aborted_objects == 4 and st.committed_objects == 0
+    assert sim.pipe.stats().save_errors == 2
+    assert all(sim.pipe.gate.is_free(s) for s in range(sim.plan.num_physical))
