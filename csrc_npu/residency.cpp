@@ -211,7 +211,9 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
     }
     r.hi = a.stable;
   }
-  if (r.tail - r.head + uint32_t(a.K) > t.C) compact(t, r, sc.tmp);
+  // Compact when this call could overflow the ring, and long before the
+  // 32-bit sequence numbers could wrap (renumbering restarts them at 1).
+  if (r.tail - r.head + uint32_t(a.K) > t.C || r.tail > 0xF0000000u) compact(t, r, sc.tmp);
 
   // The work is split into short loops with few live values each (so nothing
   // spills) and no data-dependent branches; every loop is O(K) or O(misses).
