@@ -4,7 +4,9 @@ Every request goes client -> our proxy -> decode (do_remote_prefill) -> metaserv
 registration -> prefill (max_tokens=1) -> decode pulls each layer over Mooncake
 TCP -> decode generates. Tokens must equal the colocated answer of one engine
 (the prefill server itself answering plain requests, where the connector is
-inactive), for 20 prompts of 50-1500 tokens, streaming and not. The decode log
+inactive), for 20 prompts of 50-1500 tokens, streaming and not (the streamed
+pass repeats the prompts: decode then holds their full blocks in its prefix cache
+and pulls only the remainder, from ``remote_block_offset``). The decode log
 must show no KV load failure: parity after a silent fallback to recompute would
 prove nothing about the transfer.
 
@@ -101,7 +103,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
               "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "4096",
-              "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1"]
+              "--seed", "0", "--host", "127.0.0.1"]
     extra = {"ack_timeout_s": 20, "request_timeout_s": 10, "registration_timeout_s": 20}
 
     def kv(role: str, port: int) -> str:
@@ -112,7 +114,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
     servers: list[Server] = []
     try:
-        servers.append(Server("prefill", [*common, "--port", str(p_port), "--kv-transfer-config",
+        # Prefill (also the colocated baseline) without prefix caching; decode with it,
+        # so repeated prompts pull only the blocks decode does not hold yet.
+        servers.append(Server("prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
+                                          "--kv-transfer-config",
                                           kv("kv_producer", p_kv)],
                               dict(env, VLLM_CPU_OMP_THREADS_BIND="0", ASCEND_OFFLOAD_PD_FAULTS=FAULTS), log_dir))
         servers.append(Server("decode", [*common, "--port", str(d_port), "--kv-transfer-config",
@@ -173,8 +178,13 @@ def test_pd_tokens_match_colocated(cluster: dict[str, Any]) -> None:
     baseline = [_complete(cluster["prefill"], _body(model, p, False)) for p in PROMPTS]
     pd = [_complete(cluster["proxy"], _body(model, p, False)) for p in PROMPTS]
     assert pd == baseline
+    hits = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
+    # Same prompts again: decode has their full blocks cached and pulls only the rest
+    # (remote_block_offset > 0 on the wire).
     streamed = [_stream(cluster["proxy"], _body(model, p, True)) for p in PROMPTS]
     assert streamed == baseline
+    hits2 = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
+    assert hits2 - hits >= sum(len(p) // BLOCK_SIZE for p in PROMPTS) * BLOCK_SIZE - len(PROMPTS) * BLOCK_SIZE
     assert [line for b in BAD for line in _log_lines(cluster, since, b)] == []
 
 
