@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ascend_offload import device as dev
-from ascend_offload.config import SparseOffloadConfig
+from ascend_offload.config import ConfigError, SparseOffloadConfig
 from ascend_offload.sparse import native
 from ascend_offload.sparse.pools import (
     HostKVPool,
@@ -73,6 +73,9 @@ class SparseOffloadManager:
                  pool_rows: int | None = None, device: torch.device | None = None,
                  tp_rank: int = 0, fence_timeout_s: float = 30.0, nthreads: int = 1,
                  residency: Residency | None = None) -> None:
+        if not cfg.enabled:
+            raise ConfigError("key 'enabled'=False: sparse offload is off (the default); "
+                              "set it to true to build the offload manager")
         cfg.check_against(block_size=block_size, index_topk=index_topk)
         self.cfg = cfg
         self.num_layers = num_layers

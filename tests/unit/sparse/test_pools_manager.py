@@ -48,10 +48,13 @@ def test_pool_size_from_config() -> None:
 
 
 def test_manager_checks_config() -> None:
+    kw = dict(num_layers=1, row_shape=(2,), dtype=torch.float32, block_size=32, max_requests=1,
+              pool_rows=64)
     with pytest.raises(ConfigError, match="topk_buffer_size"):
-        SparseOffloadManager(SparseOffloadConfig(topk_buffer_size=100, index_topk=64),
-                             num_layers=1, row_shape=(2,), dtype=torch.float32, block_size=32,
-                             max_requests=1, pool_rows=64)
+        SparseOffloadManager(SparseOffloadConfig(enabled=True, topk_buffer_size=100,
+                                                 index_topk=64), **kw)
+    with pytest.raises(ConfigError, match="'enabled'=False"):
+        SparseOffloadManager(SparseOffloadConfig(topk_buffer_size=64, index_topk=64), **kw)
 
 
 def _mgr(**kw) -> SparseOffloadManager:
