@@ -31,11 +31,17 @@ LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
 
 def source_dir() -> Path:
-    """``csrc_npu/`` next to the package (editable installs and checkouts)."""
+    """The C++ sources: ``$ASCEND_OFFLOAD_CSRC``, else ``ascend_offload/csrc_npu``
+    (where a wheel would ship them as package data), else ``csrc_npu/`` of the
+    checkout (editable installs, CI)."""
     env = os.environ.get("ASCEND_OFFLOAD_CSRC")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "csrc_npu"
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "csrc_npu"
+    if (packaged / LIB_SOURCES[0]).is_file():
+        return packaged
+    return here.parents[2] / "csrc_npu"
 
 
 def cache_dir() -> Path:
