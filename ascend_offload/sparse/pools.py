@@ -77,6 +77,7 @@ class HostKVPool:
             self.kv, self._header = self._map_shared(shared_name, shape, create)
         self._free = list(range(self.num_blocks))  # kept sorted: lowest first
         self._tables: dict[str, list[int]] = {}
+        self._table_tensors: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shared mapping
 
@@ -131,16 +132,19 @@ class HostKVPool:
                 f"(raise 'dram_size_per_dp_GB' or admit fewer/shorter requests)")
         blocks, self._free = self._free[:need], self._free[need:]
         self._tables[req_id] = blocks
-        return torch.tensor(blocks, dtype=torch.int32)
+        self._table_tensors[req_id] = torch.tensor(blocks, dtype=torch.int32)
+        return self._table_tensors[req_id]
 
     def release(self, req_id: str) -> None:
         blocks = self._tables.pop(req_id, None)
         if blocks is None:
             return
+        del self._table_tensors[req_id]
         self._free = sorted(self._free + blocks)
 
     def block_table(self, req_id: str) -> torch.Tensor:
-        return torch.tensor(self._tables[req_id], dtype=torch.int32)
+        """The request's blocks (int32); fixed from admission on, so cached (do not modify)."""
+        return self._table_tensors[req_id]
 
     def capacity(self, req_id: str) -> int:
         return len(self._tables[req_id]) * self.block_size
