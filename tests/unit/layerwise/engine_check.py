@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="base,1,2,3", help="comma list: base and/or B values")
     p.add_argument("--delay", type=float, default=0.0, help="debug_save_delay_s for B configs")
     p.add_argument("--slow-config", default="", help="the one B config that gets --delay")
+    p.add_argument("--prepare", action="store_true", help="only write the tiny model, then exit")
     p.add_argument("--multiprocess", action="store_true",
                    help="engine core in a child process; the layout hook comes from the plugin")
     p.add_argument("--model-dir", default=os.environ.get(
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = _make_model(Path(args.model_dir) / f"tiny-llama-{NUM_LAYERS}l")
+    if args.prepare:
+        return 0
     results = []
     for config in args.configs.split(","):
         delay = args.delay if config == args.slow_config else 0.0

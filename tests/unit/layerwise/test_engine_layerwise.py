@@ -29,11 +29,16 @@ N = 8
 def results() -> list[dict]:
     """Two engine_check processes at once, each pinned to its own core (2-core CI box)."""
     pytest.importorskip("vllm")
+    base_env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    prep = subprocess.run(  # write the model once, before two processes would race on it
+        [sys.executable, "-m", "tests.unit.layerwise.engine_check", "--prepare"],
+        cwd=ROOT, env=base_env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert prep.returncode == 0, prep.stderr[-4000:]
     runs = [("base,2", "0"), ("1,3", str(min(1, (os.cpu_count() or 1) - 1)))]
     procs = []
     for configs, core in runs:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND=core)
+        env = dict(base_env, VLLM_CPU_OMP_THREADS_BIND=core)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tests.unit.layerwise.engine_check", "--configs", configs,
              "--slow-config", "1", "--delay", "0.005"],
