@@ -228,6 +228,9 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
             shared = [t for n, t in transfer.items() if bench.plan.is_shared(n)] or [0.0]
             rounds.append({
                 "blocked_ms": blocked * 1e3,  # compute thread waiting for slots / loads
+                # how much slower the compute thread's own work ran during the pipelined
+                # step than alone: CPU shared with the copies (1.0 on free cores)
+                "compute_slowdown": (achieved - blocked) / (c * len(transfer)),
                 "compute_ms": c * 1e3, "transfer_ms_shared": statistics.median(shared) * 1e3,
                 "ideal_ms": ideal * 1e3, "serial_ms": serial * 1e3, "achieved_ms": achieved * 1e3,
                 "ratio_vs_ideal": achieved / ideal, "ratio_vs_serial": achieved / serial,
@@ -247,6 +250,7 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
             "serial_ms": mid["serial_ms"],
             "achieved_ms": mid["achieved_ms"],
             "blocked_ms": mid["blocked_ms"],
+            "compute_slowdown": statistics.median(r["compute_slowdown"] for r in rounds),
             "ratio_vs_ideal": statistics.median(r["ratio_vs_ideal"] for r in rounds),
             "ratio_vs_serial": statistics.median(r["ratio_vs_serial"] for r in rounds),
             "rounds": rounds,
@@ -300,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             f"footprint {r['footprint_ratio']:.3f}): compute {r['compute_ms_per_layer']:.2f} ms/layer, "
             f"transfer {r['transfer_ms_shared_layer']:.2f} ms/shared layer; step achieved "
             f"{r['achieved_ms']:.1f} ms, ideal max(compute,transfer) {r['ideal_ms']:.1f} ms, "
-            f"serial {r['serial_ms']:.1f} ms (compute thread blocked {r['blocked_ms']:.1f} ms) "
+            f"serial {r['serial_ms']:.1f} ms (compute thread blocked {r['blocked_ms']:.1f} ms, "
+            f"its own work {r['compute_slowdown']:.2f}x slower than alone) "
             f"-> ratio vs ideal {r['ratio_vs_ideal']:.3f} "
             f"(target <= 1.15), vs serial {r['ratio_vs_serial']:.3f}; machine parallel probe "
             f"{r['parallel_probe_ratio']:.2f} (1.0 = two free cores)\n"
