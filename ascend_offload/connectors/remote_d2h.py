@@ -355,7 +355,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                                   "reads host memory (device memory needs the Ascend backend)")
             self._layers.append(layer_desc(block_views(t, find_block_dim(t, num_blocks))))
         self._engine = create_engine("mooncake", host=self.host, protocol=self.cfg.mooncake_protocol,
-                                     device_name=self.cfg.mooncake_device_name)
+                                     device_name=self.cfg.mooncake_device_name,
+                                     timeout_s=self.cfg.read_timeout_s)
         for addr, length in extents(self._layers):
             self._engine.register(addr, length)
             self._registered.append(addr)

@@ -14,10 +14,12 @@ exactly the decode blocks it should have filled (invariant I2).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -62,6 +64,8 @@ class _Request:
     done: dict[tuple[int, int], bool] = field(default_factory=dict)  # (layer, p_rank) -> ok
     failed: set[int] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
+    inflight: int = 0  # reads submitted to a reader thread and not returned yet
+    finished: bool = False
 
 
 @dataclass
@@ -87,6 +91,50 @@ def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst
         ops += [ReadOp(d_t.block_addr(dst_blocks[i]), s_t.block_addr(src_blocks[i]), d_t.block_bytes)
                 for i in range(*index_range)]
     return ops
+
+
+@dataclass
+class _ReadResult:
+    parked: _Parked
+    req: _Request
+    code: str
+    err: str
+    descriptors: int
+    nbytes: int
+    retries: int
+
+
+class _PeerReader:
+    """Serial reads from one prefill endpoint on their own thread.
+
+    A stalled prefill (alive, not answering) blocks a Mooncake read without
+    bound; with one thread per peer it stalls only its own requests, while the
+    I/O thread keeps answering, expiring deadlines and reading from others.
+    """
+
+    def __init__(self, endpoint: str, run: Callable[[Any], None]) -> None:
+        self.endpoint = endpoint
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._run = run
+        self._thread = threading.Thread(target=self._loop, name=f"pd-read-{endpoint}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Any) -> None:
+        self._q.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except Exception:  # a bug in one read must not kill the peer's reader
+                log.exception("reader for %s failed on a job", self.endpoint)
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=2)
 
 
 class Consumer:
@@ -131,6 +179,8 @@ class Consumer:
         self._parked: dict[str, list[_Parked]] = {}
         self._metas: dict[tuple[str, int], P.MfMeta] = {}
         self._commands: list[tuple[str, str]] = []
+        self._readers: dict[str, _PeerReader] = {}
+        self._results: list[_ReadResult] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
         self._ctx = zmq.Context.instance()
@@ -201,6 +251,8 @@ class Consumer:
     def close(self) -> None:
         self._loop.stop()
         self._router.close(linger=0)
+        for r in self._readers.values():
+            r.stop()
         for addr in self._registered:
             try:
                 self.transfer.unregister(addr)
@@ -213,7 +265,7 @@ class Consumer:
     def _next_wait(self) -> float:
         now = self._clock()
         with self._lock:
-            ds = [r.deadline for r in self._requests.values()]
+            ds = [r.deadline for r in self._requests.values() if r.deadline != float("inf")]
             ds += [p.received + p.budget_s for ps in self._parked.values() for p in ps]
         return max(0.0, min(ds) - now) if ds else 0.2
 
@@ -254,11 +306,22 @@ class Consumer:
         if not ok:
             req.failed |= self._affected(req, p_rank, layer)
             req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
-        if len(req.done) >= req.num_layers * self.topology.ratio:
-            self._requests.pop(req.request_id, None)
-            self._finished.append(RecvOutcome(req.request_id, not req.reasons,
-                                              tuple(sorted(req.failed)), tuple(req.reasons)))
-            self._finished_cv.notify_all()
+        self._maybe_finish(req)
+
+    def _maybe_finish(self, req: _Request) -> None:
+        """Report a request once all its items are terminal *and* no read into it is in flight.
+
+        The second condition is what makes a failure safe to act on: vLLM may
+        recompute into these blocks as soon as it hears, so no late write may follow.
+        """
+        if req.finished or req.inflight or len(req.done) < req.num_layers * self.topology.ratio:
+            return
+        req.finished = True
+        if self._requests.get(req.request_id) is req:
+            del self._requests[req.request_id]
+        self._finished.append(RecvOutcome(req.request_id, not req.reasons,
+                                          tuple(sorted(req.failed)), tuple(req.reasons)))
+        self._finished_cv.notify_all()
 
     def _validate(self, meta: P.MfMeta | None, p_rank: int, req: _Request,
                   it: P.ReadReady) -> tuple[str, str] | None:
@@ -318,39 +381,72 @@ class Consumer:
             return
         assert meta is not None
         ops = self._ops(meta, req, it)
+        if not ops:  # a contributor with nothing to send: acknowledge at once
+            with self._lock:
+                self.stats.acked_empty += 1
+            self._finish_item(_ReadResult(p, req, "", "", 0, 0, 0), counted=False)
+            return
         budget_end = p.received + min(p.budget_s, self.read_timeout_s)
-        err = ""
-        if ops:
-            for attempt in range(self.read_retries + 1):
-                try:
-                    self.stats.descriptors += self.transfer.read(meta.endpoint, ops)
-                    self.stats.reads += 1
-                    err = ""
-                    break
-                except TransferError as exc:
-                    err = str(exc)
-                    if attempt < self.read_retries and self._clock() < budget_end:
-                        self.stats.read_retries += 1
-                        log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
-                                    attempt + 1, it.request_id, it.layer, exc)
-                        continue
-                    break
-        else:
-            self.stats.acked_empty += 1
+        with self._lock:
+            req.inflight += 1
+        reader = self._readers.get(meta.endpoint)
+        if reader is None:
+            reader = self._readers[meta.endpoint] = _PeerReader(meta.endpoint, self._read_job)
+        reader.submit((p, req, meta.endpoint, ops, budget_end))
+
+    def _read_job(self, job: tuple[_Parked, _Request, str, list[ReadOp], float]) -> None:
+        """Reader thread: one batched read with retries inside the budget; result to the I/O thread."""
+        p, req, endpoint, ops, budget_end = job
+        err, ndesc, retries = "", 0, 0
+        for attempt in range(self.read_retries + 1):
+            try:
+                ndesc = self.transfer.read(endpoint, ops)
+                err = ""
+                break
+            except TransferError as exc:
+                err = str(exc)
+                if attempt < self.read_retries and self._clock() < budget_end:
+                    retries += 1
+                    log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
+                                attempt + 1, p.item.request_id, p.item.layer, exc)
+                    continue
+                break
         code = P.FAIL_READ if err else ""
         if not err and self._clock() > budget_end:
             code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
-        if code:
-            self._fail(p.ident, p.p_rank, it, code, err)
+        res = _ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
+        with self._lock:
+            self._results.append(res)
+        self._loop.wake()
+
+    def _finish_item(self, r: _ReadResult, *, counted: bool = True) -> None:
+        """I/O thread: answer prefill and record one item's outcome."""
+        p, it = r.parked, r.parked.item
+        if r.code:
+            self._fail(p.ident, p.p_rank, it, r.code, r.err)
         else:
-            self.stats.bytes_read += sum(o.length for o in ops)
             self._reply(p.ident, P.ReadDone(
                 version=P.PROTOCOL_VERSION, engine_id=self.engine_id, d_rank=self.d_rank, p_rank=p.p_rank,
                 request_id=it.request_id, layer=it.layer, slot=it.slot, generation=it.generation,
             ))
         with self._lock:
-            if self._requests.get(it.request_id) is req:
-                self._terminal(req, p.p_rank, it.layer, not code, f"{code}: {err}")
+            if counted:
+                r.req.inflight -= 1
+                self.stats.read_retries += r.retries
+                if not r.code or r.code == P.FAIL_LATE:
+                    self.stats.reads += 1
+                    self.stats.descriptors += r.descriptors
+                if not r.code:
+                    self.stats.bytes_read += r.nbytes
+            if self._requests.get(it.request_id) is r.req:
+                self._terminal(r.req, p.p_rank, it.layer, not r.code, f"{r.code}: {r.err}")
+            self._maybe_finish(r.req)
+
+    def _drain_results(self) -> None:
+        with self._lock:
+            results, self._results = self._results, []
+        for r in results:
+            self._finish_item(r)
 
     def _run_commands(self) -> None:
         with self._lock:
@@ -370,6 +466,7 @@ class Consumer:
                 self._fail(p.ident, p.p_rank, p.item, P.FAIL_UNKNOWN_REQUEST, reason)
 
     def _tick(self, ready: list[zmq.Socket]) -> None:
+        self._drain_results()
         self._run_commands()
         work: list[_Parked] = []
         if ready:
@@ -433,14 +530,17 @@ class Consumer:
                        f"request {p.item.request_id!r} is not expected and {self.max_parked} items are parked")
         for p in run:
             self._serve(p)
-            self._run_commands()
+        self._drain_results()
+        self._run_commands()
         now = self._clock()
         with self._lock:
             for req in list(self._requests.values()):
                 if req.deadline <= now:
+                    req.deadline = float("inf")  # handled once; in-flight reads may still hold it open
                     missing = [(layer, r) for layer in range(req.num_layers)
                                for r in self.topology.contributors(self.d_rank) if (layer, r) not in req.done]
-                    log.error("request %r: %d (layer, prefill rank) reads missing after %.1fs",
-                              req.request_id, len(missing), self.request_timeout_s)
+                    log.error("request %r: %d (layer, prefill rank) reads missing after %.1fs%s",
+                              req.request_id, len(missing), self.request_timeout_s,
+                              f"; waiting for {req.inflight} reads in flight" if req.inflight else "")
                     for layer, r in missing:
-                        self._terminal(req, r, layer, False, "timeout: no read_ready before the deadline")
+                        self._terminal(req, r, layer, False, "timeout: not read before the deadline")

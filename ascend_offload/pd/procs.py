@@ -156,7 +156,7 @@ class _DecodeRank:
         from ascend_offload.transfer.base import create_engine
 
         self.cfg = cfg
-        self.engine = create_engine(cfg.backend, host=cfg.host)
+        self.engine = create_engine(cfg.backend, host=cfg.host, timeout_s=cfg.read_timeout_s)
         self.arrays = cfg.shape.arrays(None)
         self.port = decode_port(cfg.kv_port, dp_rank=cfg.dp_rank, d_tp=cfg.d_tp, tp_rank=cfg.rank)
         self.consumer = Consumer(

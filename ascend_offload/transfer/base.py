@@ -163,12 +163,15 @@ class LoopbackEngine(TransferEngine):
 
 
 def create_engine(backend: str, *, host: str = "127.0.0.1", protocol: str = "tcp",
-                  device_name: str = "") -> TransferEngine:
-    """Build the engine named by ``transfer_backend`` (config key) for this process."""
+                  device_name: str = "", timeout_s: float | None = None) -> TransferEngine:
+    """Build the engine named by ``transfer_backend`` (config key) for this process.
+
+    ``timeout_s`` bounds one read from a peer that stopped answering.
+    """
     if backend == "mooncake":
         from ascend_offload.transfer.mooncake import MooncakeEngine
 
-        return MooncakeEngine(host=host, protocol=protocol, device_name=device_name)
+        return MooncakeEngine(host=host, protocol=protocol, device_name=device_name, timeout_s=timeout_s)
     if backend == "loopback":
         return LoopbackEngine()
     if backend == "memfabric":

@@ -6,18 +6,36 @@ in P2P-handshake mode: no metadata server, a peer is named ``host:rpc_port``.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections.abc import Sequence
 
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 
+# Mooncake's TCP transport waits for a stalled (alive but silent) peer without
+# bound unless these are set; they are read when the engine starts (per process).
+TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+
 
 class MooncakeEngine(TransferEngine):
-    """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call."""
+    """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call.
+
+    ``timeout_s`` bounds a read from a peer that stops answering (measured: a
+    read from a SIGSTOPped peer otherwise blocks until it resumes; with the
+    bound it fails with rc=-1 and the connection is dropped, so no byte lands
+    later). Explicit ``MC_*`` environment settings win.
+    """
 
     name = "mooncake"
 
-    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 timeout_s: float | None = None) -> None:
+        if timeout_s is not None:
+            if timeout_s <= 0:
+                raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+            for key in TIMEOUT_ENV:
+                os.environ.setdefault(key, str(max(1, math.ceil(timeout_s))))
         try:
             from mooncake.engine import TransferEngine as _MC
         except ImportError as exc:  # pragma: no cover - depends on the environment

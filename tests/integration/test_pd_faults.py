@@ -135,3 +135,49 @@ def test_garbled_answers_to_prefill(ranks, zsock):
     assert p.call("finished", 1, 10.0) == [("r", True, ())]
     st = p.call("stats")
     assert st["rejected"] == 2 and st["acked"] == 1
+
+
+def test_stalled_prefill_fails_its_read_and_others_proceed(ranks, zsock):
+    """A prefill that stops answering (SIGSTOP) mid-service: decode's read from it fails
+    within the read timeout (Mooncake bounded by our engine settings) instead of hanging,
+    while a request from another prefill completes byte-identically meanwhile."""
+    import os
+    import signal
+
+    port = free_port()
+    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port, read_timeout_s=2.0, request_timeout_s=6.0))
+    a = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, engine_id="A"))
+    b = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, engine_id="B", seed=99))
+    # a0: decode has connected to A once (the usual state when A later stalls).
+    d.call("expect", "a0", [9])
+    a.call("add", "a0", [9], "127.0.0.1", port, 1)
+    a.call("run", list(range(SHAPE.num_layers)))
+    assert [(o[0], o[1]) for o in d.call("wait", 1, 20.0, timeout_s=30)] == [("a0", True)]
+    meta_a = a.call("meta")
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        # Speak for the frozen A from here: its KV memory stays registered.
+        fake = zsock(zmq.DEALER)
+        fake.setsockopt(zmq.IDENTITY, b"A/0-test")
+        fake.connect(f"tcp://127.0.0.1:{port}")
+        d.call("expect", "a", [0, 1])
+        fake.send(meta_a)
+        item = P.ReadReady(request_id="a", layer=0, slot=0, generation=1, src_blocks=[2, 3], main=True,
+                           index_lo=0, index_hi=2)
+        fake.send(P.encode(P.ReadReadyBatch(version=1, engine_id="A", p_rank=0, read_budget_ms=60_000,
+                                            items=[item])))
+        d.call("expect", "b", [5, 6])
+        b.call("add", "b", [7, 8], "127.0.0.1", port, 1)
+        b.call("run", list(range(SHAPE.num_layers)))
+        assert fake.poll(20000), "decode never answered the read from the frozen prefill"
+        ans = P.decode(fake.recv())
+        assert isinstance(ans, P.ReadFailed) and ans.code == P.FAIL_READ and ans.request_id == "a"
+        outs = {o[0]: o for o in d.call("wait", 2, 40.0, timeout_s=50)}
+        assert outs["b"][1] and outs["b"][2] == ()
+        assert not outs["a"][1] and outs["a"][2] == (0, 1)  # layer 0 failed -> every block
+        got = d.call("blocks", [5, 6])
+        for (gkv, gidx), (wkv, widx) in zip(got, expected_blocks(SHAPE, 99, [7, 8]), strict=True):
+            assert np.array_equal(gkv, wkv) and np.array_equal(gidx, widx)
+        assert d.call("active") == []
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)

@@ -368,3 +368,48 @@ def test_parking_is_bounded(port, kv):
         d.close(linger=0)
         cons.close()
         de.close()
+
+
+class _GatedEngine(LoopbackEngine):
+    """Loopback engine whose reads wait for a gate: a stalled peer on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _read(self, peer, ops):
+        self.entered.set()
+        self.gate.wait(30)
+        super()._read(peer, ops)
+
+
+def test_request_not_reported_while_a_read_into_it_is_in_flight(port, kv):
+    """Deadline passes during a stuck read: the failure is reported only after the read
+    returned, so vLLM never recomputes into blocks a late write could still hit."""
+    _src, src_desc = kv(2, 4, seed=2)
+    _dst, dst_desc = kv(2, 4)
+    pe, de = LoopbackEngine(), _GatedEngine()
+    topo = Topology(1, 1)
+    prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc, ack_timeout_s=20)
+    cons = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=de, layers=dst_desc, port=port,
+                    request_timeout_s=0.3)
+    try:
+        cons.expect("r", [1])
+        prod.add_request("r", [2], DecodeTarget("127.0.0.1", port, 1))
+        prod.publish_layer(0)
+        assert de.entered.wait(WAIT)
+        time.sleep(0.8)  # well past the 0.3 s request deadline
+        assert cons.finished() == [] and cons.active() == ["r"]
+        de.gate.set()
+        outs = cons.wait_finished(1, WAIT)
+        assert len(outs) == 1 and not outs[0].ok and outs[0].failed_blocks == (1,)
+        assert cons.active() == []
+    finally:
+        de.gate.set()
+        prod.close()
+        cons.close()
+        pe.close()
+        de.close()

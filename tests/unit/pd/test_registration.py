@@ -94,7 +94,7 @@ def test_unreachable_then_up_succeeds(port):
 
 
 def test_deadline_bounds_unreachable(port):
-    with pytest.raises(RegistrationError, match="ConnectError") as info:
+    with pytest.raises(RegistrationError, match=r"Connect(Error|Timeout)") as info:
         register(f"http://127.0.0.1:{port}/v1/metaserver", "px-5", {}, timeout_s=0.5, retries=100,
                  backoff_s=0.05, max_backoff_s=0.4)
     # the deadline, not the retry budget, ended it
