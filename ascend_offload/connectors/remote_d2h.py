@@ -23,7 +23,6 @@ deadline passed (``request_finished`` delays the free).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -339,7 +338,6 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._send_layers: dict[str, int] = {}
         self._send_done: set[str] = set()
         self._seen_finished: set[str] = set()
-        self._slot_ids = itertools.count()
         self._prepared: RemoteD2HMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -444,7 +442,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
     def _publish(self, layer: int) -> None:
         device.synchronize()  # the layer's KV must be in memory before decode may read it
         for d_tp, rids in self._step_sends.items():
-            self._producers[d_tp].publish_layer(layer, slot=next(self._slot_ids), request_ids=rids)
+            self._producers[d_tp].publish_layer(layer, unique_slot=True, request_ids=rids)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         self._prepare()

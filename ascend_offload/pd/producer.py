@@ -14,6 +14,7 @@ that never answers therefore costs one deadline, never a hung prefill.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -157,6 +158,7 @@ class Producer:
         self._requests: dict[str, _Request] = {}
         self._gen: dict[int, int] = defaultdict(int)
         self._uses: dict[int, _SlotUse] = {}  # slot -> current (pending) use
+        self._unique_slots = itertools.count(1 << 40)  # far above any physical slot index
         self._outbox: list[tuple[tuple[str, int], bytes]] = []
         self._finished: list[SendOutcome] = []
         self._releases: list[SlotRelease] = []
@@ -199,14 +201,21 @@ class Producer:
                                                   deadline, fault=fault)
 
     def publish_layer(self, layer: int, *, slot: int | None = None,
-                      request_ids: Iterable[str] | None = None, tag: object = None) -> int:
+                      request_ids: Iterable[str] | None = None, tag: object = None,
+                      unique_slot: bool = False) -> int:
         """Layer ``layer`` is written for these requests (default: all that need it).
 
         ``slot`` is the physical buffer holding it (default: the layer index,
         i.e. no sharing); ``tag`` comes back in the :class:`SlotRelease`.
-        Returns the slot-use generation. If nothing reads it, the slot is
-        released at once (the listener runs before this returns).
+        ``unique_slot`` names a one-off slot instead (buffers owned per request,
+        as in plain vLLM paging: nothing is reused until the request is freed),
+        so concurrent publishes of one layer never fence each other and no
+        per-slot state outlives the use. Returns the slot-use generation. If
+        nothing reads it, the slot is released at once (the listener runs
+        before this returns).
         """
+        if unique_slot:
+            slot = next(self._unique_slots)
         slot = layer if slot is None else slot
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer={layer} outside 0..{len(self.layers) - 1}")
@@ -217,8 +226,11 @@ class Producer:
                 log.error("slot %d reused (layer %d) while generation %d still had %d readers; "
                           "failing them", slot, layer, prev.generation, len(prev.pending))
                 self._expire(prev, "superseded")
-            self._gen[slot] += 1
-            gen = self._gen[slot]
+            if unique_slot:
+                gen = 1  # one use only: a late answer finds no pending use and counts as stale
+            else:
+                self._gen[slot] += 1
+                gen = self._gen[slot]
             ids = list(self._requests) if request_ids is None else list(request_ids)
             per_ep: dict[tuple[str, int], list[P.ReadReady]] = defaultdict(list)
             pending: set[str] = set()

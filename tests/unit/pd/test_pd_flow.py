@@ -413,3 +413,20 @@ def test_request_not_reported_while_a_read_into_it_is_in_flight(port, kv):
         cons.close()
         pe.close()
         de.close()
+
+
+def test_unique_slots_do_not_fence_each_other_or_accumulate(pair_factory):
+    pr = pair_factory()
+    for i in range(2):  # two "steps" publish the same layer while the first may be unanswered
+        pr.consumer.expect(f"r{i}", [i])
+        pr.producer.add_request(f"r{i}", [i + 4], pr.target)
+        for layer in range(3):
+            gen = pr.producer.publish_layer(layer, unique_slot=True, request_ids=[f"r{i}"])
+            assert gen == 1
+    outs = pr.consumer.wait_finished(2, WAIT)
+    if len(outs) < 2:
+        outs += pr.consumer.wait_finished(2 - len(outs), WAIT)
+    assert sorted((o.request_id, o.ok) for o in outs) == [("r0", True), ("r1", True)]
+    assert sorted(s.request_id for s in pr.wait_send(2)) == ["r0", "r1"]
+    assert len({r.slot for r in pr.releases}) == 6 and all(r.ok for r in pr.releases)
+    assert pr.producer.pending_slots() == {} and not pr.producer._gen
