@@ -3,7 +3,7 @@
 The scheduler-side connector hands vLLM the counter *deltas* since its last
 report; vLLM sums them across workers/intervals (``aggregate``), prints them in
 its periodic log line and feeds ``StorePromMetrics.observe``, which increments
-``ascend_offload_store_*`` counters on the OpenAI server's ``/metrics``.
+``vllm:ascend_offload_store_*`` counters (the ``vllm:`` prefix is what vLLM's own metric readers, e.g. ``LLM.get_metrics``, pick up) on the OpenAI server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ COUNTERS: dict[str, str] = {
     "hit_objects": "objects found by lookups",
     "miss_objects": "objects missed by lookups",
     "evicted_objects": "objects evicted (LRU) to make room",
+    "layerwise_blocks_loaded": "layerwise: (block, layer) pages loaded into shared buffers (all ranks)",
+    "layerwise_blocks_saved": "layerwise: (block, layer) pages saved from shared buffers (all ranks)",
+    "layerwise_load_errors": "layerwise: blocks that could not be loaded (reported to vLLM)",
+    "layerwise_gate_waits": "layerwise: writers that waited for a physical buffer's consumers",
+    "layerwise_gate_timeouts": "layerwise: reuse-gate waits that hit their deadline",
 }
 
 
@@ -77,7 +82,7 @@ class StorePromMetrics(KVConnectorPromMetrics):
         self._counters = {
             name: create_metric_per_engine(
                 self._counter_cls(
-                    name=f"ascend_offload_store_{name}", documentation=doc, labelnames=labelnames
+                    name=f"vllm:ascend_offload_store_{name}", documentation=doc, labelnames=labelnames
                 ),
                 per_engine_labelvalues,
             )

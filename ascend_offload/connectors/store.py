@@ -34,10 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
 from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats, StorePromMetrics
+from ascend_offload.layerwise.pipeline import LayerwisePipeline, StepBuilder, StepIO
 from ascend_offload.store.base import Pin, WriteHandle
 from ascend_offload.store.keys import block_keys, layout_fingerprint
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.worker_pool import WorkerPagePool
+from ascend_offload.store.scheduled import ScheduledPageStore
+from ascend_offload.store.worker_pool import WorkerPagePool, block_dim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,11 +74,22 @@ class StoreConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclasses.dataclass
-class StoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per-step completions of one or more ranks: job id -> number of ranks."""
+class LayerwiseMetadata(KVConnectorMetadata):
+    """Layerwise mode: what the step moves (block keys) and where each block lives."""
 
-    done: Counter[int] = dataclasses.field(default_factory=Counter)
-    failed: Counter[int] = dataclasses.field(default_factory=Counter)
+    io: StepIO
+    pages: dict[str, int]  # block key -> page, for every block of ``io``
+    save_blocks: list[str]  # blocks newly placed for saving this step
+    freed: list[str]  # block keys whose pages were freed since the last step
+
+
+@dataclasses.dataclass
+class StoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-step completions of one or more ranks: job id (whole-prefix mode) or block key
+    (layerwise mode) -> number of ranks."""
+
+    done: Counter[Any] = dataclasses.field(default_factory=Counter)
+    failed: Counter[Any] = dataclasses.field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
@@ -96,6 +109,10 @@ class _RequestState:
     saved_blocks: int = 0
     skipped_blocks: int = 0
     duplicate_blocks: int = 0
+    # layerwise mode: the request's own stored blocks stay pinned until it ends
+    hit_keys: tuple[str, ...] = ()
+    pins: list[Pin] = dataclasses.field(default_factory=list)
+    private_keys: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -133,10 +150,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 f"{NAME} supports models with one KV cache group, got "
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
-        if self.cfg.use_layerwise:
+        self.layerwise = self.cfg.use_layerwise
+        if self.layerwise and vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
-                "key 'use_layerwise'=True: layerwise mode is not available in this build "
-                "(accepted: False)"
+                "key 'use_layerwise'=True needs vLLM's device prefix caching off: layers that "
+                "share a physical buffer cannot keep cached blocks (set "
+                "enable_prefix_caching=False / --no-enable-prefix-caching)"
             )
         self.block_size = vllm_config.cache_config.block_size
         hash_bs = kv_cache_config.hash_block_size or self.block_size
@@ -188,6 +207,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self._pending_loads: list[CopyJob] = []
         self._totals: Counter[str] = Counter()
         self._deltas = CounterDeltas()
+        # layerwise mode
+        engine_id = self._vllm_config.kv_transfer_config.engine_id
+        self.steps = StepBuilder(self.block_size, partial_prefix=f"partial:{engine_id}")
+        self._saving: dict[str, tuple[WriteHandle, list[str]]] = {}  # block key -> (handle, readers)
+        self._save_reports: Counter[str] = Counter()
+        self._save_failures: Counter[str] = Counter()
         log.info(
             "%s: local store index with %d pages of %d bytes per rank", NAME, self.num_pages, self.page_bytes
         )
@@ -236,6 +261,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self._release_load_pin(st)
             return
         first, last = st.load_range
+        if self.layerwise and (last - first) * self.block_size == num_external_tokens:
+            # the pipeline loads these per layer; the pin is held until the request ends
+            st.hit_keys = st.load_pin.keys
+            st.pins.append(st.load_pin)
+            st.load_pin = None
+            st.loaded_blocks += last - first
+            self._totals["loaded_blocks"] += last - first
+            return
         if (last - first) * self.block_size != num_external_tokens:
             log.warning("%s: scheduler accepted %d external tokens, expected %d; not loading",
                         NAME, num_external_tokens, (last - first) * self.block_size)
@@ -253,6 +286,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
         st.saved_upto = max(st.saved_upto, last)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.layerwise:
+            return self._build_layerwise_meta(scheduler_output)
+        self.index.take_freed()  # whole-prefix workers address pages only through jobs
         meta = StoreConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         computed: dict[str, int] = {}
@@ -301,9 +337,115 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self._jobs[job.job_id] = _Job(kind="save", req_id=st.request.request_id, handles=owned)
         return job
 
+    # ----------------------------------------------------------------- layerwise
+
+    def _full_key_fn(self, request: Request) -> Any:
+        n = self._full_blocks_with_hash(request)
+        keys = self._keys(request, n)
+        return lambda i: keys[i] if i < n else None
+
+    def _build_layerwise_meta(self, scheduler_output: SchedulerOutput) -> LayerwiseMetadata:
+        # start_load_kv must run before the forward: the pipeline owns and fills the
+        # first layer's slot there (vLLM otherwise starts loads after the forward).
+        scheduler_output.has_sync_kv_loads = True
+        steps = self.steps
+        ios: list[tuple[str, StepIO]] = []
+        n_sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            steps.begin(new.req_id, new.block_ids[0], st.hit_keys)
+            steps.schedule(new.req_id, new.num_computed_tokens, n_sched[new.req_id], self._full_key_fn(st.request))
+            ios.append((new.req_id, steps.build()))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids or rid not in steps:
+                assert self._kv_cache_manager is not None
+                steps.begin(rid, self._kv_cache_manager.get_block_ids(rid)[0], st.hit_keys)
+            elif new_ids is not None:
+                steps.add_blocks(rid, new_ids[0])
+            steps.schedule(rid, cached.num_computed_tokens[i], n_sched[rid], self._full_key_fn(st.request))
+            ios.append((rid, steps.build()))
+        save_blocks: list[str] = []
+        for rid, io in ios:
+            st = self._reqs[rid]
+            for ref in io.save:
+                key = ref.key
+                if key.startswith(steps.partial_prefix):
+                    st.private_keys.append(key)
+                if key in self._saving:  # another request stores the same block this step
+                    self._saving[key][1].append(rid)
+                    st.duplicate_blocks += 1
+                    self._totals["duplicate_blocks"] += 1
+                    continue
+                if self.index.is_committed(key):  # stored earlier: read it back, pinned
+                    pin = self.index.pin([key])
+                    if pin is not None:
+                        st.pins.append(pin)
+                    st.duplicate_blocks += 1
+                    self._totals["duplicate_blocks"] += 1
+                    continue
+                handles = self.index.allocate([key], [self.page_bytes])
+                if not handles or handles[0] is None:
+                    # full store: not saved; a later step needing it reports a load error
+                    st.skipped_blocks += 1
+                    self._totals["skipped_blocks"] += 1
+                    continue
+                self._saving[key] = (handles[0], [rid])
+                save_blocks.append(key)
+                st.saved_blocks += 1
+                self._totals["saved_blocks"] += 1
+        io = StepIO(
+            load=tuple(r for _, x in ios for r in x.load),
+            load_shared=tuple(r for _, x in ios for r in x.load_shared),
+            save=tuple(r for _, x in ios for r in x.save),
+        )
+        pages: dict[str, int] = {}
+        for ref in (*io.load, *io.load_shared, *io.save):
+            if ref.key not in pages and self.index.has(ref.key):
+                # a key without a page (store was full) makes the worker report a load error
+                pages[ref.key] = self.index.pages(ref.key)[0]
+        return LayerwiseMetadata(io=io, pages=pages, save_blocks=save_blocks, freed=self.index.take_freed())
+
+    def _account_layerwise_save(self, key: str) -> None:
+        done, failed = self._save_reports[key], self._save_failures[key]
+        if done + failed < self.world_size:
+            return
+        del self._save_reports[key]
+        self._save_failures.pop(key, None)
+        handle, readers = self._saving.pop(key)
+        if failed:
+            self._totals["save_failed_jobs"] += 1
+            self.index.abort([handle])
+            return
+        self.index.commit([handle])
+        alive = [self._reqs[r] for r in readers if r in self._reqs]
+        for st in alive:  # they read it back in later steps: keep it resident
+            pin = self.index.pin([key])
+            if pin is not None:
+                st.pins.append(pin)
+        if not alive and key.startswith(self.steps.partial_prefix):
+            self.index.discard([key])
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMetadata):
+            return
+        if self.layerwise:
+            for key, n in meta.done.items():
+                if key in self._saving:
+                    self._save_reports[key] += n
+            for key, n in meta.failed.items():
+                if key in self._saving:
+                    self._save_failures[key] += n
+            for key in set(meta.done) | set(meta.failed):
+                if key in self._saving:
+                    self._account_layerwise_save(key)
             return
         for job_id, n in meta.done.items():
             self._account(job_id, done=n)
@@ -335,6 +477,13 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if st is None:
             return False, None
         self._release_load_pin(st)
+        if self.layerwise:
+            self.steps.end(request.request_id)
+            for pin in st.pins:
+                self.index.unpin(pin)
+            st.pins.clear()
+            # its partial-block objects can never be hit again: free them now
+            self.index.discard([k for k in st.private_keys if k not in self._saving])
         stats: dict[str, Any] = {
             "loaded_blocks": st.loaded_blocks,
             "saved_blocks": st.saved_blocks,
@@ -355,9 +504,18 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return False, {"ascend_store": stats}
 
     def get_kv_connector_stats(self) -> StoreConnectorStats | None:
-        """Counter deltas since the last call (scheduler side; workers report none)."""
+        """Counter deltas since the last call (scheduler: store; workers: layerwise pipeline)."""
         if self.role != KVConnectorRole.SCHEDULER:
-            return None
+            if self.pipeline is None:
+                return None
+            p, g = self.pipeline.stats(), self.pipeline.gate.stats()
+            return self._worker_deltas.take({
+                "layerwise_blocks_loaded": p.blocks_loaded,
+                "layerwise_blocks_saved": p.blocks_saved,
+                "layerwise_load_errors": p.load_errors,
+                "layerwise_gate_waits": g.waits,
+                "layerwise_gate_timeouts": g.timeouts,
+            })
         g = self.index.stats()
         totals = dict(self._totals)
         totals.update(
@@ -384,11 +542,46 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def _init_worker(self) -> None:
         self.pool: WorkerPagePool | None = None
-        self._done: Counter[int] = Counter()
-        self._failed: Counter[int] = Counter()
+        self.page_store: ScheduledPageStore | None = None
+        self.pipeline: LayerwisePipeline | None = None
+        self._done: Counter[Any] = Counter()
+        self._failed: Counter[Any] = Counter()
         self._load_errors: set[int] = set()
+        self._worker_deltas = CounterDeltas()
+
+    def _register_layerwise(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from ascend_offload.layerwise.layout import plan_for_engine
+
+        plan = plan_for_engine(self._vllm_config, self._kv_cache_config)
+        if plan is None:
+            raise ConfigError(f"{NAME}: use_layerwise is set but no layer plan could be built")
+        num_blocks = self._kv_cache_config.num_blocks
+        first = kv_caches[plan.layers[0]]
+        dim = block_dim(first, num_blocks)
+        layer_bytes = {
+            name: kv_caches[name].numel() // num_blocks * kv_caches[name].element_size()
+            for name in plan.layers
+        }
+        self.page_store = ScheduledPageStore(layer_bytes, self.num_pages)
+        self.pipeline = LayerwisePipeline(
+            plan,
+            self.page_store,
+            prefetch_layers=self.cfg.layerwise_prefetch_layers,
+            load_timeout_s=self.cfg.load_timeout_s,
+            save_timeout_s=self.cfg.save_timeout_s,
+            save_delay_s=self.cfg.debug_save_delay_s,
+            block_dim=dim,
+        )
+        self.pipeline.register_kv_caches(kv_caches)
+        log.info(
+            "%s: layerwise, %d layers on %d physical buffers (aliased=%s), %d host pages",
+            NAME, plan.num_logical, plan.num_physical, self.pipeline.aliased, self.num_pages,
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.layerwise:
+            self._register_layerwise(kv_caches)
+            return
         self.pool = WorkerPagePool(
             kv_caches,
             num_blocks=self._kv_cache_config.num_blocks,
@@ -398,6 +591,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if isinstance(meta, LayerwiseMetadata):
+            assert self.page_store is not None and self.pipeline is not None
+            self.page_store.set_step(meta.pages, meta.save_blocks, meta.freed)
+            self.pipeline.start_step(meta.io)
+            return
         assert isinstance(meta, StoreConnectorMetadata)
         if not meta.loads:
             return
@@ -412,14 +610,24 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 self._failed[job.job_id] += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self.pipeline is not None and self.pipeline.in_step:
+            self.pipeline.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        if self.pipeline is not None and self.pipeline.in_step:
+            self.pipeline.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Copy this step's new full blocks out before the step ends, so a block freed
         by this step is never read after vLLM may reuse it."""
+        if self.pipeline is not None:
+            if self.pipeline.in_step:
+                self.pipeline.finish_step()  # drains the step's saves (blocks may be re-zeroed next)
+                assert self.page_store is not None
+                done, failed = self.page_store.take_results()
+                self._done.update(done)
+                self._failed.update(failed)
+            return
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -444,4 +652,15 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        if self.pipeline is not None:
+            errors |= self.pipeline.take_load_errors()
         return errors
+
+    def shutdown(self) -> None:
+        if self._role == KVConnectorRole.WORKER and self.pipeline is not None:
+            self.pipeline.close()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Per-layer hooks cannot be captured in full CUDA/NPU graphs."""
+        return bool((extra_config or {}).get("use_layerwise", False))

@@ -61,6 +61,7 @@ class LocalStore(KVStore):
         self._lru: OrderedDict[str, None] = OrderedDict()  # committed objects, oldest first
         self._pins: dict[int, frozenset[str]] = {}
         self._evictable = 0  # pages of committed, unpinned objects (kept exact, O(1) checks)
+        self._freed: list[str] = []  # keys that lost their pages since take_freed()
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._stats = StoreStats(total_pages=num_pages, free_pages=num_pages)
@@ -83,6 +84,7 @@ class LocalStore(KVStore):
         for key in victims:
             obj = self._objects.pop(key)
             del self._lru[key]
+            self._freed.append(key)
             self._free.extend(reversed(obj.pages))
             self._evictable -= len(obj.pages)
             self._stats.evicted_objects += 1
@@ -216,6 +218,7 @@ class LocalStore(KVStore):
                     continue  # idempotent: already aborted, or not ours to drop
                 del self._objects[h.key]
                 self._free.extend(reversed(obj.pages))
+                self._freed.append(h.key)
                 self._stats.aborted_objects += 1
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
@@ -303,6 +306,39 @@ class LocalStore(KVStore):
             s.stored_objects = len(self._lru)
             s.pinned_objects = sum(1 for o in self._objects.values() if o.pins)
             return s
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is allocated (pending or committed); no counters touched."""
+        with self._lock:
+            return key in self._objects
+
+    def is_committed(self, key: str) -> bool:
+        with self._lock:
+            obj = self._objects.get(key)
+            return obj is not None and obj.committed
+
+    def discard(self, keys: Sequence[str]) -> int:
+        """Drop committed, unpinned objects now (request-private data that no one can
+        hit again); returns how many were dropped."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or not obj.committed or obj.pins:
+                    continue
+                del self._objects[key]
+                del self._lru[key]
+                self._free.extend(reversed(obj.pages))
+                self._evictable -= len(obj.pages)
+                self._freed.append(key)
+                n += 1
+        return n
+
+    def take_freed(self) -> list[str]:
+        """Keys whose pages were freed (evicted, aborted, discarded) since the last call."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+            return freed
 
     def evictable_pages(self) -> int:
         """Pages that eviction could free now (exposed for invariant checks)."""

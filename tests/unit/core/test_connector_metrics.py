@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats  # noqa: E402
+from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats
 
 
 def test_deltas_and_aggregate() -> None:
