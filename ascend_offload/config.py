@@ -142,6 +142,8 @@ class RemoteD2HConfig(_Strict):
     memfabric_transfer_protocol: Literal["sdma", "device_rdma", "device_urma"] = "sdma"
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device_name: str = ""
+    # IP this instance advertises to its peers; empty = vLLM's get_ip() / VLLM_HOST_IP.
+    host: str = ""
     # Deadlines (I5).
     read_timeout_s: float = Field(30.0, gt=0)
     ack_timeout_s: float = Field(30.0, gt=0)

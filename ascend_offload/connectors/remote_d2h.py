@@ -142,7 +142,10 @@ def _wire_logging() -> None:
     ours.propagate = False
 
 
-def _host_ip() -> str:
+def _host_ip(configured: str = "") -> str:
+    """The advertised endpoint IP: the ``host`` key when set, else vLLM's choice."""
+    if configured:
+        return configured
     from vllm.utils.network_utils import get_ip
 
     return get_ip()
@@ -186,7 +189,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                     "than decode's needs replicated (MLA) KV; this model shards KV by head "
                     f"(accepted: {self.tp_size})"
                 )
-        self.host = _host_ip()
+        self.host = _host_ip(self.cfg.host)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
