@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,6 +54,18 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+    def count_prefix(self, keys: Sequence[str], present: Callable[[str], bool]) -> int:
+        """Length of the leading run of ``keys`` that are ``present``; records the lookup."""
+        n = 0
+        for key in keys:
+            if not present(key):
+                break
+            n += 1
+        self.lookups += 1
+        self.hit_objects += n
+        self.miss_objects += len(keys) - n
+        return n
 
 
 @dataclasses.dataclass(frozen=True)

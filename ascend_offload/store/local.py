@@ -223,16 +223,10 @@ class LocalStore(KVStore):
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                obj = self._objects.get(key)
-                if obj is None or not obj.committed:
-                    break
-                n += 1
-            self._stats.lookups += 1
-            self._stats.hit_objects += n
-            self._stats.miss_objects += len(keys) - n
-            return n
+            objects = self._objects
+            return self._stats.count_prefix(
+                keys, lambda k: (o := objects.get(k)) is not None and o.committed
+            )
 
     def pin(self, keys: Sequence[str]) -> Pin | None:
         keys = list(dict.fromkeys(keys))  # a key pinned twice in one call counts once

@@ -159,15 +159,7 @@ class ScheduledPageStore(KVStore):
 
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
-            n = 0
-            for key in keys:
-                if not self._readable(key):
-                    break
-                n += 1
-            self._stats.lookups += 1
-            self._stats.hit_objects += n
-            self._stats.miss_objects += len(keys) - n
-            return n
+            return self._stats.count_prefix(keys, self._readable)
 
     def pin(self, keys: Sequence[str]) -> Pin | None:
         """Placement is pinned by the scheduler for the whole step; this only checks."""
