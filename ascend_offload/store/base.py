@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -68,9 +69,11 @@ class StoreStats:
         return n
 
 
-@dataclasses.dataclass(frozen=True)
-class WriteHandle:
-    """A pending object: writable, not readable, not evictable."""
+class WriteHandle(NamedTuple):
+    """A pending object: writable, not readable, not evictable.
+
+    A named tuple, not a dataclass: one is made per stored block, and construction
+    cost showed up in ``bench store`` for small objects."""
 
     key: str
     size: int

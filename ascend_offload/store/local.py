@@ -23,13 +23,17 @@ from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, Writ
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
 class _Object:
-    size: int
-    pages: list[int]
-    token: int
-    committed: bool = False
-    pins: int = 0
+    """Per-object metadata (slots: one is made per stored block)."""
+
+    __slots__ = ("committed", "pages", "pins", "size", "token")
+
+    def __init__(self, size: int, pages: list[int], token: int) -> None:
+        self.size = size
+        self.pages = pages
+        self.token = token
+        self.committed = False
+        self.pins = 0
 
 
 class LocalStore(KVStore):
@@ -165,12 +169,13 @@ class LocalStore(KVStore):
                     self._stats.skipped_stores += len(new)
                     return None
                 self._evict_until(needed)
+            free, objects, tokens, page = self._free, self._objects, self._tokens, self.page_bytes
             for i, key, size in new:
-                pages = [self._free.pop() for _ in range(self._pages_for(size))]
-                token = next(self._tokens)
-                self._objects[key] = _Object(size=size, pages=pages, token=token)
-                out[i] = WriteHandle(key=key, size=size, token=token)
-                self._stats.allocated_objects += 1
+                pages = [free.pop()] if size <= page else [free.pop() for _ in range(self._pages_for(size))]
+                token = next(tokens)
+                objects[key] = _Object(size, pages, token)
+                out[i] = WriteHandle(key, size, token)
+            self._stats.allocated_objects += len(new)
             return out
 
     def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
