@@ -389,6 +389,12 @@ def run_setup(setup: str, model: str, prompts: list[list[int]], warmup: list[lis
     tpot = [r.tpot_ms for r in results if r.error is None]
     out["ttft_ms"] = {"median": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)}
     out["tpot_ms"] = {"median": _pct(tpot, 0.5), "p90": _pct(tpot, 0.9)}
+    # Noise-robust view for rounds > 1: each prompt's fastest TTFT over the rounds, then the median.
+    best: dict[int, float] = {}
+    for r in results:
+        if r.error is None:
+            best[r.prompt] = min(best.get(r.prompt, float("inf")), r.ttft_ms)
+    out["ttft_best_of_rounds_ms"] = {"median": _pct(list(best.values()), 0.5), "p90": _pct(list(best.values()), 0.9)}
     return out
 
 
@@ -399,13 +405,15 @@ def _ratio(a: float, b: float) -> float:
 def report(res: dict[str, Any]) -> str:
     """Human table: latency, parity, load; then ratios."""
     rows = [f"{'setup':<10} {'TTFT med':>9} {'TTFT p90':>9} {'TPOT med':>9} {'TPOT p90':>9} {'parity':>7} "
-            f"{'errors':>6} {'badlog':>6} {'load1':>11}"]
+            f"{'errors':>6} {'badlog':>6} {'load1':>11} {'best med':>9}"]
     for name, s in res["setups"].items():
         rows.append(f"{name:<10} {s['ttft_ms']['median']:>9.1f} {s['ttft_ms']['p90']:>9.1f} "
                     f"{s['tpot_ms']['median']:>9.2f} {s['tpot_ms']['p90']:>9.2f} {s.get('parity', '-'):>7} "
                     f"{s['errors']:>6} {s['bad_log_count']:>6} "
-                    f"{s['loadavg_start']:>5.2f}-{s['loadavg_end']:<5.2f}")
-    rows.append("(ms; TPOT = (last - first token) / (n - 1); load1 = 1-min load average at start-end of measuring)")
+                    f"{s['loadavg_start']:>5.2f}-{s['loadavg_end']:<5.2f} "
+                    f"{s.get('ttft_best_of_rounds_ms', {}).get('median', float('nan')):>9.1f}")
+    rows.append("(ms; TPOT = (last - first token) / (n - 1); load1 = 1-min load average at start-end of measuring;"
+                " best med = median over prompts of each prompt's fastest TTFT across --rounds)")
     for name, s in res["setups"].items():
         src = s.get("engine_prompt_tokens", {})
         rows.append(f"{name}: generating engine's prompt tokens by source: "
@@ -466,6 +474,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for m in ("ttft_ms", "tpot_ms"):
             for q in ("median", "p90"):
                 ratios[f"ours/mooncake {m[:4].upper()} {q}"] = _ratio(st["ours"][m][q], st["mooncake"][m][q])
+        ratios["ours/mooncake TTFT best-of-rounds median"] = _ratio(
+            st["ours"]["ttft_best_of_rounds_ms"]["median"], st["mooncake"]["ttft_best_of_rounds_ms"]["median"])
         res["target_ttft_ours_le_mooncake"] = bool(st["ours"]["ttft_ms"]["median"]
                                                    <= st["mooncake"]["ttft_ms"]["median"])
     res["ratios"] = ratios
