@@ -35,8 +35,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ascend_offload.testing.servers import Server, free_port, wait_health
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -71,59 +71,6 @@ MOONCAKE_SITECUSTOMIZE = (
 # ---------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """One subprocess in its own session, so teardown reaps the engine core and workers too."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self._fh = self.log.open("wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        """SIGTERM the group, SIGKILL after 20 s; bounded either way."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
-                pass
-        try:  # stragglers left in the group after the leader exited
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._fh.close()
-
-
-def _wait_health(url: str, servers: list[Server], deadline: float) -> None:
-    import httpx
-
-    while time.monotonic() < deadline:
-        for s in servers:
-            if s.proc.poll() is not None:
-                raise RuntimeError(f"{s.name} exited with {s.proc.returncode}:\n{s.text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy before the startup deadline")
-
-
 @contextmanager
 def _cluster(setup: str, model: str, log_dir: Path,
              startup_s: float) -> Iterator[tuple[str, str, list[Server]]]:
@@ -136,13 +83,13 @@ def _cluster(setup: str, model: str, log_dir: Path,
     servers: list[Server] = []
     try:
         if setup == "colocated":
-            port = _free_port()
+            port = free_port()
             servers.append(Server("colocated", [*api, "--port", str(port)],
                                   dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
         elif setup == "ours":
-            p_port, d_port, proxy_port, p_kv, d_kv = (_free_port() for _ in range(5))
+            p_port, d_port, proxy_port, p_kv, d_kv = (free_port() for _ in range(5))
             extra = {"ack_timeout_s": 20, "request_timeout_s": 10, "registration_timeout_s": 20}
 
             def kv(role: str, kv_port: int) -> str:
@@ -164,7 +111,7 @@ def _cluster(setup: str, model: str, log_dir: Path,
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         elif setup == "mooncake":
-            p_port, d_port, proxy_port, boot = (_free_port() for _ in range(4))
+            p_port, d_port, proxy_port, boot = (free_port() for _ in range(4))
             engine_id = f"bench-mooncake-prefill-{uuid.uuid4().hex[:8]}"
             patch_dir = log_dir / "mooncake-site"
             patch_dir.mkdir(exist_ok=True)
@@ -196,7 +143,7 @@ def _cluster(setup: str, model: str, log_dir: Path,
             raise ValueError(f"unknown setup {setup!r} (accepted: {', '.join(SETUPS)})")
         deadline = time.monotonic() + startup_s
         for port in ports:
-            _wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
+            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
         yield entry, engine, servers
     finally:
         for s in reversed(servers):

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
+from ascend_offload.testing.servers import Server, free_port, wait_health  # noqa: E402
 from ascend_offload.testing.tiny_model import random_prompts  # noqa: E402
 from tests.e2e.harness import BLOCK_SIZE, tiny_model  # noqa: E402
 
@@ -49,56 +47,12 @@ MAX_TOKENS = 16
 STARTUP_S = 600.0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """One subprocess in its own process group, so teardown reaps its children too."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self._fh = self.log.open("wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._fh.close()
-
-
-def _wait_health(url: str, servers: list[Server], deadline: float) -> None:
-    while time.monotonic() < deadline:
-        for s in servers:
-            if s.proc.poll() is not None:
-                raise RuntimeError(f"{s.name} exited with {s.proc.returncode}:\n{s.text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy before the deadline")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_model(4)
     log_dir = tmp_path_factory.mktemp("pd-e2e")
-    p_port, d_port, proxy_port = _port(), _port(), _port()
-    p_kv, d_kv = _port(), _port()
+    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+    p_kv, d_kv = free_port(), free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
@@ -128,7 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                                         str(d_port)], env, log_dir))
         deadline = time.monotonic() + STARTUP_S
         for port in (p_port, d_port, proxy_port):
-            _wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
+            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
         yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "proxy": f"http://127.0.0.1:{proxy_port}",
                "decode": f"http://127.0.0.1:{d_port}", "servers": {s.name: s for s in servers}}
     finally:

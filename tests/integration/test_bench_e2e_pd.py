@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("aiohttp")
 
 from ascend_offload.bench import e2e_pd  # noqa: E402
+from ascend_offload.testing.servers import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def _serve(kind: str) -> ThreadingHTTPServer:
 
 def test_mooncake_proxy_flow_and_client_timing() -> None:
     pre, dec = _serve("prefill"), _serve("decode")
-    port = e2e_pd._free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ascend_offload.bench.e2e_pd", "--mooncake-proxy", "--port",
                              str(port), "--prefill", f"http://127.0.0.1:{pre.server_port}", "--decode",
                              f"http://127.0.0.1:{dec.server_port}", "--engine-id", "eng-p", "--bootstrap",

@@ -1,0 +1,69 @@
+"""Server subprocesses for e2e tests and benches: start in their own session, wait
+for health with a deadline, always reap the whole process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A loopback port free right now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One subprocess in its own session, so teardown reaps the engine core and workers too."""
+
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path, cwd: Path | None = None
+    ) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self._fh = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL after 20 s; bounded either way."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        try:  # stragglers left in the group after the leader exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._fh.close()
+
+
+def wait_health(url: str, servers: list[Server], deadline: float) -> None:
+    """Poll ``url`` until 200; fail fast if any server exited, fail at ``deadline``."""
+    import httpx
+
+    while time.monotonic() < deadline:
+        for s in servers:
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode}:\n{s.text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy before the deadline")
