@@ -150,26 +150,27 @@ class LocalStore(KVStore):
         if len(keys) != len(sizes):
             raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
         with self._lock:
-            out: list[WriteHandle | None] = []
+            out: list[WriteHandle | None] = [None] * len(keys)
             new: list[tuple[int, str, int]] = []
             seen: set[str] = set()
-            for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            objects, page = self._objects, self.page_bytes
+            needed = 0
+            for i, key in enumerate(keys):
+                size = sizes[i]
                 if size <= 0:
                     raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
-                if key in self._objects or key in seen:
+                if key in objects or key in seen:
                     self._stats.duplicate_stores += 1
-                    out.append(None)
                     continue
                 seen.add(key)
                 new.append((i, key, size))
-                out.append(None)
-            needed = sum(self._pages_for(s) for _, _, s in new)
+                needed += 1 if size <= page else self._pages_for(size)
             if needed > len(self._free):
                 if needed > len(self._free) + self._evictable:
                     self._stats.skipped_stores += len(new)
                     return None
                 self._evict_until(needed)
-            free, objects, tokens, page = self._free, self._objects, self._tokens, self.page_bytes
+            free, tokens = self._free, self._tokens
             for i, key, size in new:
                 pages = [free.pop()] if size <= page else [free.pop() for _ in range(self._pages_for(size))]
                 token = next(tokens)
