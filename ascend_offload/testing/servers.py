@@ -18,6 +18,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` consecutive free loopback ports (decode TP ranks listen on
+    base + rank); best effort, like any free-port probe."""
+    for _ in range(100):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 class Server:
     """One subprocess in its own session, so teardown reaps the engine core and workers too."""
 

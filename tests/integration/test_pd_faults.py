@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
@@ -13,30 +12,12 @@ import zmq
 pytest.importorskip("mooncake.engine")
 
 from ascend_offload.pd import protocol as P
-from ascend_offload.pd.procs import KVShape, RankConfig, RankProcess, expected_blocks
+from ascend_offload.pd.procs import KVShape, RankConfig, expected_blocks
+from ascend_offload.testing.servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 SHAPE = KVShape(num_layers=4, num_blocks=16, main_block_bytes=1024, indexer_block_bytes=128)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ranks():
-    made: list[RankProcess] = []
-
-    def start(cfg: RankConfig) -> RankProcess:
-        made.append(RankProcess(cfg))
-        return made[-1]
-
-    yield start
-    for r in made:
-        r.close()
 
 
 @pytest.fixture

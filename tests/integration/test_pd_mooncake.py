@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -10,32 +9,12 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from ascend_offload.pd.procs import KVShape, RankConfig, RankProcess, expected_blocks
+from ascend_offload.pd.procs import KVShape, RankConfig, expected_blocks
+from ascend_offload.testing.servers import free_port_range
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 SHAPE = KVShape(num_layers=4, num_blocks=32, main_block_bytes=2048, indexer_block_bytes=256)
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for i in range(1, n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + i))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 def assert_blocks_equal(got, want) -> None:
@@ -43,19 +22,6 @@ def assert_blocks_equal(got, want) -> None:
         assert np.array_equal(gkv, wkv), f"main KV of layer {layer} differs"
         if widx is not None:
             assert np.array_equal(gidx, widx), f"indexer of layer {layer} differs"
-
-
-@pytest.fixture
-def ranks():
-    made: list[RankProcess] = []
-
-    def start(cfg: RankConfig) -> RankProcess:
-        made.append(RankProcess(cfg))
-        return made[-1]
-
-    yield start
-    for r in made:
-        r.close()
 
 
 def test_two_processes_byte_identical(ranks):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
@@ -11,6 +9,7 @@ pytest.importorskip("mooncake.engine")
 
 from ascend_offload.pd.procs import KVShape, RankConfig, expected_blocks, start_ranks
 from ascend_offload.pd.topology import Topology
+from ascend_offload.testing.servers import free_port_range
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -19,30 +18,10 @@ SHAPE = KVShape(num_layers=3, num_blocks=24, main_block_bytes=1024, indexer_bloc
 REQS = {"one": ([9], [2]), "three": ([0, 1, 2], [20, 21, 22]), "seven": ([3, 5, 7, 11, 12, 13, 23], [0, 1, 3, 4, 5, 9, 10])}
 
 
-def free_base(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for i in range(1, n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_unequal_tp(p_tp, d_tp):
     topo = Topology(p_tp, d_tp)
-    base = free_base(d_tp)
+    base = free_port_range(d_tp)
     cfgs = [RankConfig("decode", r, p_tp, d_tp, SHAPE, kv_port=base) for r in range(d_tp)]
     cfgs += [RankConfig("prefill", r, p_tp, d_tp, SHAPE) for r in range(p_tp)]
     procs = start_ranks(cfgs)

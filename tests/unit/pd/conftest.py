@@ -2,39 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from ascend_offload.pd.layout import layer_desc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (decode TP ranks listen on base + rank)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+from ascend_offload.testing.servers import free_port, free_port_range
 
 
 def make_kv(num_layers: int, num_blocks: int, *, main_shape: tuple[int, ...] = (4, 8),
