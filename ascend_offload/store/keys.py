@@ -10,7 +10,7 @@ PYTHONHASHSEED), so instances with the same settings share objects.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 def layout_fingerprint(*parts: object) -> str:
@@ -28,7 +28,7 @@ def hash_hex(block_hash: bytes | int | str) -> str:
 
 
 def block_key(model_tag: str, fingerprint: str, group: int, block_hash: bytes | int | str) -> str:
-    """Key of one block's object (all layers of one rank's shard, or see ``layer_key``)."""
+    """Key of one block's object (all layers of one rank's shard)."""
     return f"{model_tag}:{fingerprint}:g{group}:{hash_hex(block_hash)}"
 
 
@@ -36,17 +36,3 @@ def block_keys(
     model_tag: str, fingerprint: str, group: int, hashes: Iterable[bytes | int | str]
 ) -> list[str]:
     return [block_key(model_tag, fingerprint, group, h) for h in hashes]
-
-
-def rank_key(key: str, rank: int) -> str:
-    """Per-rank key, for shared backends where every TP rank stores its own shard."""
-    return f"{key}:r{rank}"
-
-
-def layer_key(key: str, layer: int) -> str:
-    """Per-layer key (layerwise mode: a layer's KV of a block is its own object)."""
-    return f"{key}:l{layer}"
-
-
-def layer_keys(keys: Sequence[str], layer: int) -> list[str]:
-    return [layer_key(k, layer) for k in keys]

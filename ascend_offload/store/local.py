@@ -138,10 +138,10 @@ class LocalStore(KVStore):
             raise StoreError("store copies need contiguous tensors")
         return t.reshape(-1).view(torch.uint8)
 
-    def _single_page_rows(self, objs: Sequence[_Object]) -> torch.Tensor | None:
+    def _single_page_rows(self, objs: Sequence[_Object]) -> list[int] | None:
         """Page indices when every object is exactly one full page (one indexed copy)."""
         if all(len(o.pages) == 1 and o.size == self.page_bytes for o in objs):
-            return torch.tensor([o.pages[0] for o in objs], dtype=torch.long)
+            return [o.pages[0] for o in objs]
         return None
 
     # ------------------------------------------------------------------ contract
@@ -202,7 +202,7 @@ class LocalStore(KVStore):
             data = data.contiguous().view(torch.uint8)
         if data.shape[1] != self.page_bytes:
             raise StoreError(f"write_batch rows of {data.shape[1]} bytes into {self.page_bytes}-byte objects")
-        plan = device.plan_rows(range(len(objs)), rows.tolist())
+        plan = device.plan_rows(range(len(objs)), rows)
         device.move_rows(device.as_words(data), self._words, plan)
         with self._lock:
             self._stats.bytes_written += data.numel()
@@ -280,7 +280,7 @@ class LocalStore(KVStore):
             out = out.view(torch.uint8)
         if out.shape[1] != self.page_bytes or not out.is_contiguous():
             raise StoreError("read_batch needs contiguous rows of one page each")
-        plan = device.plan_rows(rows.tolist(), range(len(objs)))
+        plan = device.plan_rows(rows, range(len(objs)))
         device.move_rows(self._words, device.as_words(out), plan)
         with self._lock:
             self._stats.reads += len(keys)
