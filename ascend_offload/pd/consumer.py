@@ -9,6 +9,14 @@ answers ``read_done`` or ``read_failed``. A request is received only when
 every layer is terminal on every contributing prefill rank; anything that
 failed, timed out or finished past its read budget turns into load errors for
 exactly the decode blocks it should have filled (invariant I2).
+
+The destination is either the rank's own KV blocks (any model) or, with
+sparse decode offload, the host KV pool for the main KV
+(:meth:`Consumer.expect_pool`; layout from
+:func:`~ascend_offload.pd.layout.pool_layer_descs`): the pool's layer regions
+are registered like any KV tensor, a request's destination blocks are its
+pool blocks, and an indexer cache, if present, still goes to device blocks
+(``index_blocks``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -40,6 +48,20 @@ class RecvOutcome:
     ok: bool
     failed_blocks: tuple[int, ...] = ()  # decode block ids that must not be trusted
     reasons: tuple[str, ...] = ()
+    # Only when the indexer has its own destination blocks (host-pool destination):
+    # failed_blocks are then main-KV (pool) blocks and these are indexer blocks.
+    failed_index_blocks: tuple[int, ...] = ()
+
+
+class BlockPool(Protocol):
+    """What :meth:`Consumer.expect_pool` needs of a host KV pool
+    (:class:`~ascend_offload.sparse.pools.HostKVPool`; duck-typed so ``pd`` does not import ``sparse``)."""
+
+    block_size: int
+
+    def admit(self, req_id: str, max_tokens: int) -> Any: ...
+    def block_table(self, req_id: str) -> Any: ...
+    def release(self, req_id: str) -> None: ...
 
 
 @dataclass
@@ -64,6 +86,8 @@ class _Request:
     done: dict[tuple[int, int], bool] = field(default_factory=dict)  # (layer, p_rank) -> ok
     failed: set[int] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
+    index_blocks: list[int] | None = None  # indexer destination when it differs from dst_blocks
+    failed_index: set[int] = field(default_factory=set)
     inflight: int = 0  # reads submitted to a reader thread and not returned yet
     finished: bool = False
 
@@ -79,8 +103,12 @@ class _Parked:
 
 
 def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
-              main: bool, index_range: tuple[int, int]) -> list[ReadOp]:
-    """Read descriptors for one contributor's share of one layer (before coalescing)."""
+              main: bool, index_range: tuple[int, int],
+              index_blocks: Sequence[int] | None = None) -> list[ReadOp]:
+    """Read descriptors for one contributor's share of one layer (before coalescing).
+
+    ``index_blocks`` is the indexer's destination when it is not ``dst_blocks``
+    (main KV into a host pool, indexer into device blocks)."""
     ops: list[ReadOp] = []
     if main:
         for s_t, d_t in zip(src.main, dst.main, strict=True):
@@ -88,7 +116,8 @@ def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst
                     for s, d in zip(src_blocks, dst_blocks, strict=True)]
     if src.indexer is not None and dst.indexer is not None:
         s_t, d_t = src.indexer, dst.indexer
-        ops += [ReadOp(d_t.block_addr(dst_blocks[i]), s_t.block_addr(src_blocks[i]), d_t.block_bytes)
+        idx_dst = dst_blocks if index_blocks is None else index_blocks
+        ops += [ReadOp(d_t.block_addr(idx_dst[i]), s_t.block_addr(src_blocks[i]), d_t.block_bytes)
                 for i in range(*index_range)]
     return ops
 
@@ -155,8 +184,12 @@ class Consumer:
         read_retries: int = 1,
         max_parked: int = 100_000,
         register_memory: bool = True,
+        pool_block_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``pool_block_size``: set when ``layers`` describe a host KV pool
+        (:func:`~ascend_offload.pd.layout.pool_layer_descs`); size mismatches are
+        then reported in pool row bytes."""
         topology.contributors(d_rank)  # validates d_rank
         self.max_parked = max_parked
         self.engine_id = engine_id
@@ -167,6 +200,7 @@ class Consumer:
         self.read_timeout_s = read_timeout_s
         self.request_timeout_s = request_timeout_s
         self.read_retries = read_retries
+        self.pool_block_size = pool_block_size
         self.stats = ConsumerStats()
         self._clock = clock
         self._registered: list[int] = []
@@ -196,24 +230,73 @@ class Consumer:
 
     # ------------------------------------------------------------ caller API
 
-    def expect(self, request_id: str, dst_blocks: Sequence[int], num_layers: int | None = None) -> None:
-        """Decode allocated ``dst_blocks`` for this request; reads may start (or resume)."""
+    def expect(self, request_id: str, dst_blocks: Sequence[int], num_layers: int | None = None, *,
+               index_blocks: Sequence[int] | None = None) -> None:
+        """Decode allocated ``dst_blocks`` for this request; reads may start (or resume).
+
+        ``index_blocks`` (aligned with ``dst_blocks``) is where the indexer goes
+        when main KV goes elsewhere (a host pool); by default both use ``dst_blocks``.
+        """
         n = len(self.layers) if num_layers is None else num_layers
         if not 0 < n <= len(self.layers):
             raise ValueError(f"request {request_id!r}: num_layers={n} outside 1..{len(self.layers)}")
-        blocks = [int(b) for b in dst_blocks]
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"request {request_id!r}: duplicate destination blocks")
-        cap = block_capacity(self.layers[:n])
-        bad = out_of_range(blocks, cap)
-        if bad:
-            raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside 0..{cap - 1}")
+        blocks = self._check_blocks(request_id, dst_blocks, n, "main" if index_blocks is not None else "all")
+        idx = None
+        if index_blocks is not None:
+            idx = self._check_blocks(request_id, index_blocks, n, "indexer")
+            if len(idx) != len(blocks):
+                raise ValueError(f"request {request_id!r}: {len(idx)} indexer blocks for {len(blocks)} "
+                                 "main-KV blocks")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already expected")
             self._requests[request_id] = _Request(request_id, blocks, n,
-                                                  self._clock() + self.request_timeout_s)
+                                                  self._clock() + self.request_timeout_s, index_blocks=idx)
         self._loop.wake()
+
+    def _check_blocks(self, request_id: str, blocks_in: Sequence[int], n: int, part: str) -> list[int]:
+        blocks = [int(b) for b in blocks_in]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"request {request_id!r}: duplicate destination blocks")
+        cap = block_capacity(self.layers[:n], part=part)
+        bad = out_of_range(blocks, cap)
+        if bad:
+            raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside 0..{cap - 1}")
+        return blocks
+
+    def expect_pool(self, request_id: str, pool: BlockPool, *, prompt_tokens: int, max_tokens: int,
+                    index_blocks: Sequence[int] | None = None) -> bool:
+        """Reserve the request's rows in the host pool and expect its prompt KV there.
+
+        ``max_tokens`` (prompt + max new tokens) is reserved now, so decode
+        never runs out of rows later. If the pool cannot admit the request, it
+        ends at once as a failed outcome naming the request and the pool's
+        reason (its readiness items are refused as ``unknown_request``);
+        other requests are unaffected and nothing is overwritten. Returns
+        whether the request is expected. The caller releases the pool rows
+        (``pool.release``) when decode finished with them and this request's
+        outcome arrived (no read into them in flight).
+        """
+        with self._lock:
+            if request_id in self._requests:  # before admission: a refused duplicate must not fail the original
+                raise ValueError(f"request {request_id!r} already expected")
+        if not 0 < prompt_tokens <= max_tokens:
+            raise ValueError(f"request {request_id!r}: need 0 < prompt_tokens={prompt_tokens} <= "
+                             f"max_tokens={max_tokens}")
+        try:
+            table = pool.admit(request_id, max_tokens)
+        except Exception as exc:  # PoolCapacityError and friends: this request only
+            reason = f"host KV pool admission failed for request {request_id!r}: {exc}"
+            log.error("%s", reason)
+            self.fail(request_id, reason)
+            return False
+        nblocks = -(-prompt_tokens // pool.block_size)
+        try:
+            self.expect(request_id, [int(b) for b in table[:nblocks]], index_blocks=index_blocks)
+        except ValueError:
+            pool.release(request_id)
+            raise
+        return True
 
     def fail(self, request_id: str, reason: str) -> None:
         """End a request as failed (aborted, registration failed); always yields an outcome.
@@ -292,10 +375,17 @@ class Consumer:
         out: set[int] = set()
         if self.topology.sends_main(p_rank) and desc.main:
             out.update(req.dst_blocks)
-        if desc.indexer is not None:
+        if desc.indexer is not None and req.index_blocks is None:
             lo, hi = self.topology.index_range(p_rank, n)
             out.update(req.dst_blocks[lo:hi])
         return out
+
+    def _affected_index(self, req: _Request, p_rank: int, layer: int) -> set[int]:
+        """Indexer blocks one item would have filled, when they have their own destination."""
+        if req.index_blocks is None or self.layers[layer].indexer is None:
+            return set()
+        lo, hi = self.topology.index_range(p_rank, len(req.index_blocks))
+        return set(req.index_blocks[lo:hi])
 
     def _terminal(self, req: _Request, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
         """Record one (layer, contributor) result; finish the request when all are in."""
@@ -305,6 +395,7 @@ class Consumer:
         req.done[key] = ok
         if not ok:
             req.failed |= self._affected(req, p_rank, layer)
+            req.failed_index |= self._affected_index(req, p_rank, layer)
             req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
         self._maybe_finish(req)
 
@@ -319,8 +410,8 @@ class Consumer:
         req.finished = True
         if self._requests.get(req.request_id) is req:
             del self._requests[req.request_id]
-        self._finished.append(RecvOutcome(req.request_id, not req.reasons,
-                                          tuple(sorted(req.failed)), tuple(req.reasons)))
+        self._finished.append(RecvOutcome(req.request_id, not req.reasons, tuple(sorted(req.failed)),
+                                          tuple(req.reasons), tuple(sorted(req.failed_index))))
         self._finished_cv.notify_all()
 
     def _validate(self, meta: P.MfMeta | None, p_rank: int, req: _Request,
@@ -344,7 +435,7 @@ class Consumer:
             return P.FAIL_INVALID, (f"indexer range [{it.index_lo}, {it.index_hi}) != expected "
                                     f"{self.topology.index_range(p_rank, n)}")
         src, dst = meta.layers[it.layer], self.layers[it.layer]
-        why = incompatibility(src, dst)
+        why = incompatibility(src, dst, pool_block_size=self.pool_block_size)
         if why:
             return P.FAIL_INVALID, f"layer {it.layer}: {why}"
         cap = block_capacity([src])
@@ -355,7 +446,7 @@ class Consumer:
 
     def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
         return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
-                         main=it.main, index_range=(it.index_lo, it.index_hi))
+                         main=it.main, index_range=(it.index_lo, it.index_hi), index_blocks=req.index_blocks)
 
     def _serve(self, p: _Parked) -> None:
         """Validate, read and answer one item (I/O thread, lock not held during the read)."""

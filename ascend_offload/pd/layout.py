@@ -63,6 +63,33 @@ def layer_desc(main: Sequence[Any], indexer: Any | None = None) -> LayerDesc:
     return LayerDesc(main=[one(t) for t in main], indexer=one(indexer) if indexer is not None else None)
 
 
+def pool_layer_descs(kv: torch.Tensor, block_size: int, indexers: Sequence[Any | None] | None = None, *,
+                     kv_row_bytes: int | None = None) -> list[LayerDesc]:
+    """Decode layout whose main KV is a layer-first host pool ``kv[layer, row, *row_shape]``.
+
+    Why no new code path: viewed as ``[num_blocks, block_size, *row_shape]`` a
+    pool layer *is* a block-major KV tensor (each block contiguous), so the
+    ordinary ``LayerDesc`` / block-id machinery reads prefill blocks straight
+    into pool blocks; a request's destination blocks are its pool blocks.
+    ``indexers`` (one per layer, or None) stay device-side tensors: only the
+    main KV lives in the pool. ``kv_row_bytes`` (the model's main-KV bytes per
+    token and layer) is checked against the pool's row bytes at startup.
+    """
+    if kv.dim() < 2 or kv.shape[1] % block_size or not kv.is_contiguous():
+        raise ValueError(f"host pool shape={tuple(kv.shape)}: needs contiguous [layers, rows, ...] with "
+                         f"rows a multiple of block_size={block_size}")
+    row_bytes = kv[0, 0].numel() * kv.element_size() if kv.shape[1] else 0
+    if kv_row_bytes is not None and kv_row_bytes != row_bytes:
+        raise ValueError(f"host pool row_bytes={row_bytes} != model main-KV row_bytes={kv_row_bytes} "
+                         "(bytes per token and layer): the pool was built for another model or dtype")
+    num_layers = kv.shape[0]
+    idx = list(indexers) if indexers is not None else [None] * num_layers
+    if len(idx) != num_layers:
+        raise ValueError(f"{len(idx)} indexer tensors for {num_layers} pool layers")
+    blocks = kv.shape[1] // block_size
+    return [layer_desc([kv[i].view(blocks, block_size, *kv.shape[2:])], idx[i]) for i in range(num_layers)]
+
+
 def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:
     """Merged ``(addr, length)`` ranges covering every tensor: what to register.
 
@@ -83,12 +110,24 @@ def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:
     return [(lo, hi - lo) for lo, hi in merged]
 
 
-def incompatibility(src: LayerDesc, dst: LayerDesc) -> str | None:
-    """Why prefill layer ``src`` cannot be copied into decode layer ``dst`` (None if it can)."""
+def incompatibility(src: LayerDesc, dst: LayerDesc, *, pool_block_size: int | None = None) -> str | None:
+    """Why prefill layer ``src`` cannot be copied into decode layer ``dst`` (None if it can).
+
+    ``pool_block_size`` says decode's main KV is a host pool with that many
+    rows per block: a size mismatch is then reported as row bytes, the unit
+    the pool is configured in.
+    """
     if len(src.main) != len(dst.main):
-        return f"main tensor count {len(src.main)} (prefill) != {len(dst.main)} (decode)"
+        why = f"main tensor count {len(src.main)} (prefill) != {len(dst.main)} (decode)"
+        if pool_block_size:
+            why += " (the decode host pool holds one main-KV row per token: an MLA-style single KV tensor)"
+        return why
     for i, (s, d) in enumerate(zip(src.main, dst.main, strict=True)):
         if s.block_bytes != d.block_bytes:
+            if pool_block_size:
+                return (f"main KV row_bytes {s.block_bytes / pool_block_size:g} (prefill, block of "
+                        f"{s.block_bytes} B at block_size {pool_block_size}) != host pool row_bytes "
+                        f"{d.block_bytes // pool_block_size} (decode, block_size {pool_block_size})")
             return f"main tensor {i}: block_bytes {s.block_bytes} (prefill) != {d.block_bytes} (decode)"
     if (src.indexer is None) != (dst.indexer is None):
         have = "prefill" if src.indexer is not None else "decode"
@@ -99,10 +138,15 @@ def incompatibility(src: LayerDesc, dst: LayerDesc) -> str | None:
     return None
 
 
-def block_capacity(layers: Iterable[LayerDesc]) -> int:
-    """The smallest block count of any tensor: valid block ids are below it."""
+def block_capacity(layers: Iterable[LayerDesc], *, part: str = "all") -> int:
+    """The smallest block count of any tensor: valid block ids are below it.
+
+    ``part`` is ``"all"``, ``"main"`` or ``"indexer"``: with a host-pool
+    destination main and indexer blocks are numbered independently.
+    """
     counts = [t.num_blocks for layer in layers
-              for t in (*layer.main, *([layer.indexer] if layer.indexer else []))]
+              for t in ((*layer.main,) if part != "indexer" else ())
+              + ((layer.indexer,) if layer.indexer and part != "main" else ())]
     return min(counts) if counts else 0
 
 

@@ -120,6 +120,31 @@ class SparseOffloadManager:
         self._rows[req_id] = (row, next(self._tag_counter))
         return row
 
+    def attach(self, req_id: str, max_tokens: int) -> int:
+        """Take a hot-buffer row for a request already admitted to the pool.
+
+        The remote-D2H consumer admits a request to the host pool (and fills
+        its prompt rows) before decode runs it; the attention backend then
+        attaches it here instead of calling :meth:`admit`. ``max_tokens`` must
+        fit the rows reserved then. :meth:`finish` frees both.
+        """
+        if req_id in self._rows:
+            raise PoolCapacityError(f"request {req_id!r} is already admitted")
+        try:
+            cap = self.pool.capacity(req_id)
+        except KeyError:
+            raise KeyError(f"request {req_id!r} has no host pool rows: admit it to the pool "
+                           "(remote-D2H consumer) first") from None
+        if max_tokens > cap:
+            raise PoolCapacityError(f"request {req_id!r}: max_tokens={max_tokens} exceeds the "
+                                    f"{cap} host rows reserved at admission")
+        if not self._free_rows:
+            raise PoolCapacityError(
+                f"no hot-buffer row free for request {req_id!r}: all {self.max_requests} in use")
+        row = self._free_rows.pop(0)
+        self._rows[req_id] = (row, next(self._tag_counter))
+        return row
+
     def finish(self, req_id: str) -> None:
         """Free the request's host blocks, hot-buffer row and residency state (idempotent)."""
         entry = self._rows.pop(req_id, None)

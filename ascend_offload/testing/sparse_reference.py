@@ -15,7 +15,9 @@ order, and the arithmetic around them is the same.
 The prompt is not attended during "prefill" (each prompt token runs the MLP
 path only): prefill belongs to the prefill node; what matters here is that both
 backends receive the same prompt KV and indexer keys, the offload one written
-straight into the host pool as the remote-D2H consumer does.
+straight into the host pool as the remote-D2H consumer does. :func:`prefill_kv`
+is that prefill on its own (what a prefill node would publish), and
+:class:`PulledKV` decodes from prompt rows a consumer already pulled into the pool.
 """
 
 from __future__ import annotations
@@ -139,11 +141,39 @@ class OffloadKV:
         self.mgr.end_step()
 
 
+class PulledKV(OffloadKV):
+    """Offload backend whose prompt KV was pulled into the host pool by the
+    remote-D2H consumer (``Consumer.expect_pool``): requests are attached, not
+    admitted, and the locally computed prompt KV is *not* written, so decoding
+    reads exactly the bytes the transfer delivered."""
+
+    def add(self, req_id: str, max_tokens: int) -> None:
+        self.mgr.attach(req_id, max_tokens)
+
+    def write_prompt(self, layer: int, req_id: str, kv: torch.Tensor) -> None:
+        return None
+
+
 @dataclasses.dataclass
 class _Req:
     tokens: list[int]
     index_keys: list[torch.Tensor]  # per layer [max_tokens, index_dim] (device side)
     max_tokens: int
+
+
+def prefill_kv(cfg: RefConfig, w: RefWeights, prompt: list[int]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The prefill node's part: per layer the prompt's main-KV rows ``[len, latent]``
+    and indexer keys ``[len, index_dim]``, and the first generated token."""
+    x = w.embed[torch.tensor(prompt)]
+    kv, keys = [], []
+    for layer in range(cfg.num_layers):
+        h = _norm(x)
+        kv.append(h @ w.w_kv[layer])
+        keys.append(h @ w.w_ik[layer])
+        x = x + torch.tanh(_norm(x) @ w.w_ff[layer])
+    # Prefill also yields the first generated token; decode starts at its position.
+    return kv, keys, int((_norm(x[-1]) @ w.unembed).argmax())
 
 
 class RefDecoder:
@@ -154,18 +184,14 @@ class RefDecoder:
         self.reqs: dict[str, _Req] = {}
 
     def add_request(self, req_id: str, prompt: list[int], max_new_tokens: int) -> None:
-        cfg, w = self.cfg, self.w
+        cfg = self.cfg
         max_tokens = len(prompt) + max_new_tokens
         self.kv.add(req_id, max_tokens)
+        kv, index_keys, first = prefill_kv(cfg, self.w, prompt)
         keys = [torch.zeros(max_tokens, cfg.index_dim) for _ in range(cfg.num_layers)]
-        x = w.embed[torch.tensor(prompt)]
         for layer in range(cfg.num_layers):
-            h = _norm(x)
-            self.kv.write_prompt(layer, req_id, h @ w.w_kv[layer])
-            keys[layer][: len(prompt)] = h @ w.w_ik[layer]
-            x = x + torch.tanh(_norm(x) @ w.w_ff[layer])
-        # Prefill also yields the first generated token; decode starts at its position.
-        first = int((_norm(x[-1]) @ w.unembed).argmax())
+            self.kv.write_prompt(layer, req_id, kv[layer])
+            keys[layer][: len(prompt)] = index_keys[layer]
         self.reqs[req_id] = _Req([*prompt, first], keys, max_tokens)
 
     def finish(self, req_id: str) -> list[int]:
