@@ -142,6 +142,10 @@ class HostKVPool:
         del self._table_tensors[req_id]
         self._free = sorted(self._free + blocks)
 
+    def admitted(self) -> list[str]:
+        """Requests holding rows (leak checks: the remote-D2H consumer releases on every path)."""
+        return sorted(self._tables)
+
     def block_table(self, req_id: str) -> torch.Tensor:
         """The request's blocks (int32); fixed from admission on, so cached (do not modify)."""
         return self._table_tensors[req_id]
