@@ -18,15 +18,27 @@ side: after each attention layer (``save_kv_layer``) the rank's
 :class:`~ascend_offload.pd.producer.Producer` publishes that layer to decode;
 blocks are freed only after decode answered for every layer or the ack
 deadline passed (``request_finished`` delays the free).
+
+Sparse decode offload (``sparse_offload.enabled``, decode only): the main KV
+goes straight into the host KV pool instead of device blocks. Each request is
+admitted to the pool when its workers expect it (prompt + max new tokens;
+exhaustion fails that request as load errors, never an overwrite), the whole
+prompt is pulled (local prefix hits live in device blocks, not the pool), and
+the rows are released once vLLM finished the request and no read into them is
+in flight. vLLM has no sparse-attention backend that decodes from the pool, so
+this mode requires an explicit attention-backend hook
+(``ASCEND_OFFLOAD_SPARSE_ATTENTION_HOOK``, see docs/sparse.md "Integration seam").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload import device
 from ascend_offload.config import ConfigError, RemoteD2HConfig, parse_extra_config
-from ascend_offload.pd.layout import extents, layer_desc
+from ascend_offload.pd.layout import extents, layer_desc, pool_layer_descs
 from ascend_offload.pd.protocol import LayerDesc
 from ascend_offload.pd.registration import Registrar
 from ascend_offload.pd.topology import Topology, TopologyError, decode_port
@@ -54,6 +66,7 @@ if TYPE_CHECKING:
 
     from ascend_offload.pd.consumer import Consumer
     from ascend_offload.pd.producer import Producer
+    from ascend_offload.sparse.pools import HostKVPool
     from ascend_offload.transfer.base import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -63,6 +76,9 @@ NAME = "SfaRemoteD2HConnector"
 # (see ascend_offload.pd.producer.parse_faults). Unset in production.
 FAULTS_ENV = "ASCEND_OFFLOAD_PD_FAULTS"
 # Keys decode registers with the metaserver (and prefill then receives).
+# "<module>:<callable>" of the attention-backend hook that decodes from the host pool
+# (required with sparse_offload.enabled on decode; see load_sparse_hook).
+SPARSE_HOOK_ENV = "ASCEND_OFFLOAD_SPARSE_ATTENTION_HOOK"
 REMOTE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size", "remote_dp_rank",
                "remote_request_id", "remote_block_ids", "remote_block_offset")
 
@@ -73,7 +89,10 @@ REMOTE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size
 @dataclasses.dataclass(frozen=True)
 class RecvJob:
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # decode device blocks loaded externally (the load-error set)
+    # Sparse offload only: the whole prompt goes to the host pool, reserved for max_tokens.
+    prompt_tokens: int = 0
+    max_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +161,75 @@ def _wire_logging() -> None:
     ours.propagate = False
 
 
+def check_sparse_role(cfg: RemoteD2HConfig, *, is_producer: bool, is_consumer: bool) -> None:
+    """Sparse offload is decode-only; refuse it anywhere else at startup (I7)."""
+    if not cfg.sparse_offload.enabled:
+        return
+    if is_producer:
+        raise ConfigError(
+            "key 'sparse_offload.enabled'=True on a kv_producer (prefill): sparse offload is a "
+            "decode-side feature (accepted here: False; set it in the kv_consumer's config)")
+    if not is_consumer:
+        raise ConfigError("key 'sparse_offload.enabled'=True needs kv_role 'kv_consumer' (accepted: False)")
+
+
+SparseHook = Callable[..., Any]
+
+
+def load_sparse_hook(spec: str | None) -> SparseHook:
+    """Resolve the attention-backend hook ``"<module>:<callable>"`` (startup error if unusable).
+
+    Why required: with sparse offload on, the prompt KV lands in the host
+    pool, not in vLLM's KV blocks; only a sparse-attention backend that drives
+    :class:`~ascend_offload.sparse.manager.SparseOffloadManager` over that pool
+    can decode correctly. vLLM (CPU here) has none, so without a hook decoding
+    would silently read empty blocks: refused instead.
+    """
+    if not spec:
+        raise ConfigError(
+            "key 'sparse_offload.enabled'=True on decode: the prompt KV goes to the host pool and "
+            "only a sparse-attention backend that decodes from it can use it; vLLM provides none. "
+            f"Set {SPARSE_HOOK_ENV}=<module>:<factory> (docs/sparse.md 'Integration seam') or set "
+            "'sparse_offload.enabled' to False")
+    mod, _, attr = spec.partition(":")
+    try:
+        hook = getattr(importlib.import_module(mod), attr) if attr else None
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{SPARSE_HOOK_ENV}={spec!r}: cannot load it ({exc})") from None
+    if not callable(hook):
+        raise ConfigError(f"{SPARSE_HOOK_ENV}={spec!r}: expected '<module>:<callable>'")
+    return hook
+
+
+def pool_row_shape(layers: dict[str, torch.Tensor], num_blocks: int, block_size: int
+                   ) -> tuple[tuple[int, ...], torch.dtype]:
+    """Per-token main-KV row shape shared by every layer (MLA: one latent row per token).
+
+    The host pool holds one row per token and layer; a K/V pair or layers of
+    different widths cannot be pooled, which is a startup error naming both.
+    """
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    first = ""
+    for name, t in layers.items():
+        views = block_views(t, find_block_dim(t, num_blocks))
+        if len(views) != 1 or views[0].dim() < 2 or views[0].shape[1] != block_size:
+            raise ConfigError(
+                f"key 'sparse_offload.enabled'=True: KV cache of {name} {tuple(t.shape)} is not one "
+                f"[num_blocks, block_size={block_size}, ...] tensor (MLA); the host pool holds one "
+                "main-KV row per token")
+        row, dt = tuple(views[0].shape[2:]), views[0].dtype
+        if shape is None:
+            shape, dtype, first = row, dt, name
+        elif (row, dt) != (shape, dtype):
+            raise ConfigError(
+                f"key 'sparse_offload.enabled'=True: KV row of {name} is {row} {dt}, of {first} "
+                f"{shape} {dtype}; one host pool needs the same row in every layer")
+    if shape is None or dtype is None:
+        raise ConfigError("key 'sparse_offload.enabled'=True: no KV cache layers registered")
+    return shape, dtype
+
+
 def _host_ip(configured: str = "") -> str:
     """The advertised endpoint IP: the ``host`` key when set, else vLLM's choice."""
     if configured:
@@ -163,9 +251,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         _wire_logging()
         tc = vllm_config.kv_transfer_config
         self.cfg: RemoteD2HConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
-        if self.cfg.sparse_offload.enabled:
-            raise ConfigError("key 'sparse_offload.enabled'=True: sparse decode offload is not available "
-                              "in this build (accepted: False)")
+        check_sparse_role(self.cfg, is_producer=bool(tc.is_kv_producer), is_consumer=bool(tc.is_kv_consumer))
+        self.sparse = self.cfg.sparse_offload.enabled
+        self._sparse_hook = load_sparse_hook(os.environ.get(SPARSE_HOOK_ENV)) if self.sparse else None
         if self.cfg.transfer_backend != "mooncake":
             raise ConfigError(f"key 'transfer_backend'={self.cfg.transfer_backend!r}: needs the Ascend "
                               "driver, not available here (accepted: 'mooncake')")
@@ -235,8 +323,15 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
             # whatever get_num_new_matched_tokens did not claim (whole blocks).
             first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
             n = math.ceil(request.num_prompt_tokens / self.block_size) - first
-            dst = tuple(all_blocks[first:first + n])
-            self._recv_new.append(RecvJob(rid, dst))
+            dst = tuple(all_blocks[first:first + n])  # loaded externally: the load-error set
+            wire_first, wire_dst = first, dst
+            if self.sparse:
+                # The host pool needs the whole prompt: local prefix hits are device blocks, not pool rows.
+                wire_first, wire_dst = 0, tuple(all_blocks[:first + n])
+                self._recv_new.append(RecvJob(rid, dst, request.num_prompt_tokens,
+                                              request.num_prompt_tokens + request.max_tokens))
+            else:
+                self._recv_new.append(RecvJob(rid, dst))
             self._recving.add(rid)
             url, prid = params.get("metaserver"), params.get("proxy_request_id")
             if len(dst) != n:
@@ -248,7 +343,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                 self._registrar.submit(rid, url, prid, {
                     "remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.kv_port,
                     "remote_tp_size": self.tp_size, "remote_dp_rank": self.dp_rank,
-                    "remote_request_id": rid, "remote_block_ids": list(dst), "remote_block_offset": first,
+                    "remote_request_id": rid, "remote_block_ids": list(wire_dst),
+                    "remote_block_offset": wire_first,
                 })
         elif self.is_producer and params.get("do_remote_decode"):
             missing = [k for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids")
@@ -342,6 +438,11 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._send_done: set[str] = set()
         self._seen_finished: set[str] = set()
         self._prepared: RemoteD2HMetadata | None = None
+        # Sparse offload (decode): the host pool, the backend hook's object, per-request state.
+        self._pool: HostKVPool | None = None
+        self._hook_obj: Any = None
+        self._pool_jobs: dict[str, tuple[int, ...]] = {}  # loading into the pool -> device load-error set
+        self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from ascend_offload.transfer.base import create_engine
@@ -349,6 +450,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         num_blocks = self._kv_cache_config.num_blocks
         names = layer_order(list(kv_caches))
         self._layer_index = {n: i for i, n in enumerate(names)}
+        if self.sparse:
+            self._register_pool(kv_caches, names, num_blocks)
+            return
         for name in names:
             t = kv_caches[name]
             if t.device.type != "cpu":
@@ -373,6 +477,55 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
             )
             log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
                      len(self._layers), self._consumer.address)
+
+    def _register_pool(self, kv_caches: dict[str, torch.Tensor], names: list[str], num_blocks: int) -> None:
+        """Sparse offload, decode: the consumer's destination is the host KV pool (main KV only).
+
+        Every registered KV tensor must hold one row per token (MLA); an
+        indexer cache registered as its own layer cannot be pooled and fails
+        here (the core supports a device-side indexer, ``Consumer.expect_pool``
+        ``index_blocks``; this adapter does not separate it yet).
+        """
+        from ascend_offload.pd.consumer import Consumer
+        from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
+        from ascend_offload.transfer.base import create_engine
+
+        row_shape, dtype = pool_row_shape({n: kv_caches[n] for n in names}, num_blocks, self.block_size)
+        rows = pool_rows_from_config(self.cfg.sparse_offload, num_layers=len(names), row_shape=row_shape,
+                                     dtype=dtype, block_size=self.block_size)
+        # One private pool per TP rank: MLA main KV is replicated, each rank's consumer fills its own.
+        self._pool = HostKVPool(len(names), rows, row_shape, dtype, self.block_size)
+        row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
+        self._layers = pool_layer_descs(self._pool.kv, self.block_size, kv_row_bytes=row_bytes)
+        self._engine = create_engine("mooncake", host=self.host, protocol=self.cfg.mooncake_protocol,
+                                     device_name=self.cfg.mooncake_device_name,
+                                     timeout_s=self.cfg.read_timeout_s)
+        for addr, length in extents(self._layers):
+            self._engine.register(addr, length)
+            self._registered.append(addr)
+        port = decode_port(self.kv_port, dp_rank=self.dp_rank, d_tp=self.tp_size, tp_rank=self.tp_rank)
+        self._consumer = Consumer(
+            engine_id=self.engine_id, d_rank=self.tp_rank, topology=self.topology, transfer=self._engine,
+            layers=self._layers, host=self.host, port=port, read_timeout_s=self.cfg.read_timeout_s,
+            request_timeout_s=self.cfg.request_timeout_s, read_retries=self.cfg.read_retries,
+            register_memory=False, pool_block_size=self.block_size,
+        )
+        assert self._sparse_hook is not None
+        self._hook_obj = self._sparse_hook(pool=self._pool, layer_names=names, vllm_config=self._vllm_config)
+        log.info("%s: decode rank %d pulls main KV of %d layers into a host pool of %d rows x %s %s "
+                 "(%.2f GiB), listening on %s", NAME, self.tp_rank, len(names), rows, row_shape, dtype,
+                 self._pool.kv.numel() * self._pool.kv.element_size() / 2**30, self._consumer.address)
+
+    def _release_pool(self, rid: str) -> None:
+        """vLLM finished ``rid`` and no read into its rows is in flight: free them (idempotent)."""
+        assert self._pool is not None
+        done = getattr(self._hook_obj, "request_finished", None)
+        if done is not None:
+            try:
+                done(rid)
+            except Exception:  # the backend's bookkeeping must not leak our rows
+                log.exception("%s: sparse hook request_finished(%s) failed", NAME, rid)
+        self._pool.release(rid)
 
     def _producer(self, d_tp: int) -> Producer:
         prod = self._producers.get(d_tp)
@@ -409,8 +562,15 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         if self._consumer is not None:
             for job in meta.recv:
                 try:
-                    self._consumer.expect(job.request_id, job.block_ids)
+                    if self._pool is not None:
+                        # Admission failure ends the request as a failed outcome (load errors below).
+                        self._pool_jobs[job.request_id] = job.block_ids
+                        self._consumer.expect_pool(job.request_id, self._pool, prompt_tokens=job.prompt_tokens,
+                                                   max_tokens=job.max_tokens)
+                    else:
+                        self._consumer.expect(job.request_id, job.block_ids)
                 except ValueError as exc:
+                    self._pool_jobs.pop(job.request_id, None)
                     log.error("%s: cannot receive %s: %s", NAME, job.request_id, exc)
                     self._load_errors.update(job.block_ids)
                     self._recv_failed.add(job.request_id)
@@ -468,17 +628,29 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         recving: set[str] = set()
         if self._consumer is not None:
             for o in self._consumer.finished():
+                device_blocks = self._pool_jobs.pop(o.request_id, None)
+                if self._pool is not None and o.request_id in self._pool_finished | self._cancelled:
+                    self._pool_finished.discard(o.request_id)
+                    self._release_pool(o.request_id)  # finished earlier; its last read is over now
                 if o.request_id in self._cancelled:
                     self._cancelled.discard(o.request_id)
                     sending.add(o.request_id)  # blocks may be freed now
                     continue
                 recving.add(o.request_id)
                 if not o.ok:
-                    self._load_errors.update(o.failed_blocks)
+                    # Pool destination: failed_blocks are pool blocks; vLLM must hear of its own
+                    # device blocks, and a partial pool prompt is unusable, so all of them fail.
+                    self._load_errors.update(o.failed_blocks if device_blocks is None else device_blocks)
                     log.warning("%s: request %s: %d blocks failed to load: %s", NAME, o.request_id,
                                 len(o.failed_blocks), "; ".join(o.reasons)[:500])
             recving |= self._recv_failed
             self._recv_failed.clear()
+        if self._pool is not None:
+            for rid in finished_req_ids:
+                if rid in self._pool_jobs:
+                    self._pool_finished.add(rid)  # released when its outcome arrives
+                else:
+                    self._release_pool(rid)
         # Prefill: a request's blocks are freed once vLLM finished it *and* decode
         # answered every published layer (or the ack deadline passed).
         mine = {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
