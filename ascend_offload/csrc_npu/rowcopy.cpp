@@ -21,8 +21,10 @@ namespace {
 
 constexpr int64_t kAhead = 16;  // rows prefetched ahead (measured best of 4/8/16 here)
 
+// prefetcht0, not prefetchnta: on Zen 3 the non-temporal hint fetched 1.2x
+// slower for 1 KiB rows from a cold pool (docs/bench-sparse.md).
 inline void prefetch_row(const uint8_t* p, int64_t row_bytes) {
-  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 // Non-temporal stores on x86 (no read-for-ownership of the destination line);

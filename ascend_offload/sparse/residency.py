@@ -71,7 +71,17 @@ def _check_dims(num_layers: int, num_rows: int, hot_size: int) -> None:
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
+    # The common case (already host int32, contiguous) returns without a torch op:
+    # at batch 1 the wrapper's own overhead is comparable to the native call.
+    if t.dtype is torch.int32 and t.is_cpu and t.is_contiguous():
+        return t
     return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype is torch.int64 and t.is_cpu and t.is_contiguous():
+        return t
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 class NativeResidency:
@@ -88,6 +98,7 @@ class NativeResidency:
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
         self.nthreads = max(1, nthreads)
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple[int, int, int], tuple] = {}
         self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
         if not self._h:
             raise RuntimeError("ao_res_create failed")
@@ -103,25 +114,31 @@ class NativeResidency:
                 block_size: int) -> Resolved:
         rows, stable, lens = _i32(rows), _i32(stable), _i32(lens)
         topk, block_table = _i32(topk), _i32(block_table)
-        tags = tags.to(device="cpu", dtype=torch.int64).contiguous()
+        tags = _i64(tags)
         B, K = topk.shape
-        out, msrc, mdst, counts, err = self._buffers(layer, B, K)
+        out, msrc, mdst, counts, err, p_out, p_msrc, p_mdst, p_counts, p_err = \
+            self._buffers(layer, B, K)
         n = self._lib.ao_res_resolve(
             self._h, layer, B, rows.data_ptr(), tags.data_ptr(), stable.data_ptr(),
             lens.data_ptr(), topk.data_ptr(), K, block_table.data_ptr(), block_table.shape[1],
-            block_size, out.data_ptr(), msrc.data_ptr(), mdst.data_ptr(), counts.data_ptr(),
-            self.nthreads, err.data_ptr())
+            block_size, p_out, p_msrc, p_mdst, p_counts, self.nthreads, p_err)
         if n < 0:
             _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
                           block_table, block_size)
         return Resolved(out, msrc[:n], mdst[:n], counts)
 
-    def _buffers(self, layer: int, B: int, K: int) -> tuple[torch.Tensor, ...]:
-        """Per-layer output buffers, allocated once (a fresh allocation per call
-        costs more than the resolve itself at small batches). Results of a layer
-        stay valid until that layer is resolved again, i.e. the next step."""
+    def _buffers(self, layer: int, B: int, K: int) -> tuple:
+        """Per-layer output buffers (with their data pointers), allocated once: a
+        fresh allocation per call costs more than the resolve itself at small
+        batches. Results of a layer stay valid until that layer is resolved
+        again, i.e. the next step."""
+        views = self._views.get((layer, B, K))
+        if views is not None:
+            return views
         if not 0 <= layer < self.num_layers:
             raise ResidencyError(f"layer={layer}: out of range [0, {self.num_layers})")
+        if B > self.num_rows:
+            raise ResidencyError(f"batch of {B} requests exceeds num_rows={self.num_rows}")
         cap = self.num_rows * K
         buf = self._bufs.get(layer)
         if buf is None or buf[0].numel() < cap:
@@ -130,10 +147,13 @@ class NativeResidency:
                    torch.empty(2 * self.num_rows, dtype=torch.int32),
                    torch.empty(2, dtype=torch.int32))
             self._bufs[layer] = buf
-        if B > self.num_rows:
-            raise ResidencyError(f"batch of {B} requests exceeds num_rows={self.num_rows}")
+            self._views = {k: v for k, v in self._views.items() if k[0] != layer}
         out, msrc, mdst, counts, err = buf
-        return out[: B * K].view(B, K), msrc, mdst, counts[: 2 * B].view(B, 2), err
+        out_v, counts_v = out[: B * K].view(B, K), counts[: 2 * B].view(B, 2)
+        views = (out_v, msrc, mdst, counts_v, err, out_v.data_ptr(), msrc.data_ptr(),
+                 mdst.data_ptr(), counts_v.data_ptr(), err.data_ptr())
+        self._views[(layer, B, K)] = views
+        return views
 
     def release(self, row: int) -> None:
         if self._lib.ao_res_release(self._h, row) != 0:

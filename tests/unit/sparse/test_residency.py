@@ -22,12 +22,12 @@ BLOCK = 4
 
 
 @st.composite
-def traces(draw: st.DrawFn) -> dict:
+def traces(draw: st.DrawFn, max_hot: int = 12, max_len_cap: int = 40) -> dict:
     layers = draw(st.integers(1, 2))
     rows = draw(st.integers(1, 3))
-    hot = draw(st.integers(1, 12))
+    hot = draw(st.integers(1, max_hot))
     k = draw(st.integers(1, hot))
-    max_len = draw(st.integers(1, 40))
+    max_len = draw(st.integers(1, max_len_cap))
     calls = []
     state = {r: {"tag": 1, "len": draw(st.integers(1, max_len))} for r in range(rows)}
     for _ in range(draw(st.integers(1, 25))):
@@ -92,6 +92,17 @@ def test_twin_matches_oracle(tr: dict) -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_native_matches_twin_and_oracle(tr: dict) -> None:
+    impls = [NativeResidency(tr["layers"], tr["rows"], tr["hot"]),
+             TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
+    _replay(impls, Oracle(tr["hot"]), tr)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(max_hot=48, max_len_cap=160))
+def test_native_matches_twin_and_oracle_wide(tr: dict) -> None:
+    """Top-k of 8 and more: exercises the 8-lane (AVX2) lookup and eviction paths,
+    including groups that hold padding, duplicates and stale ring entries."""
     impls = [NativeResidency(tr["layers"], tr["rows"], tr["hot"]),
              TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
     _replay(impls, Oracle(tr["hot"]), tr)
