@@ -133,3 +133,23 @@ def test_decode_worker_pulls_into_pool_fails_on_exhaustion_and_releases(monkeypa
         prod.close()
         conn.shutdown()
         peng.close()
+
+
+def test_scheduler_asks_for_the_whole_prompt_and_reserves_max_tokens(monkeypatch):
+    monkeypatch.setenv(rd.SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
+    conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=1), KVConnectorRole.SCHEDULER)
+    submitted = []
+    monkeypatch.setattr(conn._registrar, "submit", lambda *a: submitted.append(a))
+    try:
+        req = SimpleNamespace(request_id="r", num_prompt_tokens=70, max_tokens=9, kv_transfer_params={
+            "do_remote_prefill": True, "metaserver": "http://127.0.0.1:1", "proxy_request_id": "p"})
+        assert conn.get_num_new_matched_tokens(req, 16) == (54, True)  # one block hit locally
+        blocks = SimpleNamespace(get_block_ids=lambda: ([8, 3, 5, 6, 2],))
+        conn.update_state_after_alloc(req, blocks, 54)
+        meta = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+        # load errors name only the externally loaded device blocks; the pool gets the whole prompt
+        assert meta.recv == [rd.RecvJob("r", (3, 5, 6, 2), 70, 79)]
+        (_rid, _url, _prid, params), = submitted
+        assert params["remote_block_offset"] == 0 and params["remote_block_ids"] == [8, 3, 5, 6, 2]
+    finally:
+        conn.shutdown()
