@@ -9,9 +9,11 @@ CPU op is synchronous with respect to the issuing thread).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib.util
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -51,10 +53,46 @@ def is_accelerator(t: torch.Tensor) -> bool:
     return t.device.type in ("npu", "cuda")
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h, same value on x86-64 and aarch64
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages on a large host buffer (best effort).
+
+    Why: KV pools are read at random rows (sparse onload, store loads); with 4 KiB
+    pages nearly every row costs a TLB miss, measured ~1.4x slower on 1 KiB rows
+    from a 256 MiB pool here. No-op off Linux, for small buffers, or when THP is off.
+    """
+    if sys.platform != "linux" or t.nbytes < 16 * _HUGE_PAGE:
+        return
+    start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (t.data_ptr() + t.nbytes) & ~(_HUGE_PAGE - 1)
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
 def empty_host(shape: tuple[int, ...] | list[int], dtype: torch.dtype, *, pinned: bool = True) -> torch.Tensor:
-    """Host memory for DMA. Pinned only when an accelerator exists (CPU torch cannot pin)."""
+    """Host memory for DMA, resident from the start.
+
+    Pinned when an accelerator exists (CPU torch cannot pin). On CPU the buffer is
+    backed by huge pages where the kernel allows and zero-filled now, so it is
+    resident like pinned memory: otherwise the first write of every page faults
+    on the data path (measured: a 1 MiB layer save 0.75-1.2 ms into fresh pages,
+    0.24 ms into resident ones). The contents are zeros, not a promise: callers
+    still treat the buffer as uninitialised.
+    """
     pin = pinned and platform() != "cpu"
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+    t = torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+    if not pin and t.numel():
+        _advise_huge_pages(t)
+        t.zero_()
+    return t
 
 
 # ----------------------------------------------------------------- streams/events

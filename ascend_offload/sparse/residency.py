@@ -311,9 +311,11 @@ class TorchResidency:
         res = torch.full((topk.numel(),), -1, dtype=torch.int64)
         res[hit_idx] = base + slot[hit_idx]
         res[miss_occ] = base + occ_slots
+        # Each distinct position is touched once, at its first occurrence: hits in
+        # top-k order, then misses ("amin" keeps a repeated slot's first touch).
         touched = torch.cat([slot[hit_idx], occ_slots])
         stamps = st.clock + torch.arange(touched.numel())
-        st.stamp.scatter_reduce_(0, touched, stamps, "amax")
+        st.stamp.scatter_reduce_(0, touched, stamps, "amin", include_self=False)
         st.clock += touched.numel()
         blk = bt[miss_pos // block_size]
         msrc = blk * block_size + miss_pos % block_size

@@ -34,3 +34,14 @@ def test_host_alloc_and_bytes() -> None:
     t.fill_(1.5)
     mv = device.tensor_bytes(t)
     assert mv.nbytes == 64
+
+
+def test_empty_host_is_resident_on_cpu() -> None:
+    """On CPU the host buffer is faulted in at allocation (zero-filled), like pinned
+    memory: no page fault on the first write of the data path. A large one also
+    asks for transparent huge pages (best effort, never an error)."""
+    small = device.empty_host((3, 5), torch.float32)
+    assert small.shape == (3, 5) and bool((small == 0).all())
+    big = device.empty_host((40 << 20,), torch.uint8)  # above the huge-page threshold
+    assert big.numel() == 40 << 20 and int(big[::4096].count_nonzero()) == 0
+    assert device.empty_host((0, 7), torch.uint8).numel() == 0

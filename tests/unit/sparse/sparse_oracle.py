@@ -28,31 +28,33 @@ class OracleRow:
             self._free(s)
         out = [-1] * len(topk)
         hit = [False] * len(topk)
+        touched: set[int] = set()  # a position is touched once, at its first occurrence
         for i, p in enumerate(topk):
             if p >= 0 and p in self.slot_of:
                 s = self.slot_of[p]
                 out[i] = base + s
                 hit[i] = True
-                self.lru.move_to_end(s)
+                if p not in touched:
+                    touched.add(p)
+                    self.lru.move_to_end(s)
         misses = []
         for i, p in enumerate(topk):
             if p < 0 or hit[i]:
                 continue
-            if p in self.slot_of:
-                s = self.slot_of[p]
+            if p in self.slot_of:  # installed by an earlier occurrence in this call
+                out[i] = base + self.slot_of[p]
+                continue
+            free = [s for s in range(self.H) if s not in self.pos_of]
+            if free:
+                s = free[0]
             else:
-                free = [s for s in range(self.H) if s not in self.pos_of]
-                if free:
-                    s = free[0]
-                else:
-                    s = next(iter(self.lru))
-                    self._free(s)
-                self.pos_of[s] = p
-                self.slot_of[p] = s
-                self.lru[s] = None
-                misses.append((host_row(p), base + s))
+                s = next(iter(self.lru))  # least recently used; never touched this call
+                self._free(s)
+            self.pos_of[s] = p
+            self.slot_of[p] = s
+            self.lru[s] = None  # appended: most recent
+            misses.append((host_row(p), base + s))
             out[i] = base + s
-            self.lru.move_to_end(s)
         return out, misses
 
 

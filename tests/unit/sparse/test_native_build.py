@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,25 @@ def test_manager_uses_native_when_asked() -> None:
     m = SparseOffloadManager(cfg, num_layers=1, row_shape=(2,), dtype=torch.float32,
                              block_size=4, max_requests=1, pool_rows=8)
     assert m.residency.kind == "native"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_vector_and_scalar_paths_give_identical_results(tmp_path) -> None:
+    """The AVX2 paths (when the CPU has them) and the scalar paths give the same
+    checksum on the random trace (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces scalar)."""
+    src = native.source_dir()
+    drv = Path(__file__).with_name("native_trace_driver.cpp")
+    exe = tmp_path / "drv"
+    subprocess.run(["g++", "-O3", "-std=c++17", "-fno-strict-aliasing", "-fopenmp", str(drv),
+                    str(src / "residency.cpp"), str(src / "rowcopy.cpp"), "-o", str(exe)],
+                   check=True, timeout=300)
+    env = dict(os.environ)
+    vec = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    env["ASCEND_OFFLOAD_NATIVE_SIMD"] = "0"
+    sca = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    assert vec.stdout.strip() and vec.stdout.strip() == sca.stdout.strip()
 
 
 @pytest.mark.skipif(
