@@ -230,10 +230,23 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+_SMALL_RUNS = 64  # below this many indices a Python loop beats numpy's per-call overhead
+
+
 def runs(idx: list[int] | Any) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive values: (position in idx, first value, length)."""
     import numpy as np
 
+    if isinstance(idx, (list, tuple, range)) and len(idx) <= _SMALL_RUNS:
+        # Why: per-layer plans of a few blocks run on I/O threads; each numpy call
+        # costs ~5-10 us of GIL time the model thread then waits for.
+        out: list[tuple[int, int, int]] = []
+        start = 0
+        for i in range(1, len(idx) + 1):
+            if i == len(idx) or idx[i] != idx[i - 1] + 1:
+                out.append((start, int(idx[start]), i - start))
+                start = i
+        return out if idx else []
     arr = np.asarray(idx, dtype=np.int64)
     if arr.size == 0:
         return []
@@ -272,11 +285,12 @@ def plan_rows(src_idx: Sequence[int], dst_idx: Sequence[int]) -> RowPlan:
         raise ValueError(f"move_rows: {n} source rows but {len(dst_idx)} destination rows")
     s = np.asarray(src_idx, dtype=np.int64)
     d = np.asarray(dst_idx, dtype=np.int64)
-    d_runs = runs(d)
+    small = n <= _SMALL_RUNS
+    d_runs = runs(list(dst_idx) if small else d)
     gathers: tuple[tuple[int, int, torch.Tensor], ...] = ()
     if n and len(d_runs) * 4 <= n + 3:
         gathers = tuple((first, k, torch.from_numpy(s[pos : pos + k].copy())) for pos, first, k in d_runs)
-    s_runs = runs(s)
+    s_runs = runs(list(src_idx) if small else s)
     src_run = (s_runs[0][1], n) if len(s_runs) == 1 else None
     return RowPlan(n=n, gathers=gathers, src_idx=s, dst_idx=d, src_run=src_run)
 

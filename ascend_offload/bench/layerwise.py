@@ -38,37 +38,44 @@ def _parse_independent(text: str) -> Independent:
 
 
 class _Compute:
-    """A matmul whose duration is calibrated to ``target_s`` (single thread).
+    """A per-layer compute stand-in whose duration is calibrated to ``target_s``
+    (single thread).
 
-    ``kind="sleep"`` instead idles the host thread for ``target_s``, like a host that
-    launched the layer on an accelerator and waits: it separates the pipeline's own
-    overhead from CPU contention on a shared CPU-only box.
+    ``kind="matmul"`` (default) runs ``ops`` equal square matmuls per layer, each
+    sized to ``target_s / ops``: a transformer layer is about that many large ops
+    (projections, attention, MLP), and every op boundary is a point where the
+    model thread hands the GIL back and forth with our I/O threads, which is the
+    real cost of host-side I/O threads next to a Python model runner.
+    ``kind="sleep"`` idles the host thread for ``target_s``, like a host that
+    launched the layer on an accelerator and waits.
     """
 
-    def __init__(self, target_s: float, kind: str = "matmul") -> None:
-        self.n = 64
+    def __init__(self, target_s: float, kind: str = "matmul", ops: int = 8) -> None:
         self.kind = kind
         self.target_s = target_s
+        self.ops = max(1, ops)
+        self.n = 0
         if kind == "matmul":
-            self._calibrate(target_s)
+            self._calibrate(target_s / self.ops)
 
-    def _time(self, n: int, reps: int = 3) -> float:
+    @staticmethod
+    def _time(n: int, samples: int = 3) -> float:
         a = torch.randn(n, n)
         b = torch.randn(n, n)
         out = torch.empty(n, n)
         torch.mm(a, b, out=out)
         ts = []
-        for _ in range(reps):
+        for _ in range(samples):
             t0 = time.perf_counter()
             torch.mm(a, b, out=out)
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    def _calibrate(self, target_s: float) -> None:
+    def _calibrate(self, op_s: float) -> None:
         n = 64
         for _ in range(6):
             t = self._time(n)
-            n = max(16, int(n * (target_s / max(t, 1e-7)) ** (1 / 3)))
+            n = max(16, int(n * (op_s / max(t, 1e-7)) ** (1 / 3)))
         self.n = n
         self.a = torch.randn(n, n)
         self.b = torch.randn(n, n)
@@ -78,7 +85,8 @@ class _Compute:
         if self.kind == "sleep":
             time.sleep(self.target_s)
             return
-        torch.mm(self.a, self.b, out=self.out)
+        for _ in range(self.ops):
+            torch.mm(self.a, self.b, out=self.out)
 
 
 class _Bench:
@@ -211,7 +219,7 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
         target = statistics.median(shared0) * args.compute_scale
         if args.compute_ms is not None:
             target = args.compute_ms / 1e3
-        compute = _Compute(target, args.compute_kind)
+        compute = _Compute(target, args.compute_kind, args.compute_ops)
         probe = parallel_probe(compute, args.page_kib * 1024 * args.load_blocks)
         for _ in range(2):
             bench.step(compute)  # warm-up
@@ -243,7 +251,8 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
             "physical_buffers": bench.plan.num_physical,
             "footprint_ratio": bench.plan.footprint_ratio(),
             "compute_kind": compute.kind,
-            "matmul_n": compute.n if compute.kind == "matmul" else 0,
+            "matmul_n": compute.n,
+            "compute_ops": compute.ops if compute.kind == "matmul" else 0,
             "compute_ms_per_layer": mid["compute_ms"],
             "transfer_ms_shared_layer": mid["transfer_ms_shared"],
             "ideal_ms": mid["ideal_ms"],
@@ -272,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-buffers", default="1,2,3", help="B values to run (comma list)")
     p.add_argument("--independent", default="0", help="independent layers (comma list or 'all')")
     p.add_argument("--prefetch", type=int, default=1, help="layerwise_prefetch_layers")
-    p.add_argument("--page-kib", type=int, default=256, help="bytes of one layer's block page, KiB")
+    p.add_argument("--page-kib", type=int, default=1024,
+                   help="bytes of one layer's block page, KiB (1 MiB x 16 blocks = 16 MiB per layer: a 32k-token prefix of a DeepSeek-V3.2-class layer is ~21 MiB)")
     p.add_argument("--load-blocks", type=int, default=16, help="earlier-chunk blocks reloaded per shared layer")
     p.add_argument("--save-blocks", type=int, default=4, help="new blocks saved per layer per step")
     p.add_argument("--compute-ms", type=float, default=None,
@@ -280,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "x --compute-scale, the balanced and hardest case)")
     p.add_argument("--compute-scale", type=float, default=1.0)
     p.add_argument("--compute-kind", choices=["matmul", "sleep"], default="matmul",
-                   help="matmul: real CPU compute; sleep: host idles as with device compute")
+                   help="matmul: real CPU compute (--compute-ops matmuls per layer); sleep: host "
+                        "idles as with device compute")
+    p.add_argument("--compute-ops", type=int, default=8,
+                   help="matmuls per layer (op boundaries, where the GIL changes hands)")
     p.add_argument("--steps", type=int, default=9, help="measured rounds (median reported)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alone-measurements")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the compute")

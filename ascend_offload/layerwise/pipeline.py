@@ -594,6 +594,26 @@ class LayerwisePipeline:
             log.warning("layerwise: load of %s failed: %s", key, exc)
             return False
 
+    def _block_rows(self, kv: torch.Tensor) -> torch.Tensor | None:
+        """``kv`` as ``[num_blocks, block bytes]`` rows (block-first and contiguous), else None."""
+        if self.block_dim != 0 or not kv.is_contiguous() or kv.shape[0] == 0:
+            return None
+        return kv.view(kv.shape[0], -1)
+
+    def _read_rows(self, pin: object, keys: list[str], kv: torch.Tensor,
+                   refs: Sequence[BlockRef]) -> bool:
+        """A layer's blocks in one store call (one scatter, the GIL held once), or False
+        when the layout does not allow it or anything failed (the caller retries per block)."""
+        rows = self._block_rows(kv)
+        if rows is None:
+            return False
+        try:
+            self.store.read_rows(pin, keys, rows, [r.block_id for r in refs])  # type: ignore[arg-type]
+            return True
+        except Exception as exc:
+            log.debug("layerwise: batched load failed (%s); retrying per block", exc)
+            return False
+
     def _load_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
         kv = self._kv[layer]
         keys = [self.key_fn(r.key, layer) for r in refs]
@@ -616,12 +636,15 @@ class LayerwisePipeline:
         try:
             if pin is not None and refs:
                 if self._direct(kv):
-                    for r, k in zip(refs, keys, strict=True):
-                        view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
-                        if self._read_one(pin, k, view):
-                            moved += 1
-                        else:
-                            failed.append(r.block_id)
+                    if self._read_rows(pin, keys, kv, refs):
+                        moved = len(refs)
+                    else:  # per block, so a broken object fails only its own block
+                        for r, k in zip(refs, keys, strict=True):
+                            view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
+                            if self._read_one(pin, k, view):
+                                moved += 1
+                            else:
+                                failed.append(r.block_id)
                 else:  # accelerator: one host staging buffer, one H2D scatter per layer
                     page = tuple(self._block_view(kv, 0).shape)
                     staging = device.empty_host((len(refs), *page), kv.dtype)
@@ -683,8 +706,11 @@ class LayerwisePipeline:
         pairs = [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
         handles: list[WriteHandle] = [h for _, h in pairs]  # all aborted if anything fails
         try:
+            block_rows = self._block_rows(kv) if self._direct(kv) else None
             with device.stream_context(self._save_stream):
-                if self._direct(kv):
+                if block_rows is not None:  # host KV, block-first: one scatter below
+                    rows = []
+                elif self._direct(kv):
                     rows = [self._block_view(kv, r.block_id) for r, _ in pairs]
                 elif pairs:  # accelerator: one gather + one D2H copy per layer
                     idx = torch.tensor([r.block_id for r, _ in pairs], dtype=torch.long)
@@ -695,8 +721,12 @@ class LayerwisePipeline:
                     rows = list(host)
                 else:
                     rows = []
-                for (_, h), row in zip(pairs, rows, strict=True):
-                    self.store.write(h, 0, row.reshape(-1).view(torch.uint8))
+                if block_rows is not None:
+                    if pairs:
+                        self.store.write_rows(handles, block_rows, [r.block_id for r, _ in pairs])
+                else:
+                    for (_, h), row in zip(pairs, rows, strict=True):
+                        self.store.write(h, 0, row.reshape(-1).view(torch.uint8))
                 self._save_stream.synchronize()
             self.store.commit(handles)
         except BaseException:

@@ -138,6 +138,22 @@ class KVStore(abc.ABC):
         for key, row in zip(keys, rows, strict=True):
             self.read(pin, key, 0, row)
 
+    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor,
+                  rows: Sequence[int]) -> None:
+        """Fill row ``rows[i]`` of the 2-D host tensor ``dst`` with the whole content of
+        pinned ``keys[i]`` (a KV layer's scattered blocks). Backends override this with
+        one scatter: per-object Python held the GIL for ~25 us a block, which the model
+        thread then waited for."""
+        for key, r in zip(keys, rows, strict=True):
+            self.read(pin, key, 0, dst[r])
+
+    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor,
+                   rows: Sequence[int]) -> None:
+        """Write row ``rows[i]`` of the 2-D host tensor ``src`` as the whole content of
+        ``handles[i]`` (see :meth:`read_rows`)."""
+        for h, r in zip(handles, rows, strict=True):
+            self.write(h, 0, src[r])
+
     @abc.abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""

@@ -286,6 +286,44 @@ class LocalStore(KVStore):
             self._stats.reads += len(keys)
             self._stats.bytes_read += out.numel()
 
+    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor,
+                  rows: Sequence[int]) -> None:
+        self._need_data()
+        with self._lock:
+            objs = [self._pinned_object(pin, k) for k in keys]
+        pages = self._single_page_rows(objs)
+        words = self._row_words(dst) if pages is not None else None
+        if pages is None or words is None:
+            super().read_rows(pin, keys, dst, rows)
+            return
+        device.move_rows(self._words, words, device.plan_rows(pages, rows))
+        with self._lock:
+            self._stats.reads += len(keys)
+            self._stats.bytes_read += len(keys) * self.page_bytes
+
+    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor,
+                   rows: Sequence[int]) -> None:
+        self._need_data()
+        with self._lock:
+            objs = [self._pending_object(h) for h in handles]
+        pages = self._single_page_rows(objs)
+        words = self._row_words(src) if pages is not None else None
+        if pages is None or words is None:
+            super().write_rows(handles, src, rows)
+            return
+        device.move_rows(words, self._words, device.plan_rows(rows, pages))
+        with self._lock:
+            self._stats.bytes_written += len(handles) * self.page_bytes
+
+    def _row_words(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` as page-sized word rows, or None (other row size, not contiguous, device)."""
+        if t.device.type != "cpu" or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
+            return None
+        if t[0].numel() * t.element_size() != self.page_bytes:
+            return None
+        words = device.as_words(t.view(t.shape[0], -1))
+        return words if words.dtype == self._words.dtype else None
+
     def unpin(self, pin: Pin) -> None:
         with self._lock:
             keys = self._pins.pop(pin.token, None)
