@@ -233,3 +233,39 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("row_bytes", [PAGE, 3 * PAGE])  # one page (one scatter) / several pages
+def test_write_rows_and_read_rows_scatter_layer_blocks(row_bytes: int) -> None:
+    """A KV layer's scattered blocks go to and from the store in one call each: rows
+    [5, 1, 6] of a block-first tensor round-trip byte for byte into rows [0, 7, 2]."""
+    s = LocalStore(32 * PAGE, PAGE)
+    kv = torch.stack([payload(i, row_bytes) for i in range(8)]).view(torch.int32)  # [8, row/4]
+    keys = ["b5", "b1", "b6"]
+    handles = s.allocate(keys, [row_bytes] * 3)
+    assert handles is not None and all(h is not None for h in handles)
+    s.write_rows(handles, kv, [5, 1, 6])
+    s.commit(handles)
+    out = torch.zeros_like(kv)
+    pin = s.pin(keys)
+    assert pin is not None
+    s.read_rows(pin, keys, out, [0, 7, 2])
+    s.unpin(pin)
+    assert torch.equal(out[0], kv[5]) and torch.equal(out[7], kv[1]) and torch.equal(out[2], kv[6])
+    untouched = [1, 3, 4, 5, 6]
+    assert int(out[untouched].count_nonzero()) == 0
+    st_ = s.stats()
+    assert st_.bytes_written == 3 * row_bytes and st_.bytes_read == 3 * row_bytes
+
+
+def test_read_rows_needs_a_pin() -> None:
+    s = LocalStore(8 * PAGE, PAGE)
+    handles = s.allocate(["a"], [PAGE])
+    assert handles is not None
+    s.write_rows(handles, torch.ones(2, PAGE, dtype=torch.uint8), [1])
+    s.commit(handles)
+    other = s.pin(["a"])
+    assert other is not None
+    s.unpin(other)
+    with pytest.raises(StoreError, match="without an active pin"):
+        s.read_rows(other, ["a"], torch.zeros(2, PAGE, dtype=torch.uint8), [0])
