@@ -445,8 +445,6 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from ascend_offload.transfer.base import create_engine
-
         num_blocks = self._kv_cache_config.num_blocks
         names = layer_order(list(kv_caches))
         self._layer_index = {n: i for i, n in enumerate(names)}
@@ -459,24 +457,34 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                 raise ConfigError(f"{NAME}: KV cache of {name} is on {t.device}; the Mooncake backend here "
                                   "reads host memory (device memory needs the Ascend backend)")
             self._layers.append(layer_desc(block_views(t, find_block_dim(t, num_blocks))))
+        self._open_engine()
+        if self.is_consumer:
+            self._consumer = self._make_consumer()
+            log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
+                     len(self._layers), self._consumer.address)
+
+    def _open_engine(self) -> None:
+        """The transfer engine, with every extent of ``self._layers`` registered."""
+        from ascend_offload.transfer.base import create_engine
+
         self._engine = create_engine("mooncake", host=self.host, protocol=self.cfg.mooncake_protocol,
                                      device_name=self.cfg.mooncake_device_name,
                                      timeout_s=self.cfg.read_timeout_s)
         for addr, length in extents(self._layers):
             self._engine.register(addr, length)
             self._registered.append(addr)
-        if self.is_consumer:
-            from ascend_offload.pd.consumer import Consumer
 
-            port = decode_port(self.kv_port, dp_rank=self.dp_rank, d_tp=self.tp_size, tp_rank=self.tp_rank)
-            self._consumer = Consumer(
-                engine_id=self.engine_id, d_rank=self.tp_rank, topology=self.topology, transfer=self._engine,
-                layers=self._layers, host=self.host, port=port, read_timeout_s=self.cfg.read_timeout_s,
-                request_timeout_s=self.cfg.request_timeout_s, read_retries=self.cfg.read_retries,
-                register_memory=False,
-            )
-            log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
-                     len(self._layers), self._consumer.address)
+    def _make_consumer(self, **extra: Any) -> Consumer:
+        """This decode rank's consumer over ``self._layers`` (memory already registered)."""
+        from ascend_offload.pd.consumer import Consumer
+
+        port = decode_port(self.kv_port, dp_rank=self.dp_rank, d_tp=self.tp_size, tp_rank=self.tp_rank)
+        return Consumer(
+            engine_id=self.engine_id, d_rank=self.tp_rank, topology=self.topology, transfer=self._engine,
+            layers=self._layers, host=self.host, port=port, read_timeout_s=self.cfg.read_timeout_s,
+            request_timeout_s=self.cfg.request_timeout_s, read_retries=self.cfg.read_retries,
+            register_memory=False, **extra,
+        )
 
     def _register_pool(self, kv_caches: dict[str, torch.Tensor], names: list[str], num_blocks: int) -> None:
         """Sparse offload, decode: the consumer's destination is the host KV pool (main KV only).
@@ -486,9 +494,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         here (the core supports a device-side indexer, ``Consumer.expect_pool``
         ``index_blocks``; this adapter does not separate it yet).
         """
-        from ascend_offload.pd.consumer import Consumer
         from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
-        from ascend_offload.transfer.base import create_engine
 
         row_shape, dtype = pool_row_shape({n: kv_caches[n] for n in names}, num_blocks, self.block_size)
         rows = pool_rows_from_config(self.cfg.sparse_offload, num_layers=len(names), row_shape=row_shape,
@@ -497,19 +503,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._pool = HostKVPool(len(names), rows, row_shape, dtype, self.block_size)
         row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
         self._layers = pool_layer_descs(self._pool.kv, self.block_size, kv_row_bytes=row_bytes)
-        self._engine = create_engine("mooncake", host=self.host, protocol=self.cfg.mooncake_protocol,
-                                     device_name=self.cfg.mooncake_device_name,
-                                     timeout_s=self.cfg.read_timeout_s)
-        for addr, length in extents(self._layers):
-            self._engine.register(addr, length)
-            self._registered.append(addr)
-        port = decode_port(self.kv_port, dp_rank=self.dp_rank, d_tp=self.tp_size, tp_rank=self.tp_rank)
-        self._consumer = Consumer(
-            engine_id=self.engine_id, d_rank=self.tp_rank, topology=self.topology, transfer=self._engine,
-            layers=self._layers, host=self.host, port=port, read_timeout_s=self.cfg.read_timeout_s,
-            request_timeout_s=self.cfg.request_timeout_s, read_retries=self.cfg.read_retries,
-            register_memory=False, pool_block_size=self.block_size,
-        )
+        self._open_engine()
+        self._consumer = self._make_consumer(pool_block_size=self.block_size)
         assert self._sparse_hook is not None
         self._hook_obj = self._sparse_hook(pool=self._pool, layer_names=names, vllm_config=self._vllm_config)
         log.info("%s: decode rank %d pulls main KV of %d layers into a host pool of %d rows x %s %s "
