@@ -160,6 +160,12 @@ class RemoteD2HConfig(_Strict):
 
 
 class ChildConnector(_Strict):
+    """One child of ``AscendMultiConnector``: a vLLM ``KVTransferConfig`` dict. Keys
+    beyond these (``kv_port``, ``kv_load_failure_policy``, ...) go to vLLM, which
+    validates them when it builds the child."""
+
+    model_config = ConfigDict(extra="allow")
+
     kv_connector: str
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
     kv_connector_module_path: str | None = None

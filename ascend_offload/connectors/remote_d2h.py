@@ -443,6 +443,10 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._hook_obj: Any = None
         self._pool_jobs: dict[str, tuple[int, ...]] = {}  # loading into the pool -> device load-error set
         self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
+        # Layer sharing on this prefill (AscendMultiConnector): decode reads hold the slot.
+        self._gate: Any = None
+        self._gate_pipeline: Any = None
+        self._gate_tokens: dict[str, tuple[int, dict[int, Any]]] = {}  # layer -> (slot, d_tp -> token)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
@@ -525,15 +529,56 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
     def _producer(self, d_tp: int) -> Producer:
         prod = self._producers.get(d_tp)
         if prod is None:
-            from ascend_offload.pd.producer import Producer
+            from ascend_offload.pd.producer import Producer, gate_listener
 
             assert self._engine is not None
             prod = Producer(engine_id=self.engine_id, p_rank=self.tp_rank, topology=Topology(self.tp_size, d_tp),
                             transfer=self._engine, layers=self._layers, ack_timeout_s=self.cfg.ack_timeout_s,
                             request_timeout_s=self.cfg.request_timeout_s, register_memory=False,
-                            faults=os.environ.get(FAULTS_ENV) or None)
+                            faults=os.environ.get(FAULTS_ENV) or None,
+                            listener=gate_listener(self._gate) if self._gate is not None else None)
             self._producers[d_tp] = prod
         return prod
+
+    def attach_reuse_gate(self, pipeline: Any) -> None:
+        """Layer sharing on this prefill: the physical slot of a layer is reused by a later
+        layer within the same forward, so decode's reads of it must hold the slot.
+
+        ``pipeline`` is the store connector's layerwise pipeline. In its ``save_layer``
+        (before the slot is handed on) one gate consumer is registered per decode TP
+        size this step sends to; the layer is published on that gate slot with the
+        token as tag, and the producer releases the token when every read of it
+        answered or the ack deadline passed (``gate_listener``). Called by
+        ``AscendMultiConnector``; needs ``use_layerwise`` (publish per layer).
+        """
+        from ascend_offload.pd.producer import gate_listener
+
+        if not self.cfg.use_layerwise:
+            raise ConfigError(f"{NAME}: key 'use_layerwise'=False with layer sharing on this prefill: the "
+                              "slot of a layer is reused within the forward, so each layer must be "
+                              "published as soon as it is written (accepted: True)")
+        self._gate = pipeline.gate
+        self._gate_pipeline = pipeline
+        for prod in self._producers.values():
+            prod.listener = gate_listener(self._gate)
+        pipeline.add_save_listener(self._on_slot_saved)
+
+    def _on_slot_saved(self, layer: str, gate_slot: int, generation: int) -> None:
+        """Save listener (runs inside the pipeline's ``save_layer``): hold the slot for decode."""
+        self._prepare()
+        if not self._step_sends:
+            return
+        for name in self._gate_pipeline.members_of(layer):
+            tokens = {d_tp: self._gate.add_consumer(gate_slot, generation, f"rd2h d_tp={d_tp} {name}")
+                      for d_tp in self._step_sends}
+            self._gate_tokens[name] = (gate_slot, tokens)
+
+    def _release_gate_tokens(self) -> None:
+        """Tokens of layers that were never published (no save_kv_layer came): free the slots."""
+        for _, tokens in self._gate_tokens.values():
+            for tok in tokens.values():
+                self._gate.release_consumer(tok, None)
+        self._gate_tokens.clear()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._prepare()
@@ -597,10 +642,21 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         # arrived); this hook only makes sure the step's metadata is applied.
         self._prepare()
 
-    def _publish(self, layer: int) -> None:
+    def _publish(self, layer: int, name: str | None = None) -> None:
         device.synchronize()  # the layer's KV must be in memory before decode may read it
+        held = self._gate_tokens.pop(name, None) if name is not None else None
+        if self._gate is not None and held is None:
+            log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
+                      "published on a private slot", NAME, name)
         for d_tp, rids in self._step_sends.items():
-            self._producers[d_tp].publish_layer(layer, unique_slot=True, request_ids=rids)
+            if held is not None and d_tp in held[1]:
+                self._producers[d_tp].publish_layer(layer, slot=held[0], tag=held[1].pop(d_tp),
+                                                    request_ids=rids)
+            else:
+                self._producers[d_tp].publish_layer(layer, unique_slot=True, request_ids=rids)
+        if held is not None:
+            for tok in held[1].values():  # a decode TP size with nothing to send this layer
+                self._gate.release_consumer(tok, None)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         self._prepare()
@@ -609,13 +665,15 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
             if idx is None:
                 log.error("%s: unknown layer %r; not published", NAME, layer_name)
                 return
-            self._publish(idx)
+            self._publish(idx, layer_name)
 
     def wait_for_save(self) -> None:
         self._prepare()
         if self._step_sends and not self.cfg.use_layerwise:
             for i in range(len(self._layers)):
                 self._publish(i)
+        if self._gate_tokens:
+            self._release_gate_tokens()
         self._step_sends = {}
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -273,6 +273,7 @@ class LayerwisePipeline:
         self.save_delay_s = save_delay_s
         self.block_dim = block_dim
         self.ready_before_hook = ready_before_hook
+        self.defer_next_ready = False
         self._direct_host_io = True  # tests turn it off to run the staging path on CPU
         self._job_timeout_s = save_timeout_s + load_timeout_s  # gate wait + load
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
@@ -334,6 +335,12 @@ class LayerwisePipeline:
         registers its reads with ``gate.add_consumer(gate_slot, generation, ...)`` here, so
         the next layer of the slot cannot take it before those reads are answered."""
         self._save_listeners.append(listener)
+
+    def members_of(self, layer: str) -> tuple[str, ...]:
+        """The layers saved and handed on together with ``layer`` (a main layer and its
+        indexer followers): a sibling's reads must cover all of them."""
+        unit = self._unit_of.get(layer)
+        return tuple(unit.members) if unit is not None else (layer,)
 
     # ------------------------------------------------------------------ per step
 
@@ -397,9 +404,23 @@ class LayerwisePipeline:
         st.released = True
         self.gate.release_write(st.lease)
         self._prefetch_from(unit.index + 1)
-        if self.ready_before_hook and unit.index + 1 < len(self._units):
-            self._make_ready(self._units[unit.index + 1])
+        if not self.defer_next_ready:
+            self.ready_next(layer)
         return tokens
+
+    def ready_next(self, layer: str) -> None:
+        """Own the slot of the layer after ``layer`` and fill it (``ready_before_hook``).
+
+        ``save_layer`` does this itself unless ``defer_next_ready`` is set: a sibling
+        connector that publishes ``layer`` for remote reads *after* ``save_layer``
+        (the P/D producer under ``AscendMultiConnector``) holds the slot through the
+        gate, so waiting for it inside ``save_layer`` would wait for a publish that
+        only comes after; the multi connector calls this once every child saved.
+        """
+        unit = self._unit_of.get(layer)
+        if (self.ready_before_hook and unit is not None and layer == unit.main
+                and self._step is not None and unit.index + 1 < len(self._units)):
+            self._make_ready(self._units[unit.index + 1])
 
     def finish_step(self, wait_saves: bool = True) -> None:
         """``wait_for_save``: end the step; leases of layers that did not run are returned.

@@ -1,0 +1,124 @@
+"""``AscendMultiConnector``: a prefill that shares layer buffers *and* serves P/D pulls.
+
+vLLM's ``MultiConnector`` already runs several connectors side by side (loads
+from the first that has tokens, saves to all, request completion counted
+across them). What it cannot know is that with layer sharing
+(``AscendStoreConnector`` with ``use_layerwise``) the physical buffer of layer
+*i* is rewritten by layer *i + B* within the same forward, while the remote-D2H
+producer (``SfaRemoteD2HConnector``) lets decode read layer *i* from that very
+buffer. This class adds exactly that: the producer's decode reads become
+consumers of the slot in the store pipeline's reuse gate, so the slot's next
+writer waits until decode answered (or the ack deadline passed); see
+``SfaRemoteD2HConnector.attach_reuse_gate``.
+
+Rules checked at start-up (a wrong combination fails naming the key):
+* vLLM runs with ``--disable-hybrid-kv-cache-manager`` (vLLM switches the
+  hybrid manager off by itself only for the name ``MultiConnector``);
+* the store connector comes before the producer in ``connectors`` (its
+  ``save_kv_layer`` registers the reads before the slot is handed on);
+* the producer publishes per layer (``use_layerwise``).
+Without layer sharing it behaves exactly like ``MultiConnector``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+from ascend_offload.config import ConfigError, parse_extra_config
+from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector
+from ascend_offload.connectors.store import AscendStoreConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+NAME = "AscendMultiConnector"
+
+
+def sharing_pair(stores: list[int], producers: list[int], publishes_per_layer: list[bool]
+                 ) -> tuple[int, int] | None:
+    """(store child, producer child) whose layer buffers and decode reads must share
+    the reuse gate, or None. ``stores``: indices of layer-sharing store children;
+    ``producers``: indices of P/D producer children; ``publishes_per_layer``: per
+    child, whether it publishes each layer as soon as it is written."""
+    if not stores or not producers:
+        return None
+    if len(stores) > 1 or len(producers) > 1:
+        raise ConfigError(f"{NAME}: key 'connectors': at most one layer-sharing AscendStoreConnector and "
+                          f"one SfaRemoteD2HConnector producer (got {len(stores)} and {len(producers)})")
+    s, p = stores[0], producers[0]
+    if s > p:
+        raise ConfigError(
+            f"{NAME}: key 'connectors': AscendStoreConnector (layer sharing, index {s}) must come before "
+            f"SfaRemoteD2HConnector (index {p}), so a layer's decode reads are registered before its "
+            "buffer is handed to the next layer")
+    if not publishes_per_layer[p]:
+        raise ConfigError(
+            f"{NAME}: key 'connectors[{p}].kv_connector_extra_config.use_layerwise'=False with layer "
+            "sharing: each layer must be published as soon as it is written (accepted: True)")
+    return s, p
+
+
+class AscendMultiConnector(MultiConnector):
+    """``MultiConnector`` plus the reuse-gate wiring between layer sharing and P/D reads."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        tc = vllm_config.kv_transfer_config
+        assert tc is not None
+        parse_extra_config(NAME, tc.kv_connector_extra_config)  # schema errors name the key
+        if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and \
+                not MultiConnector.all_children_support_hma(tc):
+            # vLLM auto-disables the hybrid KV cache manager only for the name
+            # "MultiConnector"; for ours it must be switched off explicitly.
+            raise ConfigError(
+                f"{NAME}: its child connectors do not support the hybrid KV cache manager; start "
+                "vLLM with --disable-hybrid-kv-cache-manager (key 'disable_hybrid_kv_cache_manager'"
+                "=True)")
+        super().__init__(vllm_config, role, kv_cache_config)
+        stores = [i for i, c in enumerate(self._connectors)
+                  if isinstance(c, AscendStoreConnector) and c.layerwise]
+        producers = [i for i, c in enumerate(self._connectors)
+                     if isinstance(c, SfaRemoteD2HConnector) and c.is_producer]
+        self._store: AscendStoreConnector | None = None
+        self._rd2h: SfaRemoteD2HConnector | None = None
+        pair = sharing_pair(stores, producers, [
+            bool(getattr(c, "cfg", None) and getattr(c.cfg, "use_layerwise", False)) for c in self._connectors])
+        if pair is not None:
+            store, rd2h = self._connectors[pair[0]], self._connectors[pair[1]]
+            assert isinstance(store, AscendStoreConnector) and isinstance(rd2h, SfaRemoteD2HConnector)
+            self._store, self._rd2h = store, rd2h
+
+    @property
+    def shares_slots_with_pd(self) -> bool:
+        return self._store is not None and self._rd2h is not None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._store is not None and self._rd2h is not None and self._store.pipeline is not None:
+            self._rd2h.attach_reuse_gate(self._store.pipeline)
+            # The next layer's slot is taken only after the producer published this
+            # layer (see save_kv_layer): otherwise it would wait for its own publish.
+            self._store.pipeline.defer_next_ready = True
+            log.info("%s: decode reads of each layer hold its physical buffer (%d layers on %d buffers)",
+                     NAME, self._store.pipeline.plan.num_logical, self._store.pipeline.plan.num_physical)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Children in order (store: save + hold the slot for decode; producer: publish),
+        then the next layer's slot is made ready, which may wait for decode's reads."""
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        pipe = self._store.pipeline if self._store is not None and self._rd2h is not None else None
+        if pipe is not None and pipe.defer_next_ready and pipe.in_step:
+            pipe.ready_next(layer_name)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer must run between layers (both children need it)
