@@ -559,6 +559,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
                               "published as soon as it is written (accepted: True)")
         self._gate = pipeline.gate
         self._gate_pipeline = pipeline
+        # Our tokens are released by the ack deadline at the latest; a writer waiting for
+        # the slot must not give up (and fail the forward) before that.
+        pipeline.gate.outwait(self.cfg.ack_timeout_s)
         for prod in self._producers.values():
             prod.listener = gate_listener(self._gate)
         pipeline.add_save_listener(self._on_slot_saved)

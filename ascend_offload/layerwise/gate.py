@@ -120,6 +120,18 @@ class ReuseGate:
         self._stats = GateStats()
 
     @property
+    def default_timeout_s(self) -> float:
+        return self._default_timeout_s
+
+    def outwait(self, deadline_s: float, margin_s: float = 5.0) -> None:
+        """Make writers wait at least ``deadline_s + margin_s`` for a slot. Why: a consumer
+        that is guaranteed to release by its own deadline (the P/D producer releases on
+        ack or ack timeout) must not make a writer time out first, which would fail the
+        forward instead of just that transfer."""
+        with self._cv:
+            self._default_timeout_s = max(self._default_timeout_s, deadline_s + margin_s)
+
+    @property
     def num_slots(self) -> int:
         return len(self._slots)
 

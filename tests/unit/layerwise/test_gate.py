@@ -250,3 +250,13 @@ def test_deadlines_fire(timeout: float, nslots: int) -> None:
             gate.acquire_write(s, f"b{s}")
         assert err.value.slot == s and err.value.waited_s >= timeout
     assert gate.stats().timeouts == nslots and gate.stats().waits == nslots
+
+
+def test_outwait_raises_the_writer_deadline_only_upwards() -> None:
+    """A consumer released by its own deadline (P/D ack timeout) must not make the
+    writer time out first: the gate's wait grows to that deadline plus a margin."""
+    gate = ReuseGate(1, default_timeout_s=2.0)
+    gate.outwait(10.0, margin_s=1.0)
+    assert gate.default_timeout_s == 11.0
+    gate.outwait(3.0)
+    assert gate.default_timeout_s == 11.0
