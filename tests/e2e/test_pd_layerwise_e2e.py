@@ -8,6 +8,12 @@ Decode reads of a layer must therefore hold its buffer (reuse gate) until
 decode answered. Without that, decode reads a later layer's KV and the tokens
 change; with it, tokens equal the plain answer (decode server, no transfer)
 for prompts of 40-1300 tokens, streaming and not, and decode logs no load failure.
+
+Fault: the prefill's test-only injection drops layer 2's readiness for 7-block
+prompts. Decode never reads layer 2, so its gate token is held until the
+producer's ack deadline (20 s), longer than the store's own gate wait (5 s):
+the prefill must outwait it (not fail its forward), decode recomputes, tokens
+stay identical and the prefill keeps serving.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [40, 1300, 333, 97, 760, 512, 64, 900]
 PROMPTS = random_prompts(len(LENGTHS), LENGTHS, seed=23)
 MAX_TOKENS = 12
+FAULTS = "drop:2@7"  # by block count; no prompt above has 7 blocks
+FAULT_PROMPT = random_prompts(1, [210], seed=3)[0]  # 7 blocks of 32
 STARTUP_S = 600.0
 BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did not read", "cannot send",
        "cannot receive", "Traceback", "has no reuse-gate token")
@@ -41,7 +49,7 @@ BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did no
 
 def prefill_config(kv_port: int, rd2h_extra: dict[str, Any]) -> dict[str, Any]:
     store = {"use_layerwise": True, "layerwise_num_shared_buffers": 1, "layerwise_independent_layers": [0],
-             "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 60.0,
+             "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 5.0,
              "load_timeout_s": 60.0}
     return {
         "kv_connector": "AscendMultiConnector", "kv_role": "kv_producer", "kv_port": kv_port,
@@ -78,7 +86,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         servers.append(Server("prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
                                           "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
                                           json.dumps(prefill_config(p_kv, extra))],
-                              dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+                              dict(env, VLLM_CPU_OMP_THREADS_BIND="0", ASCEND_OFFLOAD_PD_FAULTS=FAULTS), log_dir))
         servers.append(Server("decode", [*common, "--port", str(d_port), "--kv-transfer-config",
                                          json.dumps(decode_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
         servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
@@ -130,3 +138,24 @@ def test_layer_sharing_prefill_with_pd_pull_matches_plain(cluster: dict[str, Any
     bad = [line for name, s in cluster["servers"].items() for line in s.text()[since[name]:].splitlines()
            if any(b in line for b in BAD)]
     assert bad == []
+
+
+def test_unanswered_layer_holds_its_buffer_until_the_ack_deadline(cluster: dict[str, Any]) -> None:
+    model = cluster["model"]
+    since = {name: len(s.text()) for name, s in cluster["servers"].items()}
+    t0 = time.monotonic()
+    pd = _complete(cluster["proxy"], _body(model, FAULT_PROMPT, False))
+    elapsed = time.monotonic() - t0
+    # Baseline afterwards: asked first, decode would hold the prompt's blocks in its
+    # prefix cache and pull only the last one (the fault matches 7-block pulls).
+    assert pd == _complete(cluster["decode"], _body(model, FAULT_PROMPT, False))
+
+    def lines(name: str, needle: str) -> list[str]:
+        return [ln for ln in cluster["servers"][name].text()[since[name]:].splitlines() if needle in ln]
+
+    assert lines("decode", "blocks failed to load")  # decode gave up on the request: recomputed
+    assert lines("prefill", "Traceback") == [] and lines("prefill", "GateTimeout") == []
+    assert elapsed >= 15, elapsed  # decode's request deadline: the pull really failed
+    # The prefill still serves, and the layers of the next request are not held back.
+    assert _complete(cluster["proxy"], _body(model, PROMPTS[3], False)) == \
+        _complete(cluster["decode"], _body(model, PROMPTS[3], False))
