@@ -1,0 +1,102 @@
+"""A P/D cluster on vLLM CPU for the e2e tests: prefill + decode API servers and our proxy.
+
+Shared by tests/e2e/test_pd_e2e.py and tests/e2e/test_pd_layerwise_e2e.py; each
+passes its own ``--kv-transfer-config`` per role and extra arguments/environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ascend_offload.testing.servers import Server, free_port, wait_health
+from tests.e2e.harness import BLOCK_SIZE
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_S = 600.0
+RD2H_MODULE = "ascend_offload.connectors.remote_d2h"
+
+
+def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """``SfaRemoteD2HConnector`` for one role, recomputing on load failure."""
+    return {"kv_connector": "SfaRemoteD2HConnector", "kv_role": role, "kv_port": port,
+            "kv_load_failure_policy": "recompute", "kv_connector_module_path": RD2H_MODULE,
+            "kv_connector_extra_config": extra}
+
+
+@contextlib.contextmanager
+def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
+               prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None
+               ) -> Iterator[dict[str, Any]]:
+    """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
+    their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
+    are functions of the role's kv port returning the transfer config dict."""
+    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+    p_kv, d_kv = free_port(), free_port()
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+              "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "4096",
+              "--seed", "0", "--host", "127.0.0.1"]
+    servers: list[Server] = []
+    try:
+        servers.append(Server("prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
+                                          *prefill_args, "--kv-transfer-config", json.dumps(prefill_kv(p_kv))],
+                              dict(env, VLLM_CPU_OMP_THREADS_BIND="0", **(prefill_env or {})), log_dir))
+        servers.append(Server("decode", [*common, "--port", str(d_port), "--kv-transfer-config",
+                                         json.dumps(decode_kv(d_kv))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                              log_dir))
+        servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
+                                        str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+                                        str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
+                                        str(d_port)], env, log_dir))
+        deadline = time.monotonic() + STARTUP_S
+        for port in (p_port, d_port, proxy_port):
+            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
+        yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "proxy": f"http://127.0.0.1:{proxy_port}",
+               "decode": f"http://127.0.0.1:{d_port}", "servers": {s.name: s for s in servers}}
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+def body(model: str, prompt: list[int], stream: bool, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion request of exactly ``max_tokens`` tokens."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream, **extra}
+
+
+def complete(url: str, request: dict[str, Any]) -> str:
+    r = httpx.post(f"{url}/v1/completions", json=request, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(url: str, request: dict[str, Any]) -> str:
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:]).get("choices", []):
+                text.append(ch.get("text", ""))
+    return "".join(text)
+
+
+def log_sizes(cluster: dict[str, Any]) -> dict[str, int]:
+    return {name: len(s.text()) for name, s in cluster["servers"].items()}
+
+
+def log_lines(cluster: dict[str, Any], since: dict[str, int], needle: str) -> list[str]:
+    """Lines containing ``needle`` that any server logged after ``since`` (log_sizes)."""
+    return [line for name, s in cluster["servers"].items() for line in s.text()[since[name]:].splitlines()
+            if needle in line]
