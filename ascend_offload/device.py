@@ -246,7 +246,7 @@ def runs(idx: list[int] | Any) -> list[tuple[int, int, int]]:
             if i == len(idx) or idx[i] != idx[i - 1] + 1:
                 out.append((start, int(idx[start]), i - start))
                 start = i
-        return out if idx else []
+        return out
     arr = np.asarray(idx, dtype=np.int64)
     if arr.size == 0:
         return []

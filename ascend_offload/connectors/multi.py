@@ -90,7 +90,7 @@ class AscendMultiConnector(MultiConnector):
         self._store: AscendStoreConnector | None = None
         self._rd2h: SfaRemoteD2HConnector | None = None
         pair = sharing_pair(stores, producers, [
-            bool(getattr(c, "cfg", None) and getattr(c.cfg, "use_layerwise", False)) for c in self._connectors])
+            isinstance(c, SfaRemoteD2HConnector) and c.cfg.use_layerwise for c in self._connectors])
         if pair is not None:
             store, rd2h = self._connectors[pair[0]], self._connectors[pair[1]]
             assert isinstance(store, AscendStoreConnector) and isinstance(rd2h, SfaRemoteD2HConnector)

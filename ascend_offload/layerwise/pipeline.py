@@ -727,11 +727,12 @@ class LayerwisePipeline:
         pairs = [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
         handles: list[WriteHandle] = [h for _, h in pairs]  # all aborted if anything fails
         try:
-            block_rows = self._block_rows(kv) if self._direct(kv) else None
+            direct = self._direct(kv)
+            block_rows = self._block_rows(kv) if direct else None
             with device.stream_context(self._save_stream):
                 if block_rows is not None:  # host KV, block-first: one scatter below
                     rows = []
-                elif self._direct(kv):
+                elif direct:
                     rows = [self._block_view(kv, r.block_id) for r, _ in pairs]
                 elif pairs:  # accelerator: one gather + one D2H copy per layer
                     idx = torch.tensor([r.block_id for r, _ in pairs], dtype=torch.long)

@@ -70,18 +70,12 @@ def _check_dims(num_layers: int, num_rows: int, hot_size: int) -> None:
         raise ResidencyError(f"topk_buffer_size={hot_size}: must be in [1, {MAX_HOT_SIZE}]")
 
 
-def _i32(t: torch.Tensor) -> torch.Tensor:
-    # The common case (already host int32, contiguous) returns without a torch op:
-    # at batch 1 the wrapper's own overhead is comparable to the native call.
-    if t.dtype is torch.int32 and t.is_cpu and t.is_contiguous():
+def _host(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    # The common case (already host, right dtype, contiguous) returns without a torch
+    # op: at batch 1 the wrapper's own overhead is comparable to the native call.
+    if t.dtype is dtype and t.is_cpu and t.is_contiguous():
         return t
-    return t.to(device="cpu", dtype=torch.int32).contiguous()
-
-
-def _i64(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype is torch.int64 and t.is_cpu and t.is_contiguous():
-        return t
-    return t.to(device="cpu", dtype=torch.int64).contiguous()
+    return t.to(device="cpu", dtype=dtype).contiguous()
 
 
 class NativeResidency:
@@ -112,9 +106,9 @@ class NativeResidency:
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
                 block_size: int) -> Resolved:
-        rows, stable, lens = _i32(rows), _i32(stable), _i32(lens)
-        topk, block_table = _i32(topk), _i32(block_table)
-        tags = _i64(tags)
+        rows, stable, lens = _host(rows), _host(stable), _host(lens)
+        topk, block_table = _host(topk), _host(block_table)
+        tags = _host(tags, torch.int64)
         B, K = topk.shape
         out, msrc, mdst, counts, err, p_out, p_msrc, p_mdst, p_counts, p_err = \
             self._buffers(layer, B, K)
