@@ -7,8 +7,12 @@
 // and chosen at run time; the scalar paths give identical results.
 //
 // Layout (why): the state of a row is ONE packed array of its live entries in
-// LRU order (position int32 + slot uint16: 24 KiB at H = 4096), read and
-// rewritten sequentially once per call.  The top-k is joined against it
+// LRU order, each entry one uint32 (position << slot_bits | slot: 16 KiB at
+// H = 4096), read and rewritten sequentially once per call.  One word per
+// entry (ABI 5) instead of int32 + uint16 (ABI 4) halves the bytes the scan
+// moves and drops a load, a widening and a pack per 8 entries.  The price is
+// a position limit of 2^(32 - slot_bits) tokens (2^20 at H = 4096), checked
+// per call (kErrCapacity) and exposed through ao_res_max_positions.  The top-k is joined against it
 // through a per-thread scratch indexed by position (tagged with a generation,
 // so it is never cleared between calls), which every row and layer share and
 // which therefore stays in cache.  An earlier design kept a position -> slot
@@ -45,7 +49,7 @@
 
 namespace {
 
-constexpr int32_t kAbiVersion = 4;
+constexpr int32_t kAbiVersion = 5;
 constexpr int32_t kSpare = 16;  // vector stores write whole groups past a count
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
@@ -55,6 +59,7 @@ enum : int64_t {
   kErrRow = 3,        // row id out of range or repeated in one batch
   kErrInternal = 4,   // invariant broken (not enough evictable slots)
   kErrArgs = 5,       // bad call arguments (layer, K > H, ...)
+  kErrCapacity = 6,   // len beyond the positions a packed entry can hold
 };
 
 struct Row {
@@ -64,8 +69,7 @@ struct Row {
   int32_t n = 0;                    // live entries, LRU first
   int32_t free_count = 0;
   int32_t free_hint = 0;            // lowest word of free_bits that may be non-zero
-  std::vector<int32_t> pos;         // H + kSpare
-  std::vector<uint16_t> slot;       // H + kSpare
+  std::vector<uint32_t> ent;        // H + kSpare: position << slot_bits | slot
   std::vector<uint64_t> free_bits;  // ceil(H / 64)
 };
 
@@ -73,14 +77,16 @@ struct Table {
   int32_t layers = 0;
   int32_t rows = 0;
   int32_t H = 0;
-  std::vector<Row> state;  // layers * rows
+  int32_t slot_bits = 1;     // bits of the largest slot index (H - 1)
+  uint32_t slot_mask = 1;
+  int64_t max_positions = 0;  // 2^(32 - slot_bits): positions an entry can hold
+  std::vector<Row> state;    // layers * rows
 };
 
 void reset_row(const Table& t, Row& r) {
   const int32_t H = t.H;
   if (!r.allocated) {
-    r.pos.assign(size_t(H) + kSpare, 0);
-    r.slot.assign(size_t(H) + kSpare, 0);
+    r.ent.assign(size_t(H) + kSpare, 0);
     r.free_bits.assign(size_t(H + 63) / 64, 0);
     r.allocated = true;
   }
@@ -160,7 +166,11 @@ Scratch& thread_scratch() {
 
 // Checks one batch entry before anything is mutated (a rejected call changes
 // no state).  Returns 0 or -error; *bad_index gets the offending top-k index.
-int64_t validate_row(const RowArgs& a, int32_t* bad_index) {
+int64_t validate_row(const Table& t, const RowArgs& a, int32_t* bad_index) {
+  if (int64_t(a.len) > t.max_positions) {
+    *bad_index = -1;
+    return -kErrCapacity;
+  }
   if (a.len < 0 || a.stable < 0 || a.stable > a.len ||
       int64_t(a.len) > int64_t(a.bt_len) * a.block_size) {
     *bad_index = -1;
@@ -210,28 +220,24 @@ __attribute__((target("avx2"))) inline __m256i pack_idx(uint32_t m) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.idx[m]));
 }
 
-// 8 int32 lanes -> 8 uint16 stored at dst (values < 65536).
-__attribute__((target("avx2"))) inline void store_u16x8(uint16_t* dst, __m256i v) {
-  const __m256i p = _mm256_packus_epi32(v, v);  // per 128-bit half: 4 values, twice
-  const __m256i q = _mm256_permute4x64_epi64(p, 0x08);  // halves' low 64 bits together
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(q));
-}
-
 // Scan of the live entries [0, n): hits write their output slot; entries at
 // or beyond `stable` are freed (returned through spec_mask bits per group);
 // the rest are kept, compacted in place.  Returns the kept count; *j_out is
 // where the scalar tail starts.
 __attribute__((target("avx2"))) int32_t scan_avx2(
-    int32_t* pos, uint16_t* slot, int32_t n, const uint32_t* mark, int32_t mark_max,
-    uint32_t gen, int32_t stable, int32_t* hit_i, int32_t* hit_s, int32_t* nh_out, Row& r,
-    int32_t* j_out) {
+    uint32_t* ent, int32_t n, int32_t slot_bits, uint32_t slot_mask, const uint32_t* mark,
+    int32_t mark_max, uint32_t gen, int32_t stable, int32_t* hit_i, int32_t* hit_s,
+    int32_t* nh_out, Row& r, int32_t* j_out) {
   const __m256i vgen = _mm256_set1_epi32(int32_t(gen)), low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i vmask = _mm256_set1_epi32(int32_t(slot_mask));
+  const __m128i vsb = _mm_cvtsi32_si128(slot_bits);
   const __m256i vstable1 = _mm256_set1_epi32(stable - 1), vmax = _mm256_set1_epi32(mark_max);
   const int* mark32 = reinterpret_cast<const int*>(mark);
   int32_t nk = 0, nh = 0, j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + j));
-    const __m256i s = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(slot + j)));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ent + j));
+    const __m256i p = _mm256_srl_epi32(e, vsb);
+    const __m256i s = _mm256_and_si256(e, vmask);
     // Eight scalar loads, not vpgatherdd: measured ~8 % faster on Zen 3.
     alignas(32) int32_t pp[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(pp), _mm256_min_epi32(p, vmax));
@@ -253,8 +259,7 @@ __attribute__((target("avx2"))) int32_t scan_avx2(
       for (uint32_t b = sm; b; b &= b - 1) give_free(r, ss[__builtin_ctz(b)]);
     }
     const __m256i kp = pack_idx(km);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + nk), _mm256_permutevar8x32_epi32(p, kp));
-    store_u16x8(slot + nk, _mm256_permutevar8x32_epi32(s, kp));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ent + nk), _mm256_permutevar8x32_epi32(e, kp));
     nk += __builtin_popcount(km);
   }
   *nh_out = nh;
@@ -262,7 +267,8 @@ __attribute__((target("avx2"))) int32_t scan_avx2(
   return nk;
 }
 
-// Indices i with valid top-k and no output yet (misses and duplicates).
+// Indices i with valid top-k and no output yet (-1: first-occurrence misses;
+// duplicates carry -2).
 __attribute__((target("avx2"))) int32_t unresolved_avx2(const int32_t* topk, const int32_t* out,
                                                         int32_t K, int32_t* idx, int32_t* i_out) {
   const __m256i neg1 = _mm256_set1_epi32(-1), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -270,7 +276,7 @@ __attribute__((target("avx2"))) int32_t unresolved_avx2(const int32_t* topk, con
   for (; i + 8 <= K; i += 8) {
     const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + i));
     const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + i));
-    const __m256i want = _mm256_andnot_si256(_mm256_cmpgt_epi32(o, neg1), _mm256_cmpgt_epi32(p, neg1));
+    const __m256i want = _mm256_and_si256(_mm256_cmpeq_epi32(o, neg1), _mm256_cmpgt_epi32(p, neg1));
     const uint32_t wm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(want)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + m),
                         _mm256_permutevar8x32_epi32(_mm256_add_epi32(iota, _mm256_set1_epi32(i)), pack_idx(wm)));
@@ -281,19 +287,20 @@ __attribute__((target("avx2"))) int32_t unresolved_avx2(const int32_t* topk, con
 }
 
 // Append the hits (out >= 0 before misses are written: first occurrences
-// only) in top-k order as (position, slot) entries at pos/slot + n.
+// only) in top-k order as packed entries at ent + n.
 __attribute__((target("avx2"))) int32_t append_hits_avx2(const int32_t* topk, const int32_t* out,
-                                                         int32_t K, int32_t base, int32_t* pos,
-                                                         uint16_t* slot, int32_t n, int32_t* i_out) {
+                                                         int32_t K, int32_t base, int32_t slot_bits,
+                                                         uint32_t* ent, int32_t n, int32_t* i_out) {
   const __m256i neg1 = _mm256_set1_epi32(-1), vbase = _mm256_set1_epi32(base);
+  const __m128i vsb = _mm_cvtsi32_si128(slot_bits);
   int32_t i = 0;
   for (; i + 8 <= K; i += 8) {
     const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + i));
     const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + i));
     const uint32_t hm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(o, neg1))));
     const __m256i perm = pack_idx(hm);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + n), _mm256_permutevar8x32_epi32(p, perm));
-    store_u16x8(slot + n, _mm256_permutevar8x32_epi32(_mm256_sub_epi32(o, vbase), perm));
+    const __m256i e = _mm256_or_si256(_mm256_sll_epi32(p, vsb), _mm256_sub_epi32(o, vbase));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ent + n), _mm256_permutevar8x32_epi32(e, perm));
     n += __builtin_popcount(hm);
   }
   *i_out = i;
@@ -318,23 +325,38 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   int32_t* __restrict out = a.out;
   uint32_t* __restrict mark = sc.mark.data();
   const int32_t mark_max = int32_t(sc.mark.size()) - 1;
-  int32_t* __restrict pos = r.pos.data();
-  uint16_t* __restrict slot = r.slot.data();
+  uint32_t* __restrict ent = r.ent.data();
+  const int32_t sb = t.slot_bits;
+  const uint32_t smask = t.slot_mask;
 #ifdef AO_X86_AVX2
   const bool avx2 = use_avx2();
 #endif
 
   // 1: mark every position with its first top-k index (backwards, so the
-  // first occurrence is written last); outputs start unresolved.
-  int32_t valid = 0;
+  // first occurrence is written last); outputs start unresolved (-1).  A
+  // mark this call already wrote belongs to a later duplicate: its output
+  // becomes -2 (resolved last, from its first occurrence), so no later pass
+  // has to tell first occurrences from duplicates.
+  int32_t* __restrict dup_i = sc.dup_i.data();
+  int32_t valid = 0, ndup = 0;
+  std::fill(out, out + K, -1);
   for (int32_t i = K - 1; i >= 0; --i) {
     const int32_t p = topk[i];
+    if (i >= 24) {  // the marks are scattered over L2: ask for lines early (~3 %)
+      const int32_t q = topk[i - 24];
+      __builtin_prefetch(&mark[q < 0 ? 0 : q], 1, 3);
+    }
     if (p >= 0) {
+      const uint32_t old = mark[p];
+      if (__builtin_expect((old >> 16) == gen, 0)) {
+        const int32_t later = int32_t(old & 0xFFFF);
+        out[later] = -2;
+        dup_i[ndup++] = later;
+      }
       mark[p] = tag | uint32_t(i);
       ++valid;
     }
   }
-  std::fill(out, out + K, -1);
 
   // 2: one pass over the live entries in LRU order: hits resolve their top-k
   // index, speculative entries are freed, the rest stay (compacted in place).
@@ -344,13 +366,14 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
     int32_t nh = 0;
     int32_t* hit_i = sc.hit_i.data();
     int32_t* hit_s = sc.hit_s.data();
-    nk = scan_avx2(pos, slot, r.n, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
+    nk = scan_avx2(ent, r.n, sb, smask, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
     for (int32_t k = 0; k < nh; ++k) out[hit_i[k]] = base + hit_s[k];
   }
 #endif
   for (; j < r.n; ++j) {
-    const int32_t p = pos[j];
-    const int32_t s = slot[j];
+    const uint32_t e = ent[j];
+    const int32_t p = int32_t(e >> sb);
+    const int32_t s = int32_t(e & smask);
     if (p >= stable) {
       give_free(r, s);
       continue;
@@ -359,31 +382,19 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
     if ((v >> 16) == gen) {
       out[v & 0xFFFF] = base + s;
     } else {
-      pos[nk] = p;
-      slot[nk] = uint16_t(s);
-      ++nk;
+      ent[nk++] = e;
     }
   }
 
-  // 3: unresolved indices: distinct misses (first occurrences) and duplicates.
+  // 3: the distinct misses: valid first occurrences still unresolved (-1).
   int32_t* __restrict miss_i = sc.miss_i.data();
-  int32_t* __restrict dup_i = sc.dup_i.data();
-  int32_t nu = 0, i0 = 0;
+  int32_t nd = 0, i0 = 0;
 #ifdef AO_X86_AVX2
-  if (avx2) nu = unresolved_avx2(topk, out, K, miss_i, &i0);
+  if (avx2) nd = unresolved_avx2(topk, out, K, miss_i, &i0);
 #endif
   for (int32_t i = i0; i < K; ++i) {
-    miss_i[nu] = i;
-    nu += int32_t((topk[i] >= 0) & (out[i] < 0));
-  }
-  int32_t nd = 0, ndup = 0;
-  for (int32_t u = 0; u < nu; ++u) {
-    const int32_t i = miss_i[u];
-    const int32_t first = int32_t(mark[topk[i]] & 0xFFFF);
-    dup_i[ndup] = i;
-    ndup += int32_t(first != i);
     miss_i[nd] = i;
-    nd += int32_t(first == i);
+    nd += int32_t((topk[i] >= 0) & (out[i] == -1));
   }
 
   // 4: slots for the distinct misses: lowest free slots first, then the
@@ -393,24 +404,17 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   while (nf < nd && r.free_count > 0) dest[nf++] = take_free(r);
   const int32_t nv = nd - nf;
   if (nv > nk) return -kErrInternal;
-  for (int32_t k = 0; k < nv; ++k) dest[nf + k] = slot[k];
+  for (int32_t k = 0; k < nv; ++k) dest[nf + k] = int32_t(ent[k] & smask);
 
   // 5: the new LRU order: surviving kept entries, then hits, then misses.
   int32_t n = nk - nv;
-  if (nv > 0 && n > 0) {
-    std::memmove(pos, pos + nv, size_t(n) * sizeof(int32_t));
-    std::memmove(slot, slot + nv, size_t(n) * sizeof(uint16_t));
-  }
+  if (nv > 0 && n > 0) std::memmove(ent, ent + nv, size_t(n) * sizeof(uint32_t));
   i0 = 0;
 #ifdef AO_X86_AVX2
-  if (avx2) n = append_hits_avx2(topk, out, K, base, pos, slot, n, &i0);
+  if (avx2) n = append_hits_avx2(topk, out, K, base, sb, ent, n, &i0);
 #endif
   for (int32_t i = i0; i < K; ++i) {
-    if (out[i] >= 0) {
-      pos[n] = topk[i];
-      slot[n] = uint16_t(out[i] - base);
-      ++n;
-    }
+    if (out[i] >= 0) ent[n++] = (uint32_t(topk[i]) << sb) | uint32_t(out[i] - base);
   }
   const int32_t bs = a.block_size;
   const int32_t* __restrict bt = a.bt;
@@ -423,10 +427,9 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
     const int32_t p = topk[i];
     const int32_t s = dest[k];
     out[i] = base + s;
-    msrc[k] = pow2 ? bt[p >> shift] * bs + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
+    msrc[k] = pow2 ? (bt[p >> shift] << shift) | (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
     mdst[k] = base + s;
-    pos[n + k] = p;
-    slot[n + k] = uint16_t(s);
+    ent[n + k] = (uint32_t(p) << sb) | uint32_t(s);
   }
   r.n = n + nd;
   // 6: duplicates share their first occurrence's slot.
@@ -458,6 +461,9 @@ void* ao_res_create(int32_t layers, int32_t rows, int32_t H) {
   t->layers = layers;
   t->rows = rows;
   t->H = H;
+  t->slot_bits = H > 1 ? 32 - __builtin_clz(uint32_t(H - 1)) : 1;
+  t->slot_mask = (uint32_t(1) << t->slot_bits) - 1;
+  t->max_positions = int64_t(1) << (32 - t->slot_bits);
   t->state.resize(size_t(layers) * size_t(rows));
   return t;
 }
@@ -493,8 +499,13 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
   if (layer < 0 || layer >= t->layers || B < 0 || K < 0 || K > t->H || block_size <= 0) {
     return -kErrArgs;
   }
+  // Per-call work arrays live per calling thread: at small batches a fresh
+  // allocation costs as much as a row's resolve.
+  thread_local std::vector<char> seen;
+  thread_local std::vector<int64_t> result;
+  thread_local std::vector<RowArgs> args;
   {
-    std::vector<char> seen(size_t(t->rows), 0);
+    seen.assign(size_t(t->rows), 0);
     for (int32_t b = 0; b < B; ++b) {
       const int32_t row = rows[b];
       if (row < 0 || row >= t->rows || seen[row]) {
@@ -504,8 +515,8 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
       seen[row] = 1;
     }
   }
-  std::vector<int64_t> result(size_t(B), 0);
-  std::vector<RowArgs> args(static_cast<size_t>(B));
+  result.assign(size_t(B), 0);
+  args.resize(size_t(B));
   for (int32_t b = 0; b < B; ++b) {
     RowArgs& a = args[b];
     a.tag = tags[b];
@@ -520,7 +531,7 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
     a.out = out + size_t(b) * K;
     a.msrc = msrc + size_t(b) * K;
     a.mdst = mdst + size_t(b) * K;
-    const int64_t rc = validate_row(a, &err_info[1]);
+    const int64_t rc = validate_row(*t, a, &err_info[1]);
     if (rc < 0) {
       err_info[0] = b;
       return rc;
@@ -530,15 +541,19 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
   const int32_t nt = nthreads > 0 ? nthreads : 1;
   (void)nt;
 
+  // Plain pointers: inside the parallel region the thread_local names would
+  // resolve to each worker's own (empty) vectors.
+  int64_t* const res = result.data();
+  const RowArgs* const argv = args.data();
 #pragma omp parallel num_threads(nt) if (nt > 1 && B > 1)
   {
     Scratch& sc = thread_scratch();
 #pragma omp for schedule(static)
     for (int32_t b = 0; b < B; ++b) {
       int32_t nvalid = 0;
-      result[b] = resolve_row(*t, layer_rows[rows[b]], args[b], sc, &nvalid);
+      res[b] = resolve_row(*t, layer_rows[rows[b]], argv[b], sc, &nvalid);
       counts[2 * b] = nvalid;
-      counts[2 * b + 1] = result[b] >= 0 ? int32_t(result[b]) : 0;
+      counts[2 * b + 1] = res[b] >= 0 ? int32_t(res[b]) : 0;
     }
   }
   int64_t total = 0;
@@ -556,6 +571,9 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
   }
   return total;
 }
+
+// The positions (tokens) a row can hold: a len beyond it is kErrCapacity.
+int64_t ao_res_max_positions(void* h) { return static_cast<Table*>(h)->max_positions; }
 
 // Test hook: the calling thread's mark generation (set it when value >= 0), so
 // a test can cross the 16-bit wrap without 65536 calls.  Returns the previous.
@@ -575,8 +593,9 @@ int32_t ao_res_inspect(void* h, int32_t layer, int32_t row, int32_t* slot_pos, i
   for (int32_t s = 0; s < t->H; ++s) slot_pos[s] = -1;
   if (!r.allocated || !r.active) return 0;
   for (int32_t j = 0; j < r.n; ++j) {
-    slot_pos[r.slot[j]] = r.pos[j];
-    lru_order[j] = r.slot[j];
+    const int32_t s = int32_t(r.ent[j] & t->slot_mask);
+    slot_pos[s] = int32_t(r.ent[j] >> t->slot_bits);
+    lru_order[j] = s;
   }
   return r.n;
 }

@@ -112,6 +112,7 @@ class SparseOffloadManager:
         """Reserve host rows for ``max_tokens`` and a hot-buffer row; returns the row."""
         if req_id in self._rows:
             raise PoolCapacityError(f"request {req_id!r} is already admitted")
+        self._check_positions(req_id, max_tokens)
         if not self._free_rows:
             raise PoolCapacityError(
                 f"no hot-buffer row free for request {req_id!r}: all {self.max_requests} in use")
@@ -119,6 +120,14 @@ class SparseOffloadManager:
         row = self._free_rows.pop(0)
         self._rows[req_id] = (row, next(self._tag_counter))
         return row
+
+    def _check_positions(self, req_id: str, max_tokens: int) -> None:
+        """Refuse at admission what the residency table could not index later."""
+        limit = self.residency.max_positions
+        if max_tokens > limit:
+            raise PoolCapacityError(
+                f"request {req_id!r}: max_tokens={max_tokens} exceeds the {limit} positions the "
+                f"{self.residency.kind} residency table holds at topk_buffer_size={self.hot_size}")
 
     def attach(self, req_id: str, max_tokens: int) -> int:
         """Take a hot-buffer row for a request already admitted to the pool.
@@ -138,6 +147,7 @@ class SparseOffloadManager:
         if max_tokens > cap:
             raise PoolCapacityError(f"request {req_id!r}: max_tokens={max_tokens} exceeds the "
                                     f"{cap} host rows reserved at admission")
+        self._check_positions(req_id, max_tokens)
         if not self._free_rows:
             raise PoolCapacityError(
                 f"no hot-buffer row free for request {req_id!r}: all {self.max_requests} in use")

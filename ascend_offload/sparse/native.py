@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
 
@@ -180,6 +180,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.ao_res_inspect.restype = i32
     lib.ao_res_inspect.argtypes = [vp, i32, i32, vp, vp]
+    lib.ao_res_max_positions.restype = i64
+    lib.ao_res_max_positions.argtypes = [vp]
     lib.ao_res_debug_generation.restype = i32
     lib.ao_res_debug_generation.argtypes = [i32]
     lib.ao_copy_rows.restype = i64

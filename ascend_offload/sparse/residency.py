@@ -24,7 +24,7 @@ from ascend_offload.sparse import native
 
 logger = logging.getLogger(__name__)
 
-MAX_HOT_SIZE = 65534  # slots are uint16 in the native table (0xFFFF marks "claimed")
+MAX_HOT_SIZE = 65534  # a slot takes at most 16 bits of a native entry; the mark index is 16 bits
 
 
 class ResidencyError(ValueError):
@@ -53,6 +53,7 @@ class Residency(Protocol):
     num_rows: int
     hot_size: int
     kind: str
+    max_positions: int  # positions (tokens) one request may reach in this table
 
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
@@ -96,6 +97,8 @@ class NativeResidency:
         self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
         if not self._h:
             raise RuntimeError("ao_res_create failed")
+        # An entry packs position and slot in 32 bits (2^20 positions at H = 4096).
+        self.max_positions = int(lib.ao_res_max_positions(self._h))
 
     def __del__(self) -> None:
         h = getattr(self, "_h", None)
@@ -177,6 +180,11 @@ def _raise_native(code: int, err: list[int], layer: int, rows: torch.Tensor, sta
             f"0 <= stable <= len <= block_table width {block_table.shape[1]} * {block_size}")
     if code == -3:
         raise ResidencyError(f"layer {layer}, batch entry {b}: row id out of range or repeated")
+    if code == -6:
+        raise ResidencyError(
+            f"layer {layer}, batch entry {b}: len={int(lens[b])} exceeds the "
+            f"{1 << (32 - max(1, (hot_size - 1).bit_length()))} positions the native table holds "
+            f"at topk_buffer_size={hot_size} (use a smaller buffer or use_native='off')")
     if code == -5:
         raise ResidencyError(f"layer={layer}, K={K}, block_size={block_size}: bad arguments "
                              f"(need K <= topk_buffer_size={hot_size}, block_size > 0)")
@@ -200,6 +208,7 @@ class TorchResidency:
     def __init__(self, num_layers: int, num_rows: int, hot_size: int):
         _check_dims(num_layers, num_rows, hot_size)
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
+        self.max_positions = 2**62  # int64 tensors: no practical limit
         self._rows: dict[tuple[int, int], _TwinRow] = {}
 
     def _fresh(self, tag: int, cap: int) -> _TwinRow:

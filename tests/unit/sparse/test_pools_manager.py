@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.sparse import native
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import (
     HostKVPool,
@@ -161,3 +162,16 @@ def test_remote_d2h_runs_coalesce_adjacent_blocks() -> None:
         pool.runs("d", 0, 25)
     addr, nbytes = pool.layer_region(2)
     assert nbytes == 64 * 2 * 2 and addr == pool.kv[2].data_ptr()
+
+
+def test_manager_refuses_requests_beyond_the_residency_positions() -> None:
+    """A request longer than the native table can index fails at admission, not mid-decode."""
+    if not native.available():
+        pytest.skip("native library unavailable")
+    cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=65536 - 8, index_topk=64,
+                              use_native="on")
+    m = SparseOffloadManager(cfg, num_layers=1, row_shape=(1,), dtype=torch.float32,
+                             block_size=8, max_requests=1, pool_rows=70000)
+    with pytest.raises(PoolCapacityError, match="max_tokens=65537 exceeds the 65536 positions"):
+        m.admit("long", 65537)
+    assert m.active_requests == [] and m.admit("ok", 65536) == 0

@@ -250,3 +250,25 @@ def test_generation_wrap_forgets_old_marks() -> None:
         assert nat.inspect(0, 0) == tw.inspect(0, 0)
     finally:
         lib.ao_res_debug_generation(prev)
+
+
+@needs_native
+def test_native_position_capacity_is_explicit() -> None:
+    """An entry packs position and slot into 32 bits: at H = 65534 (16 slot bits) a
+    request may reach 65536 positions. One more is refused naming the limit, and
+    the refused call changes nothing (the next valid call behaves like the twin)."""
+    H, block = 65534, 1024
+    nat, tw = NativeResidency(1, 1, H), TorchResidency(1, 1, H)
+    assert nat.max_positions == 1 << 16 and NativeResidency(1, 1, 4096).max_positions == 1 << 20
+    assert tw.max_positions > 1 << 40
+    bt = torch.arange(65, dtype=torch.int32).view(1, -1)
+
+    def call(impl, length: int, topk: list[int]):
+        return impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([length]),
+                            torch.tensor([length]), torch.tensor([topk]), bt, block)
+
+    with pytest.raises(ResidencyError, match=r"len=65537 exceeds the 65536 positions.*"
+                                             r"topk_buffer_size=65534"):
+        call(nat, 65537, [65536, 3])
+    a, b = call(nat, 65536, [65535, 3, 65535]), call(tw, 65536, [65535, 3, 65535])
+    assert a.slots.tolist() == b.slots.tolist() and a.miss_src.tolist() == b.miss_src.tolist()
