@@ -17,6 +17,7 @@ for the copy, a contiguous copy of the same byte count.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -127,12 +128,19 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
         bases = {"ref_hash": base_lib.ao_base_create(L, batch, H, 0),
                  "ref_direct": base_lib.ao_base_create(L, batch, H, 1)}
 
-        def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            return lib.ao_res_resolve(nat._h, layer, batch, rows.data_ptr(), tags.data_ptr(),
-                                      lens.data_ptr(), lens.data_ptr(), topk.data_ptr(), K,
+        # The product's call (NativeResidency.resolve uses the same packed block), minus
+        # the wrapper's tensor checks: fixed pointers once, the per-call ones per call.
+        block = (ctypes.c_int64 * 17)(0, batch, rows.data_ptr(), tags.data_ptr(), 0, 0, 0, K,
                                       bt.data_ptr(), nblk, args.block, out.data_ptr(),
                                       msrc.data_ptr(), mdst.data_ptr(), counts.data_ptr(), 1,
                                       err.data_ptr())
+        p_block = ctypes.addressof(block)
+
+        def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
+            block[0] = layer
+            block[4] = block[5] = lens.data_ptr()
+            block[6] = topk.data_ptr()
+            return lib.ao_res_resolve_packed(nat._h, p_block)
 
         def api(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
             # The Python wrapper an attention backend calls (conversions, ctypes, views).

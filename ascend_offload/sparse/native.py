@@ -180,6 +180,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.ao_res_inspect.restype = i32
     lib.ao_res_inspect.argtypes = [vp, i32, i32, vp, vp]
+    lib.ao_res_resolve_packed.restype = i64
+    lib.ao_res_resolve_packed.argtypes = [vp, vp]
     lib.ao_res_max_positions.restype = i64
     lib.ao_res_max_positions.argtypes = [vp]
     lib.ao_res_debug_generation.restype = i32

@@ -14,6 +14,7 @@ semantics are written down at the top of ``csrc_npu/residency.cpp``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 from typing import Protocol
@@ -113,12 +114,16 @@ class NativeResidency:
         topk, block_table = _host(topk), _host(block_table)
         tags = _host(tags, torch.int64)
         B, K = topk.shape
-        out, msrc, mdst, counts, err, p_out, p_msrc, p_mdst, p_counts, p_err = \
-            self._buffers(layer, B, K)
-        n = self._lib.ao_res_resolve(
-            self._h, layer, B, rows.data_ptr(), tags.data_ptr(), stable.data_ptr(),
-            lens.data_ptr(), topk.data_ptr(), K, block_table.data_ptr(), block_table.shape[1],
-            block_size, p_out, p_msrc, p_mdst, p_counts, self.nthreads, p_err)
+        out, msrc, mdst, counts, err, args, p_args = self._buffers(layer, B, K)
+        args[2] = rows.data_ptr()
+        args[3] = tags.data_ptr()
+        args[4] = stable.data_ptr()
+        args[5] = lens.data_ptr()
+        args[6] = topk.data_ptr()
+        args[8] = block_table.data_ptr()
+        args[9] = block_table.shape[1]
+        args[10] = block_size
+        n = self._lib.ao_res_resolve_packed(self._h, p_args)
         if n < 0:
             _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
                           block_table, block_size)
@@ -147,8 +152,11 @@ class NativeResidency:
             self._views = {k: v for k, v in self._views.items() if k[0] != layer}
         out, msrc, mdst, counts, err = buf
         out_v, counts_v = out[: B * K].view(B, K), counts[: 2 * B].view(B, 2)
-        views = (out_v, msrc, mdst, counts_v, err, out_v.data_ptr(), msrc.data_ptr(),
-                 mdst.data_ptr(), counts_v.data_ptr(), err.data_ptr())
+        # The argument block of ao_res_resolve_packed: outputs fixed here, inputs per call.
+        args = (ctypes.c_int64 * 17)(layer, B, 0, 0, 0, 0, 0, K, 0, 0, 0, out_v.data_ptr(),
+                                     msrc.data_ptr(), mdst.data_ptr(), counts_v.data_ptr(),
+                                     self.nthreads, err.data_ptr())
+        views = (out_v, msrc, mdst, counts_v, err, args, ctypes.addressof(args))
         self._views[(layer, B, K)] = views
         return views
 
