@@ -200,12 +200,14 @@ def has_openmp() -> bool:
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
-              *, nthreads: int = 1) -> None:
+              *, nthreads: int = 1, count: int | None = None) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for host tensors, with row prefetch.
 
     Both tensors must be contiguous host tensors with the same row layout;
-    indices int32. Raises ``RuntimeError`` if the library is unavailable and
-    ``IndexError`` naming the first out-of-range index.
+    indices int32. ``count`` copies only the first ``count`` index pairs (the
+    index tensors may be longer: no slicing op per call). Raises
+    ``RuntimeError`` if the library is unavailable and ``IndexError`` naming
+    the first out-of-range index.
     """
     lib = load()
     if lib is None:
@@ -223,8 +225,12 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     didx = dst_idx if dst_idx.dtype == torch.int32 and dst_idx.is_contiguous() else \
         dst_idx.to(torch.int32).contiguous()
     n = sidx.numel()
-    if n != didx.numel():
+    if count is None and n != didx.numel():
         raise ValueError(f"copy_rows: {n} source rows but {didx.numel()} destination rows")
+    if count is not None:
+        if not 0 <= count <= min(n, didx.numel()):
+            raise ValueError(f"copy_rows: count={count} outside [0, {min(n, didx.numel())}]")
+        n = count
     if n == 0:
         return
     rc = lib.ao_copy_rows(src.data_ptr(), src.shape[0], sidx.data_ptr(), dst.data_ptr(),

@@ -75,6 +75,7 @@ class HostKVPool:
             self._header = torch.zeros(self._header_slots, dtype=torch.int64)
         else:
             self.kv, self._header = self._map_shared(shared_name, shape, create)
+        self._layers = list(self.kv.unbind(0))  # per-layer views, made once (indexing is a torch op)
         self._free = list(range(self.num_blocks))  # kept sorted: lowest first
         self._tables: dict[str, list[int]] = {}
         self._table_tensors: dict[str, torch.Tensor] = {}
@@ -150,6 +151,11 @@ class HostKVPool:
         """The request's blocks (int32); fixed from admission on, so cached (do not modify)."""
         return self._table_tensors[req_id]
 
+    def block_list(self, req_id: str) -> list[int]:
+        """The same blocks as a list (do not modify): per-token lookups in Python
+        beat a dozen small torch ops when a decode step writes a token or two."""
+        return self._tables[req_id]
+
     def capacity(self, req_id: str) -> int:
         return len(self._tables[req_id]) * self.block_size
 
@@ -164,7 +170,7 @@ class HostKVPool:
 
     def layer(self, layer: int) -> torch.Tensor:
         """``[num_rows, *row_shape]`` view of one layer."""
-        return self.kv[layer]
+        return self._layers[layer]
 
     # ------------------------------------------------------------------ remote-D2H seam
 

@@ -37,16 +37,24 @@ class Resolved:
     """The result of one layer's resolve for a batch.
 
     The native implementation returns views of per-layer buffers: they stay
-    valid until the same layer is resolved again (the next step)."""
+    valid until the same layer is resolved again (the next step). The miss
+    lists are the first ``num_misses`` entries of ``src_rows``/``dst_rows``;
+    ``miss_src``/``miss_dst`` slice them on demand (a slice is a torch op,
+    ~3 us each here, and the native copy path needs none)."""
 
     slots: torch.Tensor  # [B, K] int32 global hot-buffer rows, -1 for padding
-    miss_src: torch.Tensor  # [M] int32 host-pool rows to copy
-    miss_dst: torch.Tensor  # [M] int32 hot-buffer rows they go to
+    src_rows: torch.Tensor  # [>= M] int32 host-pool rows to copy (first M valid)
+    dst_rows: torch.Tensor  # [>= M] int32 hot-buffer rows they go to
     counts: torch.Tensor  # [B, 2] int32: (valid positions, misses) per batch entry
+    num_misses: int  # M
 
     @property
-    def num_misses(self) -> int:
-        return int(self.miss_src.numel())
+    def miss_src(self) -> torch.Tensor:
+        return self.src_rows[: self.num_misses]
+
+    @property
+    def miss_dst(self) -> torch.Tensor:
+        return self.dst_rows[: self.num_misses]
 
 
 class Residency(Protocol):
@@ -127,7 +135,7 @@ class NativeResidency:
         if n < 0:
             _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
                           block_table, block_size)
-        return Resolved(out, msrc[:n], mdst[:n], counts)
+        return Resolved(out, msrc, mdst, counts, int(n))
 
     def _buffers(self, layer: int, B: int, K: int) -> tuple:
         """Per-layer output buffers (with their data pointers), allocated once: a
@@ -267,7 +275,7 @@ class TorchResidency:
             dsts.append(mdst)
         msrc_all = torch.cat(srcs).to(torch.int32) if srcs else torch.empty(0, dtype=torch.int32)
         mdst_all = torch.cat(dsts).to(torch.int32) if dsts else torch.empty(0, dtype=torch.int32)
-        return Resolved(out, msrc_all, mdst_all, counts)
+        return Resolved(out, msrc_all, mdst_all, counts, int(msrc_all.numel()))
 
     def _resolve_row(self, layer: int, b: int, row: int, tag: int, stable: int, length: int,
                      topk: torch.Tensor, bt: torch.Tensor, block_size: int

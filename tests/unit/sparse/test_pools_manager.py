@@ -175,3 +175,31 @@ def test_manager_refuses_requests_beyond_the_residency_positions() -> None:
     with pytest.raises(PoolCapacityError, match="max_tokens=65537 exceeds the 65536 positions"):
         m.admit("long", 65537)
     assert m.active_requests == [] and m.admit("ok", 65536) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 65, 300])
+def test_new_kv_rows_same_through_small_and_bulk_paths(chunk: int) -> None:
+    """A decode step's few tokens map to host rows in Python, a prefill-sized write
+    through torch ops: both must put every row in the same place, and both must
+    reject a position outside the step batch naming it."""
+    cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=8, index_topk=4)
+    m = SparseOffloadManager(cfg, num_layers=1, row_shape=(2,), dtype=torch.float32,
+                             block_size=4, max_requests=2, pool_rows=1024)
+    m.admit("a", 300)
+    m.admit("b", 120)
+    m.begin_step([StepEntry("a", 300, 300), StepEntry("b", 120, 120)])
+    pos = torch.tensor([[0, p] for p in range(300)] + [[1, p] for p in range(120)])
+    kv = torch.arange(pos.shape[0] * 2, dtype=torch.float32).view(-1, 2)
+    for i in range(0, pos.shape[0], chunk):
+        m.offload_new_kv(0, kv[i:i + chunk], pos[i:i + chunk])
+    for (b, p), row in zip(pos.tolist(), kv, strict=True):
+        req = ("a", "b")[b]
+        host = m.pool.rows_for(req, torch.tensor([p]))
+        assert torch.equal(m.pool.layer(0)[host[0]], row), (req, p)
+    bad = pos[:chunk].clone()
+    bad[-1] = torch.tensor([1, 120])
+    with pytest.raises(IndexError, match="position 120 of batch entry 1"):
+        m.offload_new_kv(0, kv[: bad.shape[0]], bad)
+    bad[-1] = torch.tensor([2, 0])
+    with pytest.raises(IndexError, match="batch index outside the step batch"):
+        m.offload_new_kv(0, kv[: bad.shape[0]], bad)
