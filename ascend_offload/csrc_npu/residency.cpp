@@ -360,16 +360,15 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
 
   // 2: one pass over the live entries in LRU order: hits resolve their top-k
   // index, speculative entries are freed, the rest stay (compacted in place).
-  int32_t nk = 0, j = 0;
+  int32_t nk = 0, j = 0, nh = 0;
+  int32_t* __restrict hit_i = sc.hit_i.data();
+  int32_t* __restrict hit_s = sc.hit_s.data();
 #ifdef AO_X86_AVX2
-  if (avx2) {
-    int32_t nh = 0;
-    int32_t* hit_i = sc.hit_i.data();
-    int32_t* hit_s = sc.hit_s.data();
-    nk = scan_avx2(ent, r.n, sb, smask, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
-    for (int32_t k = 0; k < nh; ++k) out[hit_i[k]] = base + hit_s[k];
-  }
+  if (avx2) nk = scan_avx2(ent, r.n, sb, smask, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
 #endif
+  // Scalar path (aarch64, the tail, ASCEND_OFFLOAD_NATIVE_SIMD=0): branch-free
+  // on hit / keep, which is a coin toss per entry (a branch mispredicts a third
+  // of the time); both candidate slots are written and the counters decide.
   for (; j < r.n; ++j) {
     const uint32_t e = ent[j];
     const int32_t p = int32_t(e >> sb);
@@ -379,12 +378,14 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
       continue;
     }
     const uint32_t v = mark[p];
-    if ((v >> 16) == gen) {
-      out[v & 0xFFFF] = base + s;
-    } else {
-      ent[nk++] = e;
-    }
+    const int32_t hit = int32_t((v >> 16) == gen);
+    hit_i[nh] = int32_t(v & 0xFFFF);
+    hit_s[nh] = s;
+    nh += hit;
+    ent[nk] = e;
+    nk += 1 - hit;
   }
+  for (int32_t k = 0; k < nh; ++k) out[hit_i[k]] = base + hit_s[k];
 
   // 3: the distinct misses: valid first occurrences still unresolved (-1).
   int32_t* __restrict miss_i = sc.miss_i.data();
@@ -413,8 +414,9 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
 #ifdef AO_X86_AVX2
   if (avx2) n = append_hits_avx2(topk, out, K, base, sb, ent, n, &i0);
 #endif
-  for (int32_t i = i0; i < K; ++i) {
-    if (out[i] >= 0) ent[n++] = (uint32_t(topk[i]) << sb) | uint32_t(out[i] - base);
+  for (int32_t i = i0; i < K; ++i) {  // branch-free, as in the scan
+    ent[n] = (uint32_t(topk[i]) << sb) | uint32_t(out[i] - base);
+    n += int32_t(out[i] >= 0);
   }
   const int32_t bs = a.block_size;
   const int32_t* __restrict bt = a.bt;
