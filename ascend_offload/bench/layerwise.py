@@ -224,6 +224,10 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
         transfer0 = bench.transfer_alone(args.reps)
         shared0 = [t for n, t in transfer0.items() if bench.plan.is_shared(n)] or list(transfer0.values())
         target = statistics.median(shared0) * args.compute_scale
+        # A layer's compute includes its KV write: size the stand-in to the rest, so that
+        # compute ~= transfer (the balanced case) holds for the whole layer.
+        kv_write = statistics.median(_compute_alone(_Compute(0.0, "sleep"), bench).values())
+        target = max(target - kv_write, 0.1 * target)
         if args.compute_ms is not None:
             target = args.compute_ms / 1e3
         compute = _Compute(target, args.compute_kind, args.compute_ops)
