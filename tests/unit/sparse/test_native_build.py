@@ -88,6 +88,14 @@ def test_native_copy_rows_matches_torch_and_checks_bounds() -> None:
                          torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="row layout"):
         native.copy_rows(src, sidx, torch.zeros(20, 6), didx)
+    # count=: only the first pairs of longer index buffers (the resolver's miss lists)
+    part = torch.zeros(20, 7)
+    native.copy_rows(src, sidx, part, didx, count=2)
+    want = torch.zeros(20, 7)
+    want[didx[:2].long()] = src[sidx[:2].long()]
+    assert torch.equal(part, want)
+    with pytest.raises(ValueError, match="count=5 outside"):
+        native.copy_rows(src, sidx, part, didx, count=5)
 
 
 def test_manager_uses_native_when_asked() -> None:
