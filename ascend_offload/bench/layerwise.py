@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=16, help="cache-bearing layers N")
     p.add_argument("--shared-buffers", default="1,2,3", help="B values to run (comma list)")
     p.add_argument("--independent", default="0", help="independent layers (comma list or 'all')")
-    p.add_argument("--prefetch", type=int, default=1, help="layerwise_prefetch_layers")
+    p.add_argument("--prefetch", type=int, default=2, help="layerwise_prefetch_layers (the product default)")
     p.add_argument("--page-kib", type=int, default=1024,
                    help="bytes of one layer's block page, KiB (1 MiB x 16 blocks = 16 MiB per layer: a 32k-token prefix of a DeepSeek-V3.2-class layer is ~21 MiB)")
     p.add_argument("--load-blocks", type=int, default=16, help="earlier-chunk blocks reloaded per shared layer")

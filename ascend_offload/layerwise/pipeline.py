@@ -254,7 +254,7 @@ class LayerwisePipeline:
         store: KVStore,
         *,
         key_fn: KeyFn = default_key,
-        prefetch_layers: int = 1,
+        prefetch_layers: int = 2,
         load_timeout_s: float = 30.0,
         save_timeout_s: float = 30.0,
         save_delay_s: float = 0.0,
