@@ -21,7 +21,7 @@ def test_bench_smoke(tmp_path: Path, capsys) -> None:
     for r in data["results"]:
         assert r["load_errors"] == 0 and r["save_errors"] == 0
         assert r["ideal_ms"] > 0 and r["achieved_ms"] > 0 and r["serial_ms"] >= r["ideal_ms"]
-        assert len(r["rounds"]) == 2
+        assert len(r["rounds"]) == 2 and r["no_traffic_vs_compute"] > 0
     assert data["results"][0]["physical_buffers"] == 2
 
 
