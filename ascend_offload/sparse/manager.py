@@ -100,7 +100,8 @@ class SparseOffloadManager:
                               device)
         self.residency = residency if residency is not None else make_residency(
             num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads)
-        self._native_copy = self.hot.device.type == "cpu" and native.available()
+        self._hot_on_host = self.hot.device.type == "cpu"  # the resolver's slots are host tensors
+        self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()
         self._tag_counter = itertools.count(1)
         self._rows: dict[str, tuple[int, int]] = {}  # req_id -> (row, tag)
@@ -256,7 +257,8 @@ class SparseOffloadManager:
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
         res = self.residency.resolve(layer, b["rows"], b["tags"], b["stable"], b["lens"],
-                                     topk.to("cpu"), b["block_table"], self.block_size)
+                                     topk if topk.is_cpu else topk.to("cpu"),
+                                     b["block_table"], self.block_size)
         n = res.num_misses
         if n:
             src = self.pool.layer(layer)
@@ -269,12 +271,11 @@ class SparseOffloadManager:
             done = dev.new_event()
             done.record(self._stream)
             dev.current_stream().wait_event(done)
-        self.stats.resolved_positions += int(res.counts.numpy()[:, 0].sum())  # numpy: no dispatch cost
+        self.stats.resolved_positions += res.num_valid
         self.stats.miss_rows += n
         self.stats.onload_bytes += n * self.pool.row_bytes
         slots = res.slots
-        return slots if slots.device == self.hot.device else slots.to(self.hot.device,
-                                                                     non_blocking=True)
+        return slots if self._hot_on_host else slots.to(self.hot.device, non_blocking=True)
 
     def _host_rows_small(self, pos: list[list[int]]) -> list[int]:
         """:meth:`_host_rows` for a decode step's few new tokens, in Python: the

@@ -76,6 +76,7 @@ def _replay(impls: list, oracle: Oracle, tr: dict) -> None:
             assert list(zip(res.miss_src.tolist(), res.miss_dst.tolist(), strict=True)) == want_miss
             assert res.counts[:, 1].sum().item() == len(want_miss)
             assert res.counts[:, 0].tolist() == [sum(p >= 0 for p in e[4]) for e in entries]
+            assert res.num_valid == sum(res.counts[:, 0].tolist())
         for r in rows:
             views = [impl.inspect(layer, r) for impl in impls]
             assert all(v == views[0] for v in views), f"state differs after call {n}"
