@@ -130,16 +130,18 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
 
         # The product's call (NativeResidency.resolve uses the same packed block), minus
         # the wrapper's tensor checks: fixed pointers once, the per-call ones per call.
-        block = (ctypes.c_int64 * 17)(0, batch, rows.data_ptr(), tags.data_ptr(), 0, 0, 0, K,
-                                      bt.data_ptr(), nblk, args.block, out.data_ptr(),
-                                      msrc.data_ptr(), mdst.data_ptr(), counts.data_ptr(), 1,
-                                      err.data_ptr())
+        block = native.resolve_args(layer=0, batch=batch, k=K, out=out.data_ptr(),
+                                    msrc=msrc.data_ptr(), mdst=mdst.data_ptr(),
+                                    counts=counts.data_ptr(), err=err.data_ptr(),
+                                    rows=rows.data_ptr(), tags=tags.data_ptr(),
+                                    block_table=bt.data_ptr(), bt_stride=nblk,
+                                    block_size=args.block)
         p_block = ctypes.addressof(block)
 
         def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            block[0] = layer
-            block[4] = block[5] = lens.data_ptr()
-            block[6] = topk.data_ptr()
+            block[native.ARG_LAYER] = layer
+            block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
+            block[native.ARG_TOPK] = topk.data_ptr()
             return lib.ao_res_resolve_packed(nat._h, p_block)
 
         def api(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:

@@ -190,6 +190,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
 
 
+# Slots of the int64 argument block of ``ao_res_resolve_packed`` that change per call
+# (the block follows ``ao_res_resolve``'s argument order; see :func:`resolve_args`).
+ARG_LAYER, ARG_ROWS, ARG_TAGS, ARG_STABLE, ARG_LENS, ARG_TOPK = 0, 2, 3, 4, 5, 6
+ARG_BLOCK_TABLE, ARG_BT_STRIDE, ARG_BLOCK_SIZE = 8, 9, 10
+
+
+def resolve_args(*, layer: int, batch: int, k: int, out: int, msrc: int, mdst: int, counts: int,
+                 err: int, nthreads: int = 1, rows: int = 0, tags: int = 0, block_table: int = 0,
+                 bt_stride: int = 0, block_size: int = 0) -> ctypes.Array:
+    """The argument block of ``ao_res_resolve_packed`` (pointers as ints). Made once per
+    call shape; the caller rewrites the ``ARG_*`` slots that change per call."""
+    return (ctypes.c_int64 * 17)(layer, batch, rows, tags, 0, 0, 0, k, block_table, bt_stride,
+                                 block_size, out, msrc, mdst, counts, nthreads, err)
+
+
 def available() -> bool:
     return load() is not None
 

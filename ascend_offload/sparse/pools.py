@@ -198,13 +198,13 @@ class HostKVPool:
 
     def layer_region(self, layer: int) -> tuple[int, int]:
         """``(address, nbytes)`` of one layer's rows, for transfer-engine registration."""
-        t = self.kv[layer]
+        t = self._layers[layer]
         return t.data_ptr(), t.numel() * t.element_size()
 
     def write_rows(self, layer: int, req_id: str, start: int, rows: torch.Tensor) -> None:
         """Write ``rows`` as positions ``start..`` of a request (prompt KV, tests)."""
         pos = torch.arange(start, start + rows.shape[0])
-        dev.scatter_rows(rows.to("cpu"), self.rows_for(req_id, pos), self.kv[layer])
+        dev.scatter_rows(rows.to("cpu"), self.rows_for(req_id, pos), self._layers[layer])
 
     # ------------------------------------------------------------------ TP fence
 

@@ -22,6 +22,16 @@ from typing import Protocol
 import torch
 
 from ascend_offload.sparse import native
+from ascend_offload.sparse.native import (
+    ARG_BLOCK_SIZE,
+    ARG_BLOCK_TABLE,
+    ARG_BT_STRIDE,
+    ARG_LENS,
+    ARG_ROWS,
+    ARG_STABLE,
+    ARG_TAGS,
+    ARG_TOPK,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,18 +134,18 @@ class NativeResidency:
         tags = _host(tags, torch.int64)
         B, K = topk.shape
         out, msrc, mdst, counts, err, args, p_args, counts_c = self._buffers(layer, B, K)
-        args[2] = rows.data_ptr()
-        args[3] = tags.data_ptr()
-        args[4] = stable.data_ptr()
-        args[5] = lens.data_ptr()
-        args[6] = topk.data_ptr()
-        args[8] = block_table.data_ptr()
-        args[9] = block_table.shape[1]
-        args[10] = block_size
+        args[ARG_ROWS] = rows.data_ptr()
+        args[ARG_TAGS] = tags.data_ptr()
+        args[ARG_STABLE] = stable.data_ptr()
+        args[ARG_LENS] = lens.data_ptr()
+        args[ARG_TOPK] = topk.data_ptr()
+        args[ARG_BLOCK_TABLE] = block_table.data_ptr()
+        args[ARG_BT_STRIDE] = block_table.shape[1]
+        args[ARG_BLOCK_SIZE] = block_size
         n = self._lib.ao_res_resolve_packed(self._h, p_args)
         if n < 0:
             _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
-                          block_table, block_size)
+                          block_table, block_size, self.max_positions)
         # The valid total through a ctypes view: a numpy/torch sum costs ~7 us here.
         return Resolved(out, msrc, mdst, counts, int(n), sum(counts_c[0::2]))
 
@@ -162,10 +172,11 @@ class NativeResidency:
             self._views = {k: v for k, v in self._views.items() if k[0] != layer}
         out, msrc, mdst, counts, err = buf
         out_v, counts_v = out[: B * K].view(B, K), counts[: 2 * B].view(B, 2)
-        # The argument block of ao_res_resolve_packed: outputs fixed here, inputs per call.
-        args = (ctypes.c_int64 * 17)(layer, B, 0, 0, 0, 0, 0, K, 0, 0, 0, out_v.data_ptr(),
-                                     msrc.data_ptr(), mdst.data_ptr(), counts_v.data_ptr(),
-                                     self.nthreads, err.data_ptr())
+        # Outputs fixed here, inputs per call.
+        args = native.resolve_args(layer=layer, batch=B, k=K, out=out_v.data_ptr(),
+                                   msrc=msrc.data_ptr(), mdst=mdst.data_ptr(),
+                                   counts=counts_v.data_ptr(), err=err.data_ptr(),
+                                   nthreads=self.nthreads)
         counts_c = (ctypes.c_int32 * (2 * B)).from_address(counts_v.data_ptr())
         views = (out_v, msrc, mdst, counts_v, err, args, ctypes.addressof(args), counts_c)
         self._views[(layer, B, K)] = views
@@ -187,7 +198,7 @@ class NativeResidency:
 
 def _raise_native(code: int, err: list[int], layer: int, rows: torch.Tensor, stable: torch.Tensor,
                   lens: torch.Tensor, topk: torch.Tensor, K: int, hot_size: int,
-                  block_table: torch.Tensor, block_size: int) -> None:
+                  block_table: torch.Tensor, block_size: int, max_positions: int) -> None:
     b, i = err
     if code == -1:
         raise ResidencyError(
@@ -202,7 +213,7 @@ def _raise_native(code: int, err: list[int], layer: int, rows: torch.Tensor, sta
     if code == -6:
         raise ResidencyError(
             f"layer {layer}, batch entry {b}: len={int(lens[b])} exceeds the "
-            f"{1 << (32 - max(1, (hot_size - 1).bit_length()))} positions the native table holds "
+            f"{max_positions} positions the native table holds "
             f"at topk_buffer_size={hot_size} (use a smaller buffer or use_native='off')")
     if code == -5:
         raise ResidencyError(f"layer={layer}, K={K}, block_size={block_size}: bad arguments "
