@@ -109,6 +109,11 @@ class _Bench:
         self.load = tuple(BlockRef(i, f"ctx{i}") for i in range(args.load_blocks))
         self.step_no = 0
         self.src = torch.randn(args.save_blocks, self.page_elems)
+        self._new = slice(args.load_blocks, args.load_blocks + args.save_blocks)
+
+    def write_new_kv(self, layer: str) -> None:
+        """The layer's new KV of this step, written into its own blocks (as the model does)."""
+        self.kv[layer][self._new].copy_(self.src)
 
     def _save_refs(self) -> tuple[BlockRef, ...]:
         self.step_no += 1
@@ -128,12 +133,11 @@ class _Bench:
         """One pipelined step; ``traffic=False`` runs the same hooks with nothing to
         load or save (the pipeline's own fixed cost)."""
         io = StepIO(load_shared=self.load, save=self._save_refs()) if traffic else StepIO()
-        new = slice(self.args.load_blocks, self.args.load_blocks + self.args.save_blocks)
         t0 = time.perf_counter()
         self.pipe.start_step(io)
         for layer in self.plan.layers:
             # vLLM's order: the layer's new KV is written, then its hook, attention, save.
-            self.kv[layer][new].copy_(self.src)
+            self.write_new_kv(layer)
             self.pipe.wait_for_layer_load(layer)
             if compute is not None:
                 compute.run()
@@ -207,11 +211,10 @@ def _compute_alone(compute: _Compute, bench: _Bench) -> dict[str, float]:
     cache (4 MiB in ~0.15 ms here) while the step's writes rotate over the slots' buffers
     and run at memory speed (~0.5 ms): a baseline the step could never reach.
     """
-    new = slice(bench.args.load_blocks, bench.args.load_blocks + bench.args.save_blocks)
     out: dict[str, float] = {}
     for layer in bench.plan.layers:
         t0 = time.perf_counter()
-        bench.kv[layer][new].copy_(bench.src)
+        bench.write_new_kv(layer)
         compute.run()
         out[layer] = time.perf_counter() - t0
     return out
