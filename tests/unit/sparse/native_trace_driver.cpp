@@ -1,6 +1,7 @@
 // Deterministic trace through ao_res_resolve + ao_copy_rows; prints a checksum.
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 extern "C" {
 void* ao_res_create(int32_t, int32_t, int32_t);
@@ -36,5 +37,15 @@ int main() {
   std::vector<int32_t> si(200), di(200); for (int i = 0; i < 200; i++) { si[i] = (i * 13) % 1000; di[i] = (i * 7) % 300; }
   mix(ao_copy_rows(src.data(), 1000, si.data(), dst.data(), 300, di.data(), 200, 48, 1));
   for (auto v : dst) mix(v);
+  // 32-byte aligned 96-byte rows: the AVX2 streaming copy (SSE / memcpy elsewhere)
+  uint8_t* a_src = static_cast<uint8_t*>(std::aligned_alloc(64, 500 * 96));
+  uint8_t* a_dst = static_cast<uint8_t*>(std::aligned_alloc(64, 300 * 96));
+  for (int i = 0; i < 500 * 96; i++) a_src[i] = uint8_t(i * 11 + 3);
+  for (int i = 0; i < 300 * 96; i++) a_dst[i] = 0;
+  for (int i = 0; i < 200; i++) { si[i] = (i * 17) % 500; di[i] = (i * 3) % 300; }
+  mix(ao_copy_rows(a_src, 500, si.data(), a_dst, 300, di.data(), 200, 96, 1));
+  for (int i = 0; i < 300 * 96; i++) mix(a_dst[i]);
+  std::free(a_src);
+  std::free(a_dst);
   printf("%016llx\n", (unsigned long long)sum);
 }

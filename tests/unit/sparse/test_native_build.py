@@ -109,8 +109,9 @@ def test_manager_uses_native_when_asked() -> None:
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_vector_and_scalar_paths_give_identical_results(tmp_path) -> None:
-    """The AVX2 paths (when the CPU has them) and the scalar paths give the same
-    checksum on the random trace (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces scalar)."""
+    """The AVX-512 and AVX2 paths (when the CPU has them) and the scalar paths give
+    the same checksum on the random trace (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces
+    scalar, =2 caps at AVX2)."""
     src = native.source_dir()
     drv = Path(__file__).with_name("native_trace_driver.cpp")
     exe = tmp_path / "drv"
@@ -120,10 +121,14 @@ def test_vector_and_scalar_paths_give_identical_results(tmp_path) -> None:
     env = dict(os.environ)
     vec = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True,
                          env=env)
+    env["ASCEND_OFFLOAD_NATIVE_SIMD"] = "2"
+    avx2 = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True,
+                          env=env)
     env["ASCEND_OFFLOAD_NATIVE_SIMD"] = "0"
     sca = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True,
                          env=env)
     assert vec.stdout.strip() and vec.stdout.strip() == sca.stdout.strip()
+    assert avx2.stdout.strip() == sca.stdout.strip()
 
 
 @pytest.mark.skipif(
