@@ -128,25 +128,36 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
         bases = {"ref_hash": base_lib.ao_base_create(L, batch, H, 0),
                  "ref_direct": base_lib.ao_base_create(L, batch, H, 1)}
 
-        # The product's call (NativeResidency.resolve uses the same packed block), minus
-        # the wrapper's tensor checks: fixed pointers once, the per-call ones per call.
-        block = native.resolve_args(layer=0, batch=batch, k=K, out=out.data_ptr(),
-                                    msrc=msrc.data_ptr(), mdst=mdst.data_ptr(),
-                                    counts=counts.data_ptr(), err=err.data_ptr(),
-                                    rows=rows.data_ptr(), tags=tags.data_ptr(),
-                                    block_table=bt.data_ptr(), bt_stride=nblk,
-                                    block_size=args.block)
-        p_block = ctypes.addressof(block)
+        # The product's call as NativeResidency.resolve_layer makes it, minus the
+        # wrapper's checks: one packed block per layer, the step's pointers written into
+        # it once per step (on the layer's first call), the top-k pointer per call.
+        blocks = [native.resolve_args(layer=layer, batch=batch, k=K, out=out.data_ptr(),
+                                      msrc=msrc.data_ptr(), mdst=mdst.data_ptr(),
+                                      counts=counts.data_ptr(), err=err.data_ptr(),
+                                      rows=rows.data_ptr(), tags=tags.data_ptr(),
+                                      block_table=bt.data_ptr(), bt_stride=nblk,
+                                      block_size=args.block) for layer in range(L)]
+        p_blocks = [ctypes.addressof(b) for b in blocks]
+        bound: list[torch.Tensor | None] = [None] * L
+        call, h = lib.ao_res_resolve_packed, nat._h
 
         def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            block[native.ARG_LAYER] = layer
-            block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
+            block = blocks[layer]
+            if bound[layer] is not lens:  # a new step
+                block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
+                bound[layer] = lens
             block[native.ARG_TOPK] = topk.data_ptr()
-            return lib.ao_res_resolve_packed(nat._h, p_block)
+            return call(h, p_blocks[layer])
+
+        api_step: list[torch.Tensor | None] = [None]
 
         def api(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            # The Python wrapper an attention backend calls (conversions, ctypes, views).
-            return nat_api.resolve(layer, rows, tags, lens, lens, topk, bt, args.block).num_misses
+            # What an attention backend calls: the step bound once (the manager's
+            # begin_step), then the wrapper per layer (checks, ctypes, result views).
+            if api_step[0] is not lens:
+                nat_api.bind_step(rows, tags, lens, lens, bt, args.block)
+                api_step[0] = lens
+            return nat_api.resolve_layer(layer, topk).num_misses
 
         def baseline(name: str):
             def run(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:

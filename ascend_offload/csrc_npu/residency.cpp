@@ -13,10 +13,10 @@
 // entry (ABI 5) instead of int32 + uint16 (ABI 4) halves the bytes the scan
 // moves and drops a load, a widening and a pack per 8 entries.  The price is
 // a position limit of 2^(32 - slot_bits) tokens (2^20 at H = 4096), checked
-// per call (kErrCapacity) and exposed through ao_res_max_positions.  The top-k is joined against it
-// through a per-thread scratch indexed by position (tagged with a generation,
-// so it is never cleared between calls), which every row and layer share and
-// which therefore stays in cache.  An earlier design kept a position -> slot
+// per call (kErrCapacity) and exposed through ao_res_max_positions.  The
+// top-k is joined against it through a per-thread membership bitmap indexed
+// by position (L1-sized at 32k tokens; see Scratch), which every row and
+// layer share and which therefore stays in cache.  An earlier design kept a position -> slot
 // map per row (2 bytes per token: 64 KiB at 32k tokens, touched at random)
 // plus a recency ring: 3x slower once 61 layers' states no longer fit in the
 // caches, which is the normal case (docs/bench-sparse.md).  A call costs
@@ -50,7 +50,7 @@
 
 namespace {
 
-constexpr int32_t kAbiVersion = 5;
+constexpr int32_t kAbiVersion = 6;
 constexpr int32_t kSpare = 16;  // vector stores write whole groups past a count
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
@@ -129,34 +129,37 @@ struct RowArgs {
   int32_t* mdst;
 };
 
-// Per-thread working memory.  `mark[p]` = gen << 16 | first top-k index of p
-// in the current call (gen changes every call, so stale marks never match).
+// Per-thread working memory, shared by every row and layer a thread resolves.
+//   * `bits`: one bit per position, set for the positions of the current
+//     top-k and cleared again before the call returns.  At 32k tokens it is
+//     4 KiB, so the scan's per-entry membership test hits L1;
+//   * `first[p]`: the first top-k index of p in this call, valid only where
+//     the bit is set (no clearing needed), read only for hits (~K * hit rate).
+// Why (ABI 6): ABI 5 kept one 32-bit generation-tagged mark per position
+// (128 KiB at 32k tokens, in L2) and read it for each of the H live entries;
+// those scattered L2 reads were most of a call (an L1-sized stand-in made the
+// scan 4x faster).  Now the scan's H reads go to L1 and only the hits read L2.
 struct Scratch {
-  std::vector<uint32_t> mark;
-  uint32_t gen = 0;
+  std::vector<uint32_t> bits;    // (len + 31) / 32 + kSpare words
+  std::vector<uint16_t> first;   // len + 1 (K <= H <= 65534 fits)
   std::vector<int32_t> miss_i;  // K + kSpare
   std::vector<int32_t> dup_i;   // K
   std::vector<int32_t> dest;    // K
-  std::vector<int32_t> hit_i;   // K + kSpare: the scan's hits (top-k index, slot)
+  std::vector<int32_t> hit_p;   // K + kSpare: the scan's hits (position, slot)
   std::vector<int32_t> hit_s;
   void fit(int32_t K, int32_t len) {
     if (int32_t(miss_i.size()) < K + kSpare) {
-      hit_i.resize(size_t(K) + kSpare);
+      hit_p.resize(size_t(K) + kSpare);
       hit_s.resize(size_t(K) + kSpare);
       miss_i.resize(size_t(K) + kSpare);
       dup_i.resize(size_t(K) + kSpare);
       dest.resize(size_t(K) + kSpare);
     }
-    if (int64_t(mark.size()) < int64_t(len) + 1) {
-      mark.resize(std::max<size_t>(size_t(len) + 1, mark.size() * 2), 0);
+    const size_t words = size_t(len) / 32 + 1 + kSpare;
+    if (bits.size() < words) bits.resize(std::max(words, bits.size() * 2), 0u);
+    if (int64_t(first.size()) < int64_t(len) + 1) {
+      first.resize(std::max<size_t>(size_t(len) + 1, first.size() * 2), 0);
     }
-  }
-  uint32_t next_gen() {
-    if (++gen > 0xFFFFu) {  // wrapped: forget every mark once
-      std::fill(mark.begin(), mark.end(), 0u);
-      gen = 1;
-    }
-    return gen;
   }
 };
 
@@ -221,37 +224,37 @@ __attribute__((target("avx2"))) inline __m256i pack_idx(uint32_t m) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.idx[m]));
 }
 
-// Scan of the live entries [0, n): hits write their output slot; entries at
-// or beyond `stable` are freed (returned through spec_mask bits per group);
-// the rest are kept, compacted in place.  Returns the kept count; *j_out is
-// where the scalar tail starts.
+// Scan of the live entries [0, n): hits are listed (position, slot); entries
+// at or beyond `stable` are freed; the rest are kept, compacted in place.
+// `bits` is the top-k membership bitmap, `wmax` its last word.  Returns the
+// kept count; *j_out is where the scalar tail starts.
 __attribute__((target("avx2"))) int32_t scan_avx2(
-    uint32_t* ent, int32_t n, int32_t slot_bits, uint32_t slot_mask, const uint32_t* mark,
-    int32_t mark_max, uint32_t gen, int32_t stable, int32_t* hit_i, int32_t* hit_s,
-    int32_t* nh_out, Row& r, int32_t* j_out) {
-  const __m256i vgen = _mm256_set1_epi32(int32_t(gen)), low16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i vmask = _mm256_set1_epi32(int32_t(slot_mask));
+    uint32_t* ent, int32_t n, int32_t slot_bits, uint32_t slot_mask, const uint32_t* bits,
+    int32_t wmax, int32_t stable, int32_t* hit_p, int32_t* hit_s, int32_t* nh_out, Row& r,
+    int32_t* j_out) {
+  const __m256i vmask = _mm256_set1_epi32(int32_t(slot_mask)), v31 = _mm256_set1_epi32(31);
+  const __m256i one = _mm256_set1_epi32(1);
   const __m128i vsb = _mm_cvtsi32_si128(slot_bits);
-  const __m256i vstable1 = _mm256_set1_epi32(stable - 1), vmax = _mm256_set1_epi32(mark_max);
-  const int* mark32 = reinterpret_cast<const int*>(mark);
+  const __m256i vstable1 = _mm256_set1_epi32(stable - 1), vmax = _mm256_set1_epi32(wmax);
+  const int* words = reinterpret_cast<const int*>(bits);
   int32_t nk = 0, nh = 0, j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ent + j));
     const __m256i p = _mm256_srl_epi32(e, vsb);
     const __m256i s = _mm256_and_si256(e, vmask);
     // Eight scalar loads, not vpgatherdd: measured ~8 % faster on Zen 3.
-    alignas(32) int32_t pp[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pp), _mm256_min_epi32(p, vmax));
-    const __m256i v = _mm256_setr_epi32(mark32[pp[0]], mark32[pp[1]], mark32[pp[2]], mark32[pp[3]],
-                                        mark32[pp[4]], mark32[pp[5]], mark32[pp[6]], mark32[pp[7]]);
+    alignas(32) int32_t pw[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw), _mm256_min_epi32(_mm256_srli_epi32(p, 5), vmax));
+    const __m256i w = _mm256_setr_epi32(words[pw[0]], words[pw[1]], words[pw[2]], words[pw[3]],
+                                        words[pw[4]], words[pw[5]], words[pw[6]], words[pw[7]]);
+    const __m256i in = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_and_si256(p, v31)), one);
     const __m256i spec = _mm256_cmpgt_epi32(p, vstable1);
-    const __m256i touched = _mm256_cmpeq_epi32(_mm256_srli_epi32(v, 16), vgen);
+    const __m256i touched = _mm256_cmpeq_epi32(in, one);
     const uint32_t sm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(spec)));
     const uint32_t tm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(touched)));
     const uint32_t hm = tm & ~sm, km = ~(tm | sm) & 0xFFu;
     const __m256i hp = pack_idx(hm);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_i + nh),
-                        _mm256_permutevar8x32_epi32(_mm256_and_si256(v, low16), hp));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_p + nh), _mm256_permutevar8x32_epi32(p, hp));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_s + nh), _mm256_permutevar8x32_epi32(s, hp));
     nh += __builtin_popcount(hm);
     if (__builtin_expect(sm != 0, 0)) {
@@ -323,23 +326,23 @@ bool use_avx512() {
 }
 
 __attribute__((target("avx512f,avx512vl"))) int32_t scan_avx512(
-    uint32_t* ent, int32_t n, int32_t slot_bits, uint32_t slot_mask, const uint32_t* mark,
-    int32_t mark_max, uint32_t gen, int32_t stable, int32_t* hit_i, int32_t* hit_s,
-    int32_t* nh_out, Row& r, int32_t* j_out) {
-  const __m512i vgen = _mm512_set1_epi32(int32_t(gen)), low16 = _mm512_set1_epi32(0xFFFF);
-  const __m512i vmask = _mm512_set1_epi32(int32_t(slot_mask));
+    uint32_t* ent, int32_t n, int32_t slot_bits, uint32_t slot_mask, const uint32_t* bits,
+    int32_t wmax, int32_t stable, int32_t* hit_p, int32_t* hit_s, int32_t* nh_out, Row& r,
+    int32_t* j_out) {
+  const __m512i vmask = _mm512_set1_epi32(int32_t(slot_mask)), v31 = _mm512_set1_epi32(31);
+  const __m512i one = _mm512_set1_epi32(1);
   const __m128i vsb = _mm_cvtsi32_si128(slot_bits);
-  const __m512i vstable1 = _mm512_set1_epi32(stable - 1), vmax = _mm512_set1_epi32(mark_max);
+  const __m512i vstable1 = _mm512_set1_epi32(stable - 1), vmax = _mm512_set1_epi32(wmax);
   int32_t nk = 0, nh = 0, j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512i e = _mm512_loadu_si512(ent + j);
     const __m512i p = _mm512_srl_epi32(e, vsb);
     const __m512i s = _mm512_and_si512(e, vmask);
-    const __m512i v = _mm512_i32gather_epi32(_mm512_min_epi32(p, vmax), mark, 4);
+    const __m512i w = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_srli_epi32(p, 5), vmax), bits, 4);
     const __mmask16 sm = _mm512_cmpgt_epi32_mask(p, vstable1);
-    const __mmask16 tm = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(v, 16), vgen);
+    const __mmask16 tm = _mm512_test_epi32_mask(_mm512_srlv_epi32(w, _mm512_and_si512(p, v31)), one);
     const __mmask16 hm = tm & ~sm, km = ~(tm | sm);
-    _mm512_storeu_si512(hit_i + nh, _mm512_maskz_compress_epi32(hm, _mm512_and_si512(v, low16)));
+    _mm512_storeu_si512(hit_p + nh, _mm512_maskz_compress_epi32(hm, p));
     _mm512_storeu_si512(hit_s + nh, _mm512_maskz_compress_epi32(hm, s));
     nh += __builtin_popcount(hm);
     if (__builtin_expect(sm != 0, 0)) {
@@ -392,6 +395,19 @@ __attribute__((target("avx512f,avx512vl"))) int32_t append_hits_avx512(
 
 // ---------------------------------------------------------------- one row
 
+// Leaves the membership bits clear for the next call: a 4 KiB memset at 32k
+// tokens, or one store per top-k position once the bitmap is larger (every
+// set bit belongs to a top-k position, so whole words may go).
+void clear_bits(uint32_t* bits, int32_t wmax, const int32_t* topk, int32_t K) {
+  if (wmax < K) {
+    std::memset(bits, 0, size_t(wmax + 1) * sizeof(uint32_t));
+    return;
+  }
+  for (int32_t i = 0; i < K; ++i) {
+    if (topk[i] >= 0) bits[topk[i] >> 5] = 0;
+  }
+}
+
 // Returns the number of misses (>= 0) or -error (inputs already validated).
 int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid) {
   if (!r.active || r.tag != a.tag) {
@@ -401,12 +417,11 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   }
   const int32_t K = a.K, base = a.base, stable = a.stable;
   sc.fit(K, a.len);
-  const uint32_t gen = sc.next_gen();
-  const uint32_t tag = gen << 16;
   const int32_t* __restrict topk = a.topk;
   int32_t* __restrict out = a.out;
-  uint32_t* __restrict mark = sc.mark.data();
-  const int32_t mark_max = int32_t(sc.mark.size()) - 1;
+  uint32_t* __restrict bits = sc.bits.data();
+  uint16_t* __restrict first = sc.first.data();
+  const int32_t wmax = a.len / 32;  // positions are < len, so words [0, wmax]
   uint32_t* __restrict ent = r.ent.data();
   const int32_t sb = t.slot_bits;
   const uint32_t smask = t.slot_mask;
@@ -415,40 +430,37 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   const bool avx2 = !avx512 && use_avx2();
 #endif
 
-  // 1: mark every position with its first top-k index (backwards, so the
-  // first occurrence is written last); outputs start unresolved (-1).  A
-  // mark this call already wrote belongs to a later duplicate: its output
-  // becomes -2 (resolved last, from its first occurrence), so no later pass
-  // has to tell first occurrences from duplicates.
+  // 1: set the membership bit of every top-k position and note its first
+  // index; outputs start unresolved (-1).  A position whose bit is already
+  // set is a later duplicate: its output becomes -2 (resolved last, from its
+  // first occurrence), so no later pass has to tell first occurrences from
+  // duplicates.  `first` is only written (no read): the store buffer hides
+  // its L2 misses.
   int32_t* __restrict dup_i = sc.dup_i.data();
   int32_t valid = 0, ndup = 0;
-  std::fill(out, out + K, -1);
-  for (int32_t i = K - 1; i >= 0; --i) {
+  for (int32_t i = 0; i < K; ++i) {
     const int32_t p = topk[i];
-    if (i >= 24) {  // the marks are scattered over L2: ask for lines early (~3 %)
-      const int32_t q = topk[i - 24];
-      __builtin_prefetch(&mark[q < 0 ? 0 : q], 1, 3);
+    out[i] = -1;
+    if (p < 0) continue;
+    ++valid;
+    const uint32_t bit = uint32_t(1) << (p & 31);
+    if (__builtin_expect((bits[p >> 5] & bit) != 0, 0)) {
+      out[i] = -2;
+      dup_i[ndup++] = i;
+      continue;
     }
-    if (p >= 0) {
-      const uint32_t old = mark[p];
-      if (__builtin_expect((old >> 16) == gen, 0)) {
-        const int32_t later = int32_t(old & 0xFFFF);
-        out[later] = -2;
-        dup_i[ndup++] = later;
-      }
-      mark[p] = tag | uint32_t(i);
-      ++valid;
-    }
+    bits[p >> 5] |= bit;
+    first[p] = uint16_t(i);
   }
 
-  // 2: one pass over the live entries in LRU order: hits resolve their top-k
-  // index, speculative entries are freed, the rest stay (compacted in place).
+  // 2: one pass over the live entries in LRU order: hits are listed,
+  // speculative entries are freed, the rest stay (compacted in place).
   int32_t nk = 0, j = 0, nh = 0;
-  int32_t* __restrict hit_i = sc.hit_i.data();
+  int32_t* __restrict hit_p = sc.hit_p.data();
   int32_t* __restrict hit_s = sc.hit_s.data();
 #ifdef AO_X86_AVX2
-  if (avx512) nk = scan_avx512(ent, r.n, sb, smask, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
-  if (avx2) nk = scan_avx2(ent, r.n, sb, smask, mark, mark_max, gen, stable, hit_i, hit_s, &nh, r, &j);
+  if (avx512) nk = scan_avx512(ent, r.n, sb, smask, bits, wmax, stable, hit_p, hit_s, &nh, r, &j);
+  if (avx2) nk = scan_avx2(ent, r.n, sb, smask, bits, wmax, stable, hit_p, hit_s, &nh, r, &j);
 #endif
   // Scalar path (aarch64, the tail, ASCEND_OFFLOAD_NATIVE_SIMD=0): branch-free
   // on hit / keep, which is a coin toss per entry (a branch mispredicts a third
@@ -461,15 +473,14 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
       give_free(r, s);
       continue;
     }
-    const uint32_t v = mark[p];
-    const int32_t hit = int32_t((v >> 16) == gen);
-    hit_i[nh] = int32_t(v & 0xFFFF);
+    const int32_t hit = int32_t((bits[p >> 5] >> (p & 31)) & 1u);
+    hit_p[nh] = p;
     hit_s[nh] = s;
     nh += hit;
     ent[nk] = e;
     nk += 1 - hit;
   }
-  for (int32_t k = 0; k < nh; ++k) out[hit_i[k]] = base + hit_s[k];
+  for (int32_t k = 0; k < nh; ++k) out[first[hit_p[k]]] = base + hit_s[k];
 
   // 3: the distinct misses: valid first occurrences still unresolved (-1).
   int32_t* __restrict miss_i = sc.miss_i.data();
@@ -489,7 +500,10 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   int32_t nf = 0;
   while (nf < nd && r.free_count > 0) dest[nf++] = take_free(r);
   const int32_t nv = nd - nf;
-  if (nv > nk) return -kErrInternal;
+  if (nv > nk) {
+    clear_bits(bits, wmax, topk, K);
+    return -kErrInternal;
+  }
   for (int32_t k = 0; k < nv; ++k) dest[nf + k] = int32_t(ent[k] & smask);
 
   // 5: the new LRU order: surviving kept entries, then hits, then misses.
@@ -523,8 +537,9 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   // 6: duplicates share their first occurrence's slot.
   for (int32_t d = 0; d < ndup; ++d) {
     const int32_t i = dup_i[d];
-    out[i] = out[mark[topk[i]] & 0xFFFF];
+    out[i] = out[first[topk[i]]];
   }
+  clear_bits(bits, wmax, topk, K);
   *nvalid = valid;
   return nd;
 }
@@ -691,13 +706,12 @@ int64_t ao_res_resolve_packed(void* h, const int64_t* a) {
                         int32_t(a[15]), i32p(a[16]));
 }
 
-// Test hook: the calling thread's mark generation (set it when value >= 0), so
-// a test can cross the 16-bit wrap without 65536 calls.  Returns the previous.
-int32_t ao_res_debug_generation(int32_t value) {
-  Scratch& sc = thread_scratch();
-  const int32_t prev = int32_t(sc.gen);
-  if (value >= 0) sc.gen = uint32_t(value) & 0xFFFFu;
-  return prev;
+// Test hook: how many membership-bitmap words of the calling thread are not
+// zero (0 between calls, or a bit leaked into the next call).
+int64_t ao_res_debug_dirty_words() {
+  int64_t n = 0;
+  for (uint32_t w : thread_scratch().bits) n += w != 0;
+  return n;
 }
 
 // Test/debug view of one row: slot -> position and the live slots from least

@@ -214,6 +214,9 @@ class SparseOffloadManager:
             "stable": torch.tensor(stable, dtype=torch.int32),
             "block_table": bt,
         }
+        b = self._batch
+        # Bound once per step: each layer's onload_topk then passes only its top-k.
+        self.residency.bind_step(b["rows"], b["tags"], b["stable"], b["lens"], bt, self.block_size)
         self.stats.steps += 1
 
     def end_step(self) -> None:
@@ -250,15 +253,12 @@ class SparseOffloadManager:
         copy the misses host -> hot buffer and return ``[B, K]`` int32 indices
         into :meth:`hot_buffer` (``-1`` where top-k had padding). The result may
         be reused by the next resolve of the same layer (the next step)."""
-        b = self._batch
         if topk.dim() != 2 or topk.shape[0] != len(self._step):
             raise ValueError(f"layer {layer}: top-k shape {tuple(topk.shape)} does not match the "
                              f"step batch of {len(self._step)} requests")
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
-        res = self.residency.resolve(layer, b["rows"], b["tags"], b["stable"], b["lens"],
-                                     topk if topk.is_cpu else topk.to("cpu"),
-                                     b["block_table"], self.block_size)
+        res = self.residency.resolve_layer(layer, topk if topk.is_cpu else topk.to("cpu"))
         n = res.num_misses
         if n:
             src = self.pool.layer(layer)

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
 
@@ -184,8 +184,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_resolve_packed.argtypes = [vp, vp]
     lib.ao_res_max_positions.restype = i64
     lib.ao_res_max_positions.argtypes = [vp]
-    lib.ao_res_debug_generation.restype = i32
-    lib.ao_res_debug_generation.argtypes = [i32]
+    lib.ao_res_debug_dirty_words.restype = i64
+    lib.ao_res_debug_dirty_words.argtypes = []
     lib.ao_copy_rows.restype = i64
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
 

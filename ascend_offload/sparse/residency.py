@@ -75,9 +75,17 @@ class Residency(Protocol):
     kind: str
     max_positions: int  # positions (tokens) one request may reach in this table
 
+    def bind_step(self, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                  lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+        """The batch of a decode step, shared by every layer's :meth:`resolve_layer`."""
+
+    def resolve_layer(self, layer: int, topk: torch.Tensor) -> Resolved:
+        """Resolve one layer's ``[B, K]`` top-k against the bound step."""
+
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
-                block_size: int) -> Resolved: ...
+                block_size: int) -> Resolved:
+        """:meth:`bind_step` then :meth:`resolve_layer` (binds this batch)."""
 
     def release(self, row: int) -> None: ...
 
@@ -99,8 +107,30 @@ def _host(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return t.to(device="cpu", dtype=dtype).contiguous()
 
 
+@dataclasses.dataclass
+class _Step:
+    """A bound step: the host tensors (kept alive: the native table reads them through
+    raw pointers) and those pointers, in ``ao_res_resolve``'s argument slots."""
+
+    rows: torch.Tensor
+    tags: torch.Tensor
+    stable: torch.Tensor
+    lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+    ptrs: tuple[tuple[int, int], ...]
+    serial: int
+
+
 class NativeResidency:
-    """The C++ table (see ``csrc_npu/residency.cpp``)."""
+    """The C++ table (see ``csrc_npu/residency.cpp``).
+
+    Per decode step an attention backend binds the batch once (:meth:`bind_step`)
+    and then resolves each layer with just its top-k (:meth:`resolve_layer`): the
+    batch pointers are written into a layer's argument block only when the step
+    changed. Why: at batch 1 the per-call Python work of the general
+    :meth:`resolve` (six tensor conversions, eight pointer writes, a fresh result
+    object) cost ~3 us next to an ~8 us native call."""
 
     kind = "native"
 
@@ -113,7 +143,9 @@ class NativeResidency:
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
         self.nthreads = max(1, nthreads)
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._views: dict[tuple[int, int, int], tuple] = {}
+        self._views: dict[tuple[int, int, int], list] = {}
+        self._step: _Step | None = None
+        self._serial = 0
         self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
         if not self._h:
             raise RuntimeError("ao_res_create failed")
@@ -126,30 +158,55 @@ class NativeResidency:
             self._lib.ao_res_destroy(h)
             self._h = None
 
+    def bind_step(self, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                  lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+        rows, stable, lens = _host(rows), _host(stable), _host(lens)
+        block_table, tags = _host(block_table), _host(tags, torch.int64)
+        if block_table.dim() != 2 or block_table.shape[0] != rows.numel():
+            raise ResidencyError(f"block_table shape {tuple(block_table.shape)} does not match "
+                                 f"a batch of {rows.numel()} requests")
+        self._serial += 1
+        ptrs = ((ARG_ROWS, rows.data_ptr()), (ARG_TAGS, tags.data_ptr()),
+                (ARG_STABLE, stable.data_ptr()), (ARG_LENS, lens.data_ptr()),
+                (ARG_BLOCK_TABLE, block_table.data_ptr()), (ARG_BT_STRIDE, block_table.shape[1]),
+                (ARG_BLOCK_SIZE, block_size))
+        self._step = _Step(rows, tags, stable, lens, block_table, block_size, ptrs, self._serial)
+
+    def resolve_layer(self, layer: int, topk: torch.Tensor) -> Resolved:
+        step = self._step
+        if step is None:
+            raise ResidencyError("resolve_layer before bind_step")
+        if topk.dtype is not torch.int32 or not topk.is_cpu or not topk.is_contiguous():
+            topk = _host(topk)
+        B, K = topk.shape
+        views = self._views.get((layer, B, K)) or self._buffers(layer, B, K)
+        args = views[5]
+        if views[8] != step.serial:  # first use of this layer's block in this step
+            if B != step.rows.numel():
+                raise ResidencyError(f"layer {layer}: top-k of {B} requests, the bound step "
+                                     f"has {step.rows.numel()}")
+            for slot, value in step.ptrs:
+                args[slot] = value
+            views[8] = step.serial
+        args[ARG_TOPK] = topk.data_ptr()
+        n = self._lib.ao_res_resolve_packed(self._h, views[6])
+        if n < 0:
+            _raise_native(int(n), views[4].tolist(), layer, step.rows, step.stable, step.lens,
+                          topk, K, self.hot_size, step.block_table, step.block_size,
+                          self.max_positions)
+        res = views[9]
+        res.num_misses = n
+        # The valid total through a ctypes view: a numpy/torch sum costs ~7 us here.
+        res.num_valid = sum(views[7][0::2])
+        return res
+
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
                 block_size: int) -> Resolved:
-        rows, stable, lens = _host(rows), _host(stable), _host(lens)
-        topk, block_table = _host(topk), _host(block_table)
-        tags = _host(tags, torch.int64)
-        B, K = topk.shape
-        out, msrc, mdst, counts, err, args, p_args, counts_c = self._buffers(layer, B, K)
-        args[ARG_ROWS] = rows.data_ptr()
-        args[ARG_TAGS] = tags.data_ptr()
-        args[ARG_STABLE] = stable.data_ptr()
-        args[ARG_LENS] = lens.data_ptr()
-        args[ARG_TOPK] = topk.data_ptr()
-        args[ARG_BLOCK_TABLE] = block_table.data_ptr()
-        args[ARG_BT_STRIDE] = block_table.shape[1]
-        args[ARG_BLOCK_SIZE] = block_size
-        n = self._lib.ao_res_resolve_packed(self._h, p_args)
-        if n < 0:
-            _raise_native(int(n), err.tolist(), layer, rows, stable, lens, topk, K, self.hot_size,
-                          block_table, block_size, self.max_positions)
-        # The valid total through a ctypes view: a numpy/torch sum costs ~7 us here.
-        return Resolved(out, msrc, mdst, counts, int(n), sum(counts_c[0::2]))
+        self.bind_step(rows, tags, stable, lens, block_table, block_size)
+        return self.resolve_layer(layer, topk)
 
-    def _buffers(self, layer: int, B: int, K: int) -> tuple:
+    def _buffers(self, layer: int, B: int, K: int) -> list:
         """Per-layer output buffers (with their data pointers), allocated once: a
         fresh allocation per call costs more than the resolve itself at small
         batches. Results of a layer stay valid until that layer is resolved
@@ -178,7 +235,11 @@ class NativeResidency:
                                    counts=counts_v.data_ptr(), err=err.data_ptr(),
                                    nthreads=self.nthreads)
         counts_c = (ctypes.c_int32 * (2 * B)).from_address(counts_v.data_ptr())
-        views = (out_v, msrc, mdst, counts_v, err, args, ctypes.addressof(args), counts_c)
+        # One result object per (layer, B, K), updated in place: its tensors are views
+        # of these buffers anyway (valid until the layer's next resolve).
+        res = Resolved(out_v, msrc, mdst, counts_v, 0, 0)
+        # [outputs..., err, args, &args, counts view, bound step serial, result]
+        views = [out_v, msrc, mdst, counts_v, err, args, ctypes.addressof(args), counts_c, 0, res]
         self._views[(layer, B, K)] = views
         return views
 
@@ -240,6 +301,7 @@ class TorchResidency:
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
         self.max_positions = 2**62  # int64 tensors: no practical limit
         self._rows: dict[tuple[int, int], _TwinRow] = {}
+        self._step: tuple | None = None
 
     def _fresh(self, tag: int, cap: int) -> _TwinRow:
         H = self.hot_size
@@ -247,9 +309,25 @@ class TorchResidency:
                         torch.zeros(H, dtype=torch.int64),
                         torch.full((max(cap, 1),), -1, dtype=torch.int64))
 
+    def bind_step(self, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                  lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+        self._step = (rows, tags, stable, lens, block_table, block_size)
+
+    def resolve_layer(self, layer: int, topk: torch.Tensor) -> Resolved:
+        if self._step is None:
+            raise ResidencyError("resolve_layer before bind_step")
+        rows, tags, stable, lens, block_table, block_size = self._step
+        return self._resolve(layer, rows, tags, stable, lens, topk, block_table, block_size)
+
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
                 block_size: int) -> Resolved:
+        self.bind_step(rows, tags, stable, lens, block_table, block_size)
+        return self._resolve(layer, rows, tags, stable, lens, topk, block_table, block_size)
+
+    def _resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
+                 lens: torch.Tensor, topk: torch.Tensor, block_table: torch.Tensor,
+                 block_size: int) -> Resolved:
         topk = topk.to("cpu", torch.int64)
         bt = block_table.to("cpu", torch.int64)
         rows_l, tags_l = rows.tolist(), tags.tolist()

@@ -218,39 +218,37 @@ def test_native_parallel_rows_match_single_thread() -> None:
 
 
 @needs_native
-def test_generation_wrap_forgets_old_marks() -> None:
-    """The per-thread position marks carry a 16-bit generation. Marks written with
-    generation g long ago must not look 'touched' to a later call that gets g
-    again after the wrap (the wrap clears the marks)."""
+@pytest.mark.parametrize("L", [64, 4096])  # bitmap cleared by memset / per top-k position
+def test_membership_bits_never_leak_into_the_next_call(L: int) -> None:
+    """The per-thread top-k membership bitmap is shared by every table and row a
+    thread resolves. A position marked by one call must not look resident-and-hit
+    to a later call on another table (the bits are cleared before a call returns,
+    on the error path too)."""
     lib = native.load()
-    H, L = 32, 64
+    H = 32
     bt = torch.arange(L // BLOCK, dtype=torch.int32).view(1, -1)
 
     def call(impl, topk: list[int]):
         return impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([L]),
                             torch.tensor([L]), torch.tensor([topk]), bt, BLOCK)
 
-    prev = lib.ao_res_debug_generation(-1)
-    try:
-        nat, tw = NativeResidency(1, 1, H), TorchResidency(1, 1, H)
+    nat, tw = NativeResidency(1, 1, H), TorchResidency(1, 1, H)
 
-        def both(topk: list[int]) -> None:
-            a, b = call(nat, topk), call(tw, topk)
-            assert a.slots.tolist() == b.slots.tolist(), topk
-            assert a.miss_src.tolist() == b.miss_src.tolist(), topk
+    def both(topk: list[int]) -> None:
+        a, b = call(nat, topk), call(tw, topk)
+        assert a.slots.tolist() == b.slots.tolist(), topk
+        assert a.miss_src.tolist() == b.miss_src.tolist(), topk
+        assert lib.ao_res_debug_dirty_words() == 0
 
-        lib.ao_res_debug_generation(0xFFFC)
-        both([0, 1, 2, 3])  # generation 0xFFFD: 0..3 become resident
-        call(NativeResidency(1, 1, H), [3, 2, 1, 0])  # 0xFFFE: marks 0..3 elsewhere
-        both([4, 5, 6, 7])  # 0xFFFF
-        both([8, 9, 10, 11])  # wraps to 1: every mark is cleared
-        lib.ao_res_debug_generation(0xFFFD)
-        # 0xFFFE again: without the clear, the marks of 0..3 would make them look hit
-        both([12, 13, 14, 15])
-        both([0, 13, 2, 20])
-        assert nat.inspect(0, 0) == tw.inspect(0, 0)
-    finally:
-        lib.ao_res_debug_generation(prev)
+    both([0, 1, 2, 3])  # 0..3 resident in `nat`
+    call(NativeResidency(1, 1, H), [3, 2, 1, 0, 40, 41])  # marks 0..3 on another table
+    assert lib.ao_res_debug_dirty_words() == 0
+    both([4, 5, 6, 7])  # a leaked bit would make 0..3 look hit and change the LRU order
+    with pytest.raises(ResidencyError):
+        call(nat, [8, L])  # position L is out of range: refused before any bit is set
+    assert lib.ao_res_debug_dirty_words() == 0
+    both([12, 13, 2, 20, 13])
+    assert nat.inspect(0, 0) == tw.inspect(0, 0)
 
 
 @needs_native
