@@ -131,6 +131,45 @@ def test_native_matches_twin_on_long_trace() -> None:
     assert nat.inspect(0, 0) == tw.inspect(0, 0) and nat.inspect(0, 1) == tw.inspect(0, 1)
 
 
+@needs_native
+def test_bound_step_layers_match_per_call_resolve() -> None:
+    """bind_step once per step + resolve_layer per layer (what the manager does) gives
+    what a full resolve per layer gives, over steps whose batch and lengths change."""
+    g = torch.Generator().manual_seed(5)
+    H, K, L, layers = 32, 16, 240, 3
+    bound, per_call = NativeResidency(layers, 3, H), TorchResidency(layers, 3, H)
+    for step in range(40):
+        B = 1 + step % 3
+        rows = torch.randperm(3, generator=g)[:B].to(torch.int32)
+        lens = torch.randint(K, L, (B,), generator=g).to(torch.int32)
+        stable = lens - torch.randint(0, 3, (B,), generator=g).to(torch.int32)
+        tags = torch.ones(B, dtype=torch.int64)
+        bt = torch.arange(B * (L // BLOCK), dtype=torch.int32).view(B, -1)
+        bound.bind_step(rows, tags, stable, lens, bt, BLOCK)
+        for layer in range(layers):
+            topk = torch.stack([torch.randint(-1, int(n), (K,), generator=g) for n in lens])
+            a = bound.resolve_layer(layer, topk)
+            b = per_call.resolve(layer, rows, tags, stable, lens, topk, bt, BLOCK)
+            assert torch.equal(a.slots, b.slots) and torch.equal(a.counts, b.counts)
+            assert torch.equal(a.miss_src, b.miss_src) and torch.equal(a.miss_dst, b.miss_dst)
+            assert a.num_valid == b.num_valid
+
+
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_resolve_layer_needs_a_matching_bound_step(impl: str) -> None:
+    if impl == "native" and not native.available():
+        pytest.skip("native library unavailable")
+    r = NativeResidency(1, 4, 8) if impl == "native" else TorchResidency(1, 4, 8)
+    with pytest.raises(ResidencyError, match="before bind_step"):
+        r.resolve_layer(0, torch.zeros((1, 4), dtype=torch.int32))
+    bt = torch.arange(8, dtype=torch.int32).view(2, 4)
+    r.bind_step(torch.tensor([0, 1]), torch.tensor([1, 1]), torch.tensor([10, 10]),
+                torch.tensor([10, 10]), bt, BLOCK)
+    if impl == "native":
+        with pytest.raises(ResidencyError, match="3 requests, the bound step has 2"):
+            r.resolve_layer(0, torch.zeros((3, 4), dtype=torch.int32))
+
+
 def _impls(layers: int, rows: int, hot: int) -> list:
     out: list = [TorchResidency(layers, rows, hot)]
     if native.available():
