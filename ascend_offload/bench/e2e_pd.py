@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +72,36 @@ MOONCAKE_SITECUSTOMIZE = (
 # ---------------------------------------------------------------------- processes
 
 
+class BenchServer(Server):
+    """A server in its own process group but in the bench's session (``Server`` gives it its own session).
+
+    Why: with ``kernel.sched_autogroup_enabled`` (on here and in most distros) every
+    session is one scheduling group. vLLM's CPU workers are pinned one per core
+    (``VLLM_CPU_OMP_THREADS_BIND``) and busy-wait with ``sched_yield`` on their
+    shared-memory queue for 1 s after every message; a yield only reorders tasks
+    inside their own group, so a worker in its own session keeps its core for a
+    whole slice, and every wake-up of another server's thread (proxy, API servers,
+    engine cores, the client) waits for it. With both cores held by P/D workers
+    that was 2-5 ms of run-queue wait per wake-up, 200-900 ms TTFT stalls and
+    bunched tokens (docs/bench-e2e-pd.md, "Session 4"). One session is one group,
+    where the yields hand the core over. Teardown is unchanged: the process group.
+    """
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self._fh = self.log.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, process_group=0)
+
+
+def _autogroup() -> str:
+    """``kernel.sched_autogroup_enabled`` as read ("?" when the kernel has no such knob)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "?"
+
+
 @contextmanager
 def _cluster(setup: str, model: str, log_dir: Path,
              startup_s: float) -> Iterator[tuple[str, str, list[Server]]]:
@@ -84,8 +115,8 @@ def _cluster(setup: str, model: str, log_dir: Path,
     try:
         if setup == "colocated":
             port = free_port()
-            servers.append(Server("colocated", [*api, "--port", str(port)],
-                                  dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+            servers.append(BenchServer("colocated", [*api, "--port", str(port)],
+                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
         elif setup == "ours":
@@ -98,16 +129,16 @@ def _cluster(setup: str, model: str, log_dir: Path,
                                    "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
                                    "kv_connector_extra_config": extra})
 
-            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                              kv("kv_producer", p_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
-                                  log_dir))
-            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                             kv("kv_consumer", d_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                                  log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
-                                            str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
-                                            str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                            str(d_port)], env, log_dir))
+            servers.append(BenchServer("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
+                                                    kv("kv_producer", p_kv)],
+                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+            servers.append(BenchServer("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
+                                                   kv("kv_consumer", d_kv)],
+                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
+            servers.append(BenchServer("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1",
+                                                  "--port", str(proxy_port), "--prefiller-hosts", "127.0.0.1",
+                                                  "--prefiller-ports", str(p_port), "--decoder-hosts",
+                                                  "127.0.0.1", "--decoder-ports", str(d_port)], env, log_dir))
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         elif setup == "mooncake":
@@ -126,17 +157,18 @@ def _cluster(setup: str, model: str, log_dir: Path,
                     cfg["engine_id"] = engine_id
                 return json.dumps(cfg)
 
-            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                              mc("kv_producer")],
-                                  dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0", VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)),
-                                  log_dir))
-            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                             mc("kv_consumer")], dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                                  log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd", "--mooncake-proxy",
-                                            "--port", str(proxy_port), "--prefill", f"http://127.0.0.1:{p_port}",
-                                            "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,
-                                            "--bootstrap", f"http://127.0.0.1:{boot}"], env, log_dir))
+            servers.append(BenchServer("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
+                                                    mc("kv_producer")],
+                                        dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0",
+                                             VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)), log_dir))
+            servers.append(BenchServer("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
+                                                   mc("kv_consumer")],
+                                        dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
+            servers.append(BenchServer("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd",
+                                                  "--mooncake-proxy", "--port", str(proxy_port),
+                                                  "--prefill", f"http://127.0.0.1:{p_port}",
+                                                  "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,
+                                                  "--bootstrap", f"http://127.0.0.1:{boot}"], env, log_dir))
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         else:
@@ -224,11 +256,13 @@ class Result:
     tpot_ms: float = float("nan")
     tokens: list[int] = field(default_factory=list)
     error: str | None = None
+    start_unix: float = 0.0
+    chunk_ms: list[float] = field(default_factory=list)
 
 
 def _stream_one(client: Any, url: str, body: dict[str, Any]) -> Result:
     """POST one streaming completion; time the first and every later token chunk."""
-    res = Result()
+    res = Result(start_unix=time.time())
     t0 = time.perf_counter()
     first = last = None
     n_chunks = 0
@@ -255,6 +289,7 @@ def _stream_one(client: Any, url: str, body: dict[str, Any]) -> Result:
                     first = now if first is None else first
                     last = now
                     n_chunks += 1
+                    res.chunk_ms.append(round((now - t0) * 1e3, 2))
     except Exception as e:  # a failed request is reported, the run goes on
         res.error = f"{type(e).__name__}: {e}"[:300]
         return res
@@ -389,7 +424,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"model": "tiny-llama 4 layers, hidden 128, float32", "block_size": BLOCK_SIZE,
                    "prompts": args.prompts, "prompt_lengths": [len(p) for p in prompts], "prompt_seed": PROMPT_SEED,
                    "output_tokens": args.output_tokens, "rounds": args.rounds, "concurrency": 1, "warmup_requests": len(warmup),
-                   "cpus": os.cpu_count(), "log_dir": str(log_root)},
+                   "cpus": os.cpu_count(), "log_dir": str(log_root),
+                   "sched_autogroup_enabled": _autogroup(), "servers_session": "the bench's own"},
         "setups": {},
     }
     for s in setups:
