@@ -435,12 +435,14 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   // set is a later duplicate: its output becomes -2 (resolved last, from its
   // first occurrence), so no later pass has to tell first occurrences from
   // duplicates.  `first` is only written (no read): the store buffer hides
-  // its L2 misses.
+  // its L2 misses (a write prefetch 24 positions ahead made the call ~10 %
+  // slower; the loop is bound by its instructions, so the -1 fill is a
+  // separate vector pass: ~2 % faster).
   int32_t* __restrict dup_i = sc.dup_i.data();
   int32_t valid = 0, ndup = 0;
+  std::fill(out, out + K, -1);
   for (int32_t i = 0; i < K; ++i) {
     const int32_t p = topk[i];
-    out[i] = -1;
     if (p < 0) continue;
     ++valid;
     const uint32_t bit = uint32_t(1) << (p & 31);
