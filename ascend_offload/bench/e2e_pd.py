@@ -75,16 +75,18 @@ MOONCAKE_SITECUSTOMIZE = (
 class BenchServer(Server):
     """A server in its own process group but in the bench's session (``Server`` gives it its own session).
 
-    Why: with ``kernel.sched_autogroup_enabled`` (on here and in most distros) every
-    session is one scheduling group. vLLM's CPU workers are pinned one per core
-    (``VLLM_CPU_OMP_THREADS_BIND``) and busy-wait with ``sched_yield`` on their
-    shared-memory queue for 1 s after every message; a yield only reorders tasks
-    inside their own group, so a worker in its own session keeps its core for a
-    whole slice, and every wake-up of another server's thread (proxy, API servers,
-    engine cores, the client) waits for it. With both cores held by P/D workers
-    that was 2-5 ms of run-queue wait per wake-up, 200-900 ms TTFT stalls and
-    bunched tokens (docs/bench-e2e-pd.md, "Session 4"). One session is one group,
-    where the yields hand the core over. Teardown is unchanged: the process group.
+    Why: with ``kernel.sched_autogroup_enabled`` (on here, and in most distros)
+    every session is one scheduling group, and the kernel shares a CPU between
+    groups before it looks at their threads. Each P/D engine's worker is pinned
+    to one of the two cores (``VLLM_CPU_OMP_THREADS_BIND``) and busy-waits
+    (``sched_yield`` for 1 s after every message on vLLM's shared-memory queue),
+    so with one session per server each core always carried another group's
+    spinning worker: the engine cores, API servers, proxy and client waited
+    2-16 ms per wake-up on the run queue, the decode engine core once 1 s with
+    its request's KV already pulled, and TTFT stalled by 200-900 ms with bunched
+    tokens (docs/bench-e2e-pd.md, "Session 4"). In one session they compete as
+    threads and the yields give the core away. Teardown is unchanged: the group
+    is the process group.
     """
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
