@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,30 +71,6 @@ MOONCAKE_SITECUSTOMIZE = (
 # ---------------------------------------------------------------------- processes
 
 
-class BenchServer(Server):
-    """A server in its own process group but in the bench's session (``Server`` gives it its own session).
-
-    Why: with ``kernel.sched_autogroup_enabled`` (on here, and in most distros)
-    every session is one scheduling group, and the kernel shares a CPU between
-    groups before it looks at their threads. Each P/D engine's worker is pinned
-    to one of the two cores (``VLLM_CPU_OMP_THREADS_BIND``) and busy-waits
-    (``sched_yield`` for 1 s after every message on vLLM's shared-memory queue),
-    so with one session per server each core always carried another group's
-    spinning worker: the engine cores, API servers, proxy and client waited
-    2-16 ms per wake-up on the run queue, the decode engine core once 1 s with
-    its request's KV already pulled, and TTFT stalled by 200-900 ms with bunched
-    tokens (docs/bench-e2e-pd.md, "Session 4"). In one session they compete as
-    threads and the yields give the core away. Teardown is unchanged: the group
-    is the process group.
-    """
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self._fh = self.log.open("wb")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, process_group=0)
-
-
 def _autogroup() -> str:
     """``kernel.sched_autogroup_enabled`` as read ("?" when the kernel has no such knob)."""
     try:
@@ -117,7 +92,7 @@ def _cluster(setup: str, model: str, log_dir: Path,
     try:
         if setup == "colocated":
             port = free_port()
-            servers.append(BenchServer("colocated", [*api, "--port", str(port)],
+            servers.append(Server("colocated", [*api, "--port", str(port)],
                                         dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
@@ -131,13 +106,13 @@ def _cluster(setup: str, model: str, log_dir: Path,
                                    "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
                                    "kv_connector_extra_config": extra})
 
-            servers.append(BenchServer("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
+            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
                                                     kv("kv_producer", p_kv)],
                                         dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
-            servers.append(BenchServer("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
+            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
                                                    kv("kv_consumer", d_kv)],
                                         dict(env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
-            servers.append(BenchServer("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1",
+            servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1",
                                                   "--port", str(proxy_port), "--prefiller-hosts", "127.0.0.1",
                                                   "--prefiller-ports", str(p_port), "--decoder-hosts",
                                                   "127.0.0.1", "--decoder-ports", str(d_port)], env, log_dir))
@@ -159,14 +134,14 @@ def _cluster(setup: str, model: str, log_dir: Path,
                     cfg["engine_id"] = engine_id
                 return json.dumps(cfg)
 
-            servers.append(BenchServer("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
+            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
                                                     mc("kv_producer")],
                                         dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0",
                                              VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)), log_dir))
-            servers.append(BenchServer("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
+            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
                                                    mc("kv_consumer")],
                                         dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
-            servers.append(BenchServer("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd",
+            servers.append(Server("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd",
                                                   "--mooncake-proxy", "--port", str(proxy_port),
                                                   "--prefill", f"http://127.0.0.1:{p_port}",
                                                   "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,

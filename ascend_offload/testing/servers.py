@@ -1,5 +1,6 @@
-"""Server subprocesses for e2e tests and benches: start in their own session, wait
-for health with a deadline, always reap the whole process group."""
+"""Server subprocesses for e2e tests and benches: start in their own process group
+(in the caller's session), wait for health with a deadline, always reap the whole
+process group."""
 
 from __future__ import annotations
 
@@ -41,7 +42,20 @@ def free_port_range(n: int) -> int:
 
 
 class Server:
-    """One subprocess in its own session, so teardown reaps the engine core and workers too."""
+    """One subprocess in its own process group, so teardown reaps the engine core and
+    workers too.
+
+    Why a process group and not a session: with ``kernel.sched_autogroup_enabled``
+    (on here, and in most distros) every session is one scheduling group, and the
+    kernel shares a CPU between groups before it looks at their threads. vLLM's CPU
+    workers are pinned (``VLLM_CPU_OMP_THREADS_BIND``) and busy-wait (``sched_yield``
+    for 1 s after every message on its shared-memory queue), so with one session per
+    server each core always carried another group's spinning worker: engine cores,
+    API servers, proxy and client waited 2-16 ms per wake-up on the run queue, a
+    decode engine core once 1 s with its request's KV already pulled, and P/D TTFT
+    stalled by 200-900 ms with bunched tokens (docs/bench-e2e-pd.md, "Session 4").
+    In one session they compete as threads and the yields give the core away.
+    """
 
     def __init__(
         self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path, cwd: Path | None = None
@@ -50,7 +64,7 @@ class Server:
         self.log = log_dir / f"{name}.log"
         self._fh = self.log.open("wb")
         self.proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=cwd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, process_group=0
         )
 
     def text(self) -> str:

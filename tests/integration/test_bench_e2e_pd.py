@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("aiohttp")
 
 from ascend_offload.bench import e2e_pd  # noqa: E402
-from ascend_offload.testing.servers import free_port  # noqa: E402
+from ascend_offload.testing.servers import Server, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,14 +135,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_bench_servers_share_the_bench_session_and_are_reaped(tmp_path: Path) -> None:
-    """Servers stay in the bench's session (one autogroup: vLLM's spinning workers yield to the
+def test_servers_share_the_caller_session_and_are_reaped(tmp_path: Path) -> None:
+    """Servers stay in the caller's session (one autogroup: vLLM's spinning workers yield to the
     other servers) but get their own process group, so teardown still reaps their children."""
     child_pid = tmp_path / "child.pid"
     code = ("import subprocess, sys, time, pathlib; "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"pathlib.Path({str(child_pid)!r}).write_text(str(c.pid)); time.sleep(60)")
-    srv = e2e_pd.BenchServer("fake", [sys.executable, "-c", code], dict(os.environ), tmp_path)
+    srv = Server("fake", [sys.executable, "-c", code], dict(os.environ), tmp_path)
     try:
         deadline = time.monotonic() + 20
         while not child_pid.exists() or not child_pid.read_text():
