@@ -65,6 +65,24 @@ __attribute__((target("avx2"))) void stream_row32(uint8_t* dst, const uint8_t* s
   }
 }
 
+// The 32-byte path as one loop with the row copy inlined (a call per row through
+// the pointer cost 2-15 % of the throughput in a same-process A/B).
+__attribute__((target("avx2"))) void copy_range_avx2(const uint8_t* src, const int32_t* sidx,
+                                                     uint8_t* dst, const int32_t* didx, int64_t lo,
+                                                     int64_t hi, int64_t row_bytes) {
+  for (int64_t i = lo; i < hi && i < lo + kAhead; ++i) prefetch_row(src + int64_t(sidx[i]) * row_bytes, row_bytes);
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kAhead < hi) prefetch_row(src + int64_t(sidx[i + kAhead]) * row_bytes, row_bytes);
+    uint8_t* d = dst + int64_t(didx[i]) * row_bytes;
+    const uint8_t* s = src + int64_t(sidx[i]) * row_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + off),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(s + off)));
+    }
+  }
+  _mm_sfence();
+}
+
 bool use_avx2() {
   static const bool ok = [] {
     const char* env = std::getenv("ASCEND_OFFLOAD_NATIVE_SIMD");
@@ -91,6 +109,12 @@ RowCopy pick_copy(const uint8_t* src, const uint8_t* dst, int64_t row_bytes) {
 
 void copy_range(const uint8_t* src, const int32_t* sidx, uint8_t* dst, const int32_t* didx,
                 int64_t lo, int64_t hi, int64_t row_bytes, RowCopy copy) {
+#ifdef AO_X86
+  if (copy == stream_row32) {
+    copy_range_avx2(src, sidx, dst, didx, lo, hi, row_bytes);
+    return;
+  }
+#endif
   for (int64_t i = lo; i < hi && i < lo + kAhead; ++i) prefetch_row(src + int64_t(sidx[i]) * row_bytes, row_bytes);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kAhead < hi) prefetch_row(src + int64_t(sidx[i + kAhead]) * row_bytes, row_bytes);
