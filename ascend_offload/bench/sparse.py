@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ascend_offload import device
-from ascend_offload.sparse import native
+from ascend_offload import device, native
 from ascend_offload.sparse.residency import NativeResidency, TorchResidency
 
 

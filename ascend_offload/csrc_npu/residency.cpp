@@ -1,7 +1,7 @@
 // Hot-buffer residency for sparse decode offload: one exact-LRU table per
 // (layer, request row), resolved for a whole batch in one call.
 //
-// Plain C++17 with a C ABI (loaded by ascend_offload/sparse/native.py through
+// Plain C++17 with a C ABI (loaded by ascend_offload/native.py through
 // ctypes): no torch headers, so one build serves every torch / torch_npu
 // version, x86-64 and aarch64 alike.  AVX-512 and AVX2 paths are compiled
 // per function and chosen at run time (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from ascend_offload import device as dev
+from ascend_offload import native
 from ascend_offload.config import ConfigError, SparseOffloadConfig
-from ascend_offload.sparse import native
 from ascend_offload.sparse.pools import (
     HostKVPool,
     HotBuffers,

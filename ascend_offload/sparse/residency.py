@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from ascend_offload.sparse import native
-from ascend_offload.sparse.native import (
+from ascend_offload import native
+from ascend_offload.native import (
     ARG_BLOCK_SIZE,
     ARG_BLOCK_TABLE,
     ARG_BT_STRIDE,

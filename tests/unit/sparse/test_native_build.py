@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ascend_offload import native
 from ascend_offload.config import SparseOffloadConfig
-from ascend_offload.sparse import native
 from ascend_offload.sparse.manager import SparseOffloadManager
 
 
@@ -23,7 +23,7 @@ def test_missing_compiler_returns_none_and_logs(monkeypatch, tmp_path, caplog) -
     monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING):
         assert native.build(native.LIB_SOURCES, "ao_sparse_t") is None
-    assert "pure-torch residency twin" in caplog.text
+    assert "pure-torch fallbacks" in caplog.text
 
 
 def test_missing_sources_returns_none(monkeypatch, tmp_path) -> None:

@@ -8,8 +8,8 @@ import uuid
 import pytest
 import torch
 
+from ascend_offload import native
 from ascend_offload.config import ConfigError, SparseOffloadConfig
-from ascend_offload.sparse import native
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import (
     HostKVPool,

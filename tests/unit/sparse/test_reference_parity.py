@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from ascend_offload import native
 from ascend_offload.config import SparseOffloadConfig
-from ascend_offload.sparse import native
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.testing.sparse_reference import (
     FullKV,

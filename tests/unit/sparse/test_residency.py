@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sparse_oracle import Oracle
 
-from ascend_offload.sparse import native
+from ascend_offload import native
 from ascend_offload.sparse.residency import (
     NativeResidency,
     ResidencyError,

@@ -1,4 +1,6 @@
-"""Build-on-first-use loader for the plain C++ residency library (``csrc_npu/``).
+"""Build-on-first-use loader for the plain C++ host library (``csrc_npu/``): the sparse
+residency table and the batched host row copy (used by the sparse onload and by the
+local store's row moves).
 
 Why ctypes and a private build: the library has a C ABI and no torch headers,
 so one build serves every torch/torch_npu version and architecture (x86-64,
@@ -38,10 +40,10 @@ def source_dir() -> Path:
     if env:
         return Path(env)
     here = Path(__file__).resolve()
-    packaged = here.parents[1] / "csrc_npu"
+    packaged = here.parent / "csrc_npu"
     if (packaged / LIB_SOURCES[0]).is_file():
         return packaged
-    return here.parents[2] / "csrc_npu"
+    return here.parents[1] / "csrc_npu"
 
 
 def cache_dir() -> Path:
@@ -123,7 +125,7 @@ def _log_once(quiet: bool, msg: str) -> None:
     if quiet or msg in _logged:
         return
     _logged.add(msg)
-    logger.warning("ascend_offload.sparse: %s; using the pure-torch residency twin", msg)
+    logger.warning("ascend_offload.native: %s; using the pure-torch fallbacks", msg)
 
 
 @functools.cache
