@@ -292,11 +292,15 @@ class LocalStore(KVStore):
         with self._lock:
             objs = [self._pinned_object(pin, k) for k in keys]
         pages = self._single_page_rows(objs)
-        words = self._row_words(dst) if pages is not None else None
-        if pages is None or words is None:
+        if pages is None or len(rows) != len(pages):
             super().read_rows(pin, keys, dst, rows)
             return
-        device.move_rows(self._words, words, device.plan_rows(pages, rows))
+        if not device.copy_host_rows(self._pool, pages, dst, rows):
+            words = self._row_words(dst)
+            if words is None:
+                super().read_rows(pin, keys, dst, rows)
+                return
+            device.move_rows(self._words, words, device.plan_rows(pages, rows))
         with self._lock:
             self._stats.reads += len(keys)
             self._stats.bytes_read += len(keys) * self.page_bytes
@@ -307,11 +311,15 @@ class LocalStore(KVStore):
         with self._lock:
             objs = [self._pending_object(h) for h in handles]
         pages = self._single_page_rows(objs)
-        words = self._row_words(src) if pages is not None else None
-        if pages is None or words is None:
+        if pages is None or len(rows) != len(pages):
             super().write_rows(handles, src, rows)
             return
-        device.move_rows(words, self._words, device.plan_rows(rows, pages))
+        if not device.copy_host_rows(src, rows, self._pool, pages):
+            words = self._row_words(src)
+            if words is None:
+                super().write_rows(handles, src, rows)
+                return
+            device.move_rows(words, self._words, device.plan_rows(rows, pages))
         with self._lock:
             self._stats.bytes_written += len(handles) * self.page_bytes
 

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
+from ascend_offload import device, native
 from ascend_offload.store.base import StoreError
 from ascend_offload.store.local import LocalStore
 
@@ -236,9 +237,16 @@ TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, de
 
 
 @pytest.mark.parametrize("row_bytes", [PAGE, 3 * PAGE])  # one page (one scatter) / several pages
-def test_write_rows_and_read_rows_scatter_layer_blocks(row_bytes: int) -> None:
+@pytest.mark.parametrize("use_native", [True, False])  # native row copy / plan + index kernels
+def test_write_rows_and_read_rows_scatter_layer_blocks(row_bytes: int, use_native: bool,
+                                                        monkeypatch) -> None:
     """A KV layer's scattered blocks go to and from the store in one call each: rows
-    [5, 1, 6] of a block-first tensor round-trip byte for byte into rows [0, 7, 2]."""
+    [5, 1, 6] of a block-first tensor round-trip byte for byte into rows [0, 7, 2],
+    through the native row copy and through the fallback path alike."""
+    if use_native and not native.available():
+        pytest.skip("native library unavailable")
+    if not use_native:
+        monkeypatch.setattr(native, "available", lambda: False)
     s = LocalStore(32 * PAGE, PAGE)
     kv = torch.stack([payload(i, row_bytes) for i in range(8)]).view(torch.int32)  # [8, row/4]
     keys = ["b5", "b1", "b6"]
@@ -256,6 +264,23 @@ def test_write_rows_and_read_rows_scatter_layer_blocks(row_bytes: int) -> None:
     assert int(out[untouched].count_nonzero()) == 0
     st_ = s.stats()
     assert st_.bytes_written == 3 * row_bytes and st_.bytes_read == 3 * row_bytes
+
+
+def test_copy_host_rows_refuses_what_it_cannot_move() -> None:
+    """device.copy_host_rows copies only between contiguous host rows of one byte size
+    (False otherwise, nothing written) and names an out-of-range row."""
+    if not native.available():
+        pytest.skip("native library unavailable")
+    src = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
+    dst = torch.zeros(3, 64, dtype=torch.uint8)
+    assert device.copy_host_rows(src, [3, 0], dst, [2, 0])
+    assert torch.equal(dst[2], src[3].view(torch.uint8)) and torch.equal(dst[0], src[0].view(torch.uint8))
+    assert int(dst[1].count_nonzero()) == 0
+    wide = torch.zeros(3, 128, dtype=torch.uint8)
+    assert not device.copy_host_rows(src, [0], wide, [0]) and int(wide.count_nonzero()) == 0
+    assert not device.copy_host_rows(src.t(), [0], dst, [0])  # not contiguous
+    with pytest.raises(IndexError, match="index 1 out of range"):
+        device.copy_host_rows(src, [0, 4], dst, [0, 1])
 
 
 def test_read_rows_needs_a_pin() -> None:
