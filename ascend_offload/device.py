@@ -8,6 +8,7 @@ CPU op is synchronous with respect to the issuing thread).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import dataclasses
@@ -214,11 +215,11 @@ def copy_rows(
     scatter_rows(rows, dst_idx, dst)
 
 
-def _host_byte_rows(t: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous host tensor as ``[rows, row bytes]`` uint8, else None."""
-    if t.device.type != "cpu" or t.dim() < 1 or not t.is_contiguous():
-        return None
-    return t.view(t.shape[0], -1).view(torch.uint8)
+def _host_row_bytes(t: torch.Tensor) -> int:
+    """Bytes per dim-0 row of a contiguous host tensor with rows, else 0."""
+    if t.device.type != "cpu" or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
+        return 0
+    return t.numel() // t.shape[0] * t.element_size()
 
 
 def copy_host_rows(src: torch.Tensor, src_rows: Sequence[int] | torch.Tensor, dst: torch.Tensor,
@@ -226,27 +227,47 @@ def copy_host_rows(src: torch.Tensor, src_rows: Sequence[int] | torch.Tensor, ds
     """``dst[dst_rows[i]] = src[src_rows[i]]`` between contiguous host tensors whose rows
     have the same byte size, in one native call; False (nothing copied) when the native
     library is unavailable or disabled or the layout does not fit: use :func:`move_rows`.
+    Raises ``IndexError`` naming the first out-of-range row (nothing is copied then).
 
     Why: a store load or save of a layer's blocks on the CPU backend runs on an I/O
     thread next to the model thread. The native copy holds the GIL for none of it (one
     ctypes call) and streams the stores; the plan + index-kernel path spent ~20 us of
-    GIL time per call on planning and moved 20 MiB layers in ~2.0 ms against ~1.3 ms
-    (bench layerwise, same process, alternating: docs/bench-layerwise.md)."""
+    GIL time per call on planning and moved 20 MiB layers in ~2.1 ms against ~1.4 ms
+    (bench layerwise, same process, alternating: docs/bench-layerwise.md). Every 50 us
+    of I/O-thread Python per layer slowed the model thread by ~4 % there, so this call
+    keeps its own Python to a few microseconds (no tensor ops for the indices)."""
     from ascend_offload import native  # local: native imports torch only, never device
 
-    if len(src_rows) == 0 or not native.available():
-        return len(src_rows) == 0
-    s, d = _host_byte_rows(src), _host_byte_rows(dst)
-    if s is None or d is None or s.shape[1] != d.shape[1]:
+    n = len(src_rows)
+    if n == 0 or not native.available():
+        return n == 0
+    row_bytes = _host_row_bytes(src)
+    if row_bytes == 0 or row_bytes != _host_row_bytes(dst) or len(dst_rows) != n:
         return False
-    native.copy_rows(s, _int32_rows(src_rows), d, _int32_rows(dst_rows))
+    sidx, didx = _int32_rows(src_rows), _int32_rows(dst_rows)
+    rc = native.copy_byte_rows(src.data_ptr(), src.shape[0], _address(sidx), dst.data_ptr(),
+                               dst.shape[0], _address(didx), n, row_bytes)
+    if rc < 0:
+        i = -rc - 1
+        raise IndexError(f"copy_host_rows: index {i} out of range (src row {int(sidx[i])} of "
+                         f"{src.shape[0]}, dst row {int(didx[i])} of {dst.shape[0]})")
     return True
 
 
-def _int32_rows(rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+_INT32_CODE = next(c for c in "ilh" if array.array(c).itemsize == 4)
+
+
+def _int32_rows(rows: Sequence[int] | torch.Tensor) -> torch.Tensor | array.array:
+    """Row indices as a contiguous int32 buffer: a tensor stays one (converted if need
+    be); a list becomes an ``array('i')`` (~0.5 us for 16, ``torch.tensor`` ~3 us)."""
     if isinstance(rows, torch.Tensor):
-        return rows if rows.dtype == torch.int32 else rows.to(torch.int32)
-    return torch.tensor(rows, dtype=torch.int32)
+        return rows if rows.dtype == torch.int32 and rows.is_contiguous() else \
+            rows.to(torch.int32).contiguous()
+    return array.array(_INT32_CODE, rows)
+
+
+def _address(buf: torch.Tensor | array.array) -> int:
+    return buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.buffer_info()[0]
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,18 @@ def has_openmp() -> bool:
     return bool(lib is not None and lib.ao_res_has_openmp())
 
 
+def copy_byte_rows(src: int, src_rows: int, src_idx: int, dst: int, dst_rows: int, dst_idx: int,
+                   n: int, row_bytes: int) -> int:
+    """The raw row copy on addresses (int32 index arrays at ``src_idx``/``dst_idx``),
+    one thread: 0, or -(i + 1) for the first out-of-range index pair. For callers that
+    checked their buffers already (``device.copy_host_rows``): :func:`copy_rows`'
+    tensor checks cost ~3 us a call, a lot for an I/O thread holding the GIL."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native row copy unavailable")
+    return int(lib.ao_copy_rows(src, src_rows, src_idx, dst, dst_rows, dst_idx, n, row_bytes, 1))
+
+
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
               *, nthreads: int = 1, count: int | None = None) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for host tensors, with row prefetch.
