@@ -46,8 +46,9 @@ class ResidencyError(ValueError):
 class Resolved:
     """The result of one layer's resolve for a batch.
 
-    The native implementation returns views of per-layer buffers: they stay
-    valid until the same layer is resolved again (the next step). The miss
+    The native implementation returns one object per (layer, batch, top-k) shape,
+    updated in place, whose tensors are views of per-layer buffers: both stay valid
+    until the same layer is resolved again (the next step). The miss
     lists are the first ``num_misses`` entries of ``src_rows``/``dst_rows``;
     ``miss_src``/``miss_dst`` slice them on demand (a slice is a torch op,
     ~3 us each here, and the native copy path needs none)."""
@@ -122,6 +123,20 @@ class _Step:
     serial: int
 
 
+@dataclasses.dataclass(slots=True)
+class _LayerCall:
+    """One (layer, B, K) call shape of the native table: its packed argument block
+    (outputs fixed, inputs per step / call), the error slots, a ctypes view of the
+    counts, the result object updated in place and the step the block is bound to."""
+
+    args: ctypes.Array
+    p_args: int
+    err: torch.Tensor
+    counts_c: ctypes.Array
+    result: Resolved
+    step: int = 0
+
+
 class NativeResidency:
     """The C++ table (see ``csrc_npu/residency.cpp``).
 
@@ -143,7 +158,7 @@ class NativeResidency:
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
         self.nthreads = max(1, nthreads)
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._views: dict[tuple[int, int, int], list] = {}
+        self._calls: dict[tuple[int, int, int], _LayerCall] = {}
         self._step: _Step | None = None
         self._serial = 0
         self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
@@ -179,25 +194,25 @@ class NativeResidency:
         if topk.dtype is not torch.int32 or not topk.is_cpu or not topk.is_contiguous():
             topk = _host(topk)
         B, K = topk.shape
-        views = self._views.get((layer, B, K)) or self._buffers(layer, B, K)
-        args = views[5]
-        if views[8] != step.serial:  # first use of this layer's block in this step
+        call = self._calls.get((layer, B, K)) or self._layer_call(layer, B, K)
+        args = call.args
+        if call.step != step.serial:  # first use of this layer's block in this step
             if B != step.rows.numel():
                 raise ResidencyError(f"layer {layer}: top-k of {B} requests, the bound step "
                                      f"has {step.rows.numel()}")
             for slot, value in step.ptrs:
                 args[slot] = value
-            views[8] = step.serial
+            call.step = step.serial
         args[ARG_TOPK] = topk.data_ptr()
-        n = self._lib.ao_res_resolve_packed(self._h, views[6])
+        n = self._lib.ao_res_resolve_packed(self._h, call.p_args)
         if n < 0:
-            _raise_native(int(n), views[4].tolist(), layer, step.rows, step.stable, step.lens,
+            _raise_native(int(n), call.err.tolist(), layer, step.rows, step.stable, step.lens,
                           topk, K, self.hot_size, step.block_table, step.block_size,
                           self.max_positions)
-        res = views[9]
+        res = call.result
         res.num_misses = n
         # The valid total through a ctypes view: a numpy/torch sum costs ~7 us here.
-        res.num_valid = sum(views[7][0::2])
+        res.num_valid = sum(call.counts_c[0::2])
         return res
 
     def resolve(self, layer: int, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
@@ -206,14 +221,11 @@ class NativeResidency:
         self.bind_step(rows, tags, stable, lens, block_table, block_size)
         return self.resolve_layer(layer, topk)
 
-    def _buffers(self, layer: int, B: int, K: int) -> list:
+    def _layer_call(self, layer: int, B: int, K: int) -> _LayerCall:
         """Per-layer output buffers (with their data pointers), allocated once: a
         fresh allocation per call costs more than the resolve itself at small
         batches. Results of a layer stay valid until that layer is resolved
         again, i.e. the next step."""
-        views = self._views.get((layer, B, K))
-        if views is not None:
-            return views
         if not 0 <= layer < self.num_layers:
             raise ResidencyError(f"layer={layer}: out of range [0, {self.num_layers})")
         if B > self.num_rows:
@@ -226,7 +238,7 @@ class NativeResidency:
                    torch.empty(2 * self.num_rows, dtype=torch.int32),
                    torch.empty(2, dtype=torch.int32))
             self._bufs[layer] = buf
-            self._views = {k: v for k, v in self._views.items() if k[0] != layer}
+            self._calls = {k: v for k, v in self._calls.items() if k[0] != layer}
         out, msrc, mdst, counts, err = buf
         out_v, counts_v = out[: B * K].view(B, K), counts[: 2 * B].view(B, 2)
         # Outputs fixed here, inputs per call.
@@ -237,11 +249,10 @@ class NativeResidency:
         counts_c = (ctypes.c_int32 * (2 * B)).from_address(counts_v.data_ptr())
         # One result object per (layer, B, K), updated in place: its tensors are views
         # of these buffers anyway (valid until the layer's next resolve).
-        res = Resolved(out_v, msrc, mdst, counts_v, 0, 0)
-        # [outputs..., err, args, &args, counts view, bound step serial, result]
-        views = [out_v, msrc, mdst, counts_v, err, args, ctypes.addressof(args), counts_c, 0, res]
-        self._views[(layer, B, K)] = views
-        return views
+        call = _LayerCall(args, ctypes.addressof(args), err, counts_c,
+                          Resolved(out_v, msrc, mdst, counts_v, 0, 0))
+        self._calls[(layer, B, K)] = call
+        return call
 
     def release(self, row: int) -> None:
         if self._lib.ao_res_release(self._h, row) != 0:
