@@ -16,8 +16,8 @@
 // per call (kErrCapacity) and exposed through ao_res_max_positions.  The
 // top-k is joined against it through a per-thread membership bitmap indexed
 // by position (L1-sized at 32k tokens; see Scratch), which every row and
-// layer share and which therefore stays in cache.  An earlier design kept a position -> slot
-// map per row (2 bytes per token: 64 KiB at 32k tokens, touched at random)
+// layer share and which therefore stays in cache.  An earlier design kept a
+// position -> slot map per row (2 bytes per token: 64 KiB at 32k tokens, touched at random)
 // plus a recency ring: 3x slower once 61 layers' states no longer fit in the
 // caches, which is the normal case (docs/bench-sparse.md).  A call costs
 // O(K + H) simple, mostly vectorised steps.
@@ -311,11 +311,11 @@ __attribute__((target("avx2"))) int32_t append_hits_avx2(const int32_t* topk, co
   return n;
 }
 
-// AVX-512 (F + VL): 16 lanes, a hardware gather of the marks and register
-// compresses instead of the left-pack table.  Measured on Zen 4 in an
-// alternating A/B on the bench trace: 0.96-0.98x the AVX2 time (the scan
-// waits on its scattered mark loads more than on instructions).  A compress
-// straight to memory is avoided: it is microcoded and slow on Zen 4.
+// AVX-512 (F + VL): 16 lanes, a hardware gather of the membership words and
+// register compresses instead of the left-pack table.  Measured on Zen 4 in an
+// alternating A/B on the bench trace (ABI 5 layout): 0.96-0.98x the AVX2 time;
+// with the ABI 6 bitmap the scan waits on vpgatherdd (~14 cycles a gather).  A
+// compress straight to memory is avoided: it is microcoded and slow on Zen 4.
 bool use_avx512() {
   static const bool ok = [] {
     const char* env = std::getenv("ASCEND_OFFLOAD_NATIVE_SIMD");
