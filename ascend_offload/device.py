@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import torch
 
+from ascend_offload import native  # the C++ host library (lazy build; imports torch only)
+
 Platform = Literal["npu", "cuda", "cpu"]
 
 
@@ -236,8 +238,6 @@ def copy_host_rows(src: torch.Tensor, src_rows: Sequence[int] | torch.Tensor, ds
     (bench layerwise, same process, alternating: docs/bench-layerwise.md). Every 50 us
     of I/O-thread Python per layer slowed the model thread by ~4 % there, so this call
     keeps its own Python to a few microseconds (no tensor ops for the indices)."""
-    from ascend_offload import native  # local: native imports torch only, never device
-
     n = len(src_rows)
     if n == 0 or not native.available():
         return n == 0
@@ -261,8 +261,7 @@ def _int32_rows(rows: Sequence[int] | torch.Tensor) -> torch.Tensor | array.arra
     """Row indices as a contiguous int32 buffer: a tensor stays one (converted if need
     be); a list becomes an ``array('i')`` (~0.5 us for 16, ``torch.tensor`` ~3 us)."""
     if isinstance(rows, torch.Tensor):
-        return rows if rows.dtype == torch.int32 and rows.is_contiguous() else \
-            rows.to(torch.int32).contiguous()
+        return native.int32_index(rows)
     return array.array(_INT32_CODE, rows)
 
 

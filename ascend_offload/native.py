@@ -216,6 +216,11 @@ def has_openmp() -> bool:
     return bool(lib is not None and lib.ao_res_has_openmp())
 
 
+def int32_index(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the contiguous int32 index buffer the C ABI takes (no op if it is one)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def copy_byte_rows(src: int, src_rows: int, src_idx: int, dst: int, dst_rows: int, dst_idx: int,
                    n: int, row_bytes: int) -> int:
     """The raw row copy on addresses (int32 index arrays at ``src_idx``/``dst_idx``),
@@ -249,10 +254,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         raise ValueError(f"row layout differs: src {tuple(src.shape)} {src.dtype}, "
                          f"dst {tuple(dst.shape)} {dst.dtype}")
     row_bytes = src.element_size() * (src.numel() // src.shape[0] if src.shape[0] else 0)
-    sidx = src_idx if src_idx.dtype == torch.int32 and src_idx.is_contiguous() else \
-        src_idx.to(torch.int32).contiguous()
-    didx = dst_idx if dst_idx.dtype == torch.int32 and dst_idx.is_contiguous() else \
-        dst_idx.to(torch.int32).contiguous()
+    sidx, didx = int32_index(src_idx), int32_index(dst_idx)
     n = sidx.numel()
     if count is None and n != didx.numel():
         raise ValueError(f"copy_rows: {n} source rows but {didx.numel()} destination rows")
