@@ -93,7 +93,7 @@ def _cluster(setup: str, model: str, log_dir: Path,
         if setup == "colocated":
             port = free_port()
             servers.append(Server("colocated", [*api, "--port", str(port)],
-                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+                                  dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
         elif setup == "ours":
@@ -107,15 +107,15 @@ def _cluster(setup: str, model: str, log_dir: Path,
                                    "kv_connector_extra_config": extra})
 
             servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                                    kv("kv_producer", p_kv)],
-                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+                                              kv("kv_producer", p_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
+                                  log_dir))
             servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                                   kv("kv_consumer", d_kv)],
-                                        dict(env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1",
-                                                  "--port", str(proxy_port), "--prefiller-hosts", "127.0.0.1",
-                                                  "--prefiller-ports", str(p_port), "--decoder-hosts",
-                                                  "127.0.0.1", "--decoder-ports", str(d_port)], env, log_dir))
+                                             kv("kv_consumer", d_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                                  log_dir))
+            servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
+                                            str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+                                            str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
+                                            str(d_port)], env, log_dir))
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         elif setup == "mooncake":
@@ -135,17 +135,16 @@ def _cluster(setup: str, model: str, log_dir: Path,
                 return json.dumps(cfg)
 
             servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                                    mc("kv_producer")],
-                                        dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0",
-                                             VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)), log_dir))
+                                              mc("kv_producer")],
+                                  dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0", VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)),
+                                  log_dir))
             servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                                   mc("kv_consumer")],
-                                        dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"), log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd",
-                                                  "--mooncake-proxy", "--port", str(proxy_port),
-                                                  "--prefill", f"http://127.0.0.1:{p_port}",
-                                                  "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,
-                                                  "--bootstrap", f"http://127.0.0.1:{boot}"], env, log_dir))
+                                             mc("kv_consumer")], dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                                  log_dir))
+            servers.append(Server("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd", "--mooncake-proxy",
+                                            "--port", str(proxy_port), "--prefill", f"http://127.0.0.1:{p_port}",
+                                            "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,
+                                            "--bootstrap", f"http://127.0.0.1:{boot}"], env, log_dir))
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         else:
