@@ -21,14 +21,17 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
 
@@ -66,11 +69,13 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def build(sources: tuple[str, ...], name: str, *, quiet: bool = False) -> Path | None:
+def build(sources: tuple[str, ...], name: str, *, quiet: bool = False,
+          flags: tuple[str, ...] = (), openmp: bool = True) -> Path | None:
     """Compile ``sources`` from :func:`source_dir` into a cached shared library.
 
-    Tries with OpenMP first, then without (a scalar single-thread build is
-    still correct). Returns the library path or ``None``.
+    Tries with OpenMP first (unless ``openmp=False``), then without (a scalar
+    single-thread build is still correct). ``flags`` are extra compiler flags
+    (part of the cache key). Returns the library path or ``None``.
     """
     cxx = _compiler()
     src_dir = source_dir()
@@ -85,7 +90,7 @@ def build(sources: tuple[str, ...], name: str, *, quiet: bool = False) -> Path |
     for p in paths:
         digest.update(p.name.encode())
         digest.update(p.read_bytes())
-    digest.update(" ".join(BASE_FLAGS).encode())
+    digest.update(" ".join((*BASE_FLAGS, *flags)).encode())
     digest.update(_compiler_id(cxx).encode())
     digest.update(platform.machine().encode())
     key = digest.hexdigest()[:20]
@@ -99,10 +104,10 @@ def build(sources: tuple[str, ...], name: str, *, quiet: bool = False) -> Path |
         _log_once(quiet, f"cannot create native cache dir {out_dir}: {exc}")
         return None
     errors = []
-    for extra in (("-fopenmp",), ()):
+    for extra in (("-fopenmp",), ()) if openmp else ((),):
         fd, tmp = tempfile.mkstemp(prefix=f".lib{name}-", suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [cxx, *BASE_FLAGS, *extra, *map(str, paths), "-o", tmp]
+        cmd = [cxx, *BASE_FLAGS, *flags, *extra, *map(str, paths), "-o", tmp]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -149,6 +154,47 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+Call3 = Callable[[int, int, int, int, bool], int]
+
+
+@functools.cache
+def fastcall() -> Call3 | None:
+    """``call3(fn, a, b, c, release_gil)``: the CPython fast-call trampoline
+    (``csrc_npu/fastcall.cpp``) for C functions taking three pointers, or ``None``
+    (no Python headers, build failure, ``ASCEND_OFFLOAD_NATIVE_FASTCALL=0``): the
+    callers then use ctypes. Built per interpreter ABI (the headers' path and the
+    extension suffix are part of the cache key)."""
+    if os.environ.get("ASCEND_OFFLOAD_NATIVE_FASTCALL") == "0":
+        return None
+    include = sysconfig.get_paths().get("include")
+    if not include or not (Path(include) / "Python.h").is_file():
+        _log_once(True, "no Python.h")
+        return None
+    abi = sysconfig.get_config_var("EXT_SUFFIX") or sys.version
+    path = build(("fastcall.cpp",), "ao_fastcall", quiet=True, openmp=False,
+                 flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
+    if path is None:
+        return None
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("_ao_fastcall", str(path))
+        spec = importlib.util.spec_from_file_location("_ao_fastcall", str(path), loader=loader)
+        assert spec is not None
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+    except (ImportError, OSError, AssertionError) as exc:
+        logger.debug("ascend_offload.native: fast-call module unusable (%s); ctypes it is", exc)
+        return None
+    return mod.call3  # type: ignore[no-any-return]
+
+
+def address_of(lib: ctypes.CDLL, name: str) -> int:
+    """The address of C function ``name`` in ``lib`` (for :func:`fastcall`)."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+
+
 @functools.cache
 def load_bench() -> ctypes.CDLL | None:
     """The benchmark-only baseline (reference design LRU), same compiler and flags."""
@@ -184,6 +230,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_inspect.argtypes = [vp, i32, i32, vp, vp]
     lib.ao_res_resolve_packed.restype = i64
     lib.ao_res_resolve_packed.argtypes = [vp, vp]
+    lib.ao_res_resolve_layer.restype = i64
+    lib.ao_res_resolve_layer.argtypes = [vp, vp, vp]
     lib.ao_res_max_positions.restype = i64
     lib.ao_res_max_positions.argtypes = [vp]
     lib.ao_res_debug_dirty_words.restype = i64

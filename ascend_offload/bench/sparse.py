@@ -138,15 +138,18 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
                                       block_size=args.block) for layer in range(L)]
         p_blocks = [ctypes.addressof(b) for b in blocks]
         bound: list[torch.Tensor | None] = [None] * L
-        call, h = lib.ao_res_resolve_packed, nat._h
+        h, call3, fn = nat._h, nat._call3, nat._fn_layer
+        release = batch > 1
+        slow = lib.ao_res_resolve_layer
 
         def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            block = blocks[layer]
             if bound[layer] is not lens:  # a new step
+                block = blocks[layer]
                 block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
                 bound[layer] = lens
-            block[native.ARG_TOPK] = topk.data_ptr()
-            return call(h, p_blocks[layer])
+            if call3 is not None:
+                return call3(fn, h, p_blocks[layer], topk.data_ptr(), release)
+            return slow(h, p_blocks[layer], topk.data_ptr())
 
         api_step: list[torch.Tensor | None] = [None]
 

@@ -155,6 +155,45 @@ def test_bound_step_layers_match_per_call_resolve() -> None:
             assert a.num_valid == b.num_valid
 
 
+@needs_native
+def test_fast_call_and_ctypes_paths_agree() -> None:
+    """resolve_layer through the CPython trampoline (when it builds) and through ctypes
+    give identical results and states; batches > 1 take the GIL-releasing variant."""
+    fast = NativeResidency(2, 3, 32)
+    slow = NativeResidency(2, 3, 32)
+    slow._call3 = None
+    if fast._call3 is None:
+        pytest.skip("fast-call module unavailable (no Python headers)")
+    g = torch.Generator().manual_seed(11)
+    for step in range(30):
+        B = 1 + step % 3
+        rows = torch.randperm(3, generator=g)[:B].to(torch.int32)
+        lens = torch.randint(24, 200, (B,), generator=g).to(torch.int32)
+        tags = torch.ones(B, dtype=torch.int64)
+        bt = torch.arange(B * 50, dtype=torch.int32).view(B, -1)
+        for r in (fast, slow):
+            r.bind_step(rows, tags, lens, lens, bt, BLOCK)
+        for layer in range(2):
+            topk = torch.stack([torch.randint(-1, int(n), (24,), generator=g) for n in lens])
+            a, b = fast.resolve_layer(layer, topk), slow.resolve_layer(layer, topk)
+            assert torch.equal(a.slots, b.slots) and torch.equal(a.counts, b.counts)
+            assert a.num_misses == b.num_misses
+            assert torch.equal(a.miss_src[: a.num_misses], b.miss_src[: b.num_misses])
+    assert all(fast.inspect(lay, r) == slow.inspect(lay, r) for lay in range(2) for r in range(3))
+
+
+def test_fast_call_rejects_bad_arguments() -> None:
+    call3 = native.fastcall()
+    if call3 is None:
+        pytest.skip("fast-call module unavailable (no Python headers)")
+    with pytest.raises(TypeError, match="3 arguments given"):
+        call3(1, 2, 3)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="fn is NULL"):
+        call3(0, 0, 0, 0, False)
+    with pytest.raises(TypeError):
+        call3("x", 0, 0, 0, False)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("impl", ["native", "torch"])
 def test_resolve_layer_needs_a_matching_bound_step(impl: str) -> None:
     if impl == "native" and not native.available():
