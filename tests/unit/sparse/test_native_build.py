@@ -47,6 +47,23 @@ def test_build_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
     assert second is not None and second != first  # an edit rebuilds into a new key
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_cpu_tuned_build_is_keyed_by_cpu_features(monkeypatch, tmp_path) -> None:
+    """The host-tuned build and the generic one (ASCEND_OFFLOAD_NATIVE_MARCH=0) live
+    under different cache keys; the tuned key includes the CPU's feature list."""
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
+    tune, features = native._tune_flags()
+    tuned = native.build(("rowcopy.cpp",), "ao_tune_t")
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_MARCH", "0")
+    assert native._tune_flags() == ((), "")
+    generic = native.build(("rowcopy.cpp",), "ao_tune_t")
+    assert tuned is not None and generic is not None
+    if tune:
+        assert features and tuned != generic
+    else:  # no tuning known for this machine: the same generic build
+        assert tuned == generic
+
+
 def test_disabled_native_falls_back_to_twin_in_a_fresh_process(tmp_path) -> None:
     code = textwrap.dedent("""
         import os, torch
