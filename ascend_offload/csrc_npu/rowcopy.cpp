@@ -49,7 +49,13 @@ inline void prefetch_row(const uint8_t* p, int64_t row_bytes) {
   for (int64_t off = 0; off < end; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// Only for rows of up to kFarMaxBytes: a 16-row lead of 1 MiB store pages would
+// be 16 MiB ahead, far beyond L2 (evicted before use, each byte read twice);
+// the hardware stream prefetcher covers long rows.
+constexpr int64_t kFarMaxBytes = 4096;
+
 inline void prefetch_rest(const uint8_t* p, int64_t row_bytes) {
+  if (row_bytes > kFarMaxBytes) return;
   for (int64_t off = kLines * 64; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
