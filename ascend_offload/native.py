@@ -201,9 +201,10 @@ def fastcall() -> Call3 | None:
         return None
     include = sysconfig.get_paths().get("include")
     if not include or not (Path(include) / "Python.h").is_file():
-        _log_once(True, "no Python.h")
+        logger.debug("ascend_offload.native: no Python.h under %s; ctypes it is", include)
         return None
     abi = sysconfig.get_config_var("EXT_SUFFIX") or sys.version
+    # The define is unused by the source: it puts the interpreter ABI into the cache key.
     path = build(("fastcall.cpp",), "ao_fastcall", quiet=True, openmp=False,
                  flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
     if path is None:

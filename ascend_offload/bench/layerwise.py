@@ -148,18 +148,21 @@ class _Bench:
         self.pipe.finish_step()
         return time.perf_counter() - t0
 
+    def transfer_layer(self, layer: str, save: tuple[BlockRef, ...]) -> None:
+        """One layer's load (shared layers only) + save through the pipeline's own copy code."""
+        if self.load and self.plan.is_shared(layer):
+            self.pipe._load_layer(layer, self.load)
+        self.pipe._save_layer(layer, save)
+
     def transfer_alone(self, reps: int) -> dict[str, float]:
-        """Per layer: its load + save through the pipeline's own copy code, nothing overlapped."""
+        """Per layer: its load + save, nothing overlapped."""
         out: dict[str, float] = {}
         for layer in self.plan.layers:
-            refs = self.load if self.plan.is_shared(layer) else ()
             ts = []
             for _ in range(reps):
                 save = self._save_refs()
                 t0 = time.perf_counter()
-                if refs:
-                    self.pipe._load_layer(layer, refs)
-                self.pipe._save_layer(layer, save)
+                self.transfer_layer(layer, save)
                 ts.append(time.perf_counter() - t0)
             out[layer] = statistics.median(ts)
         return out
@@ -215,10 +218,7 @@ def floor_step(bench: _Bench, compute: _Compute) -> float:
     pipeline itself costs."""
     def transfers() -> None:
         for layer in bench.plan.layers:
-            refs = bench.load if bench.plan.is_shared(layer) else ()
-            if refs:
-                bench.pipe._load_layer(layer, refs)
-            bench.pipe._save_layer(layer, bench._save_refs())
+            bench.transfer_layer(layer, bench._save_refs())
 
     th = threading.Thread(target=transfers, name="lw-floor")
     t0 = time.perf_counter()

@@ -223,7 +223,7 @@ __attribute__((target("avx2"))) inline __m256i pack_idx(uint32_t m) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.idx[m]));
 }
 
-// Scan of the live entries [0, n): hits are listed (position, slot); entries
+// Scan of the live entries [0, n): hits are listed (packed entries); entries
 // at or beyond `stable` are freed; the rest are kept, compacted in place.
 // `bits` is the top-k membership bitmap, `wmax` its last word.  Returns the
 // kept count; *j_out is where the scalar tail starts.
