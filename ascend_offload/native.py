@@ -31,9 +31,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 7
-LIB_SOURCES = ("residency.cpp", "rowcopy.cpp")
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing")
+ABI_VERSION = 8
+LIB_SOURCES = ("residency.cpp", "rowcopy.cpp", "copyqueue.cpp")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing", "-pthread")
 
 def source_dir() -> Path:
     """The C++ sources: ``$ASCEND_OFFLOAD_CSRC``, else ``ascend_offload/csrc_npu``
@@ -272,6 +272,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_debug_dirty_words.argtypes = []
     lib.ao_copy_rows.restype = i64
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
+    for name in ("ao_cq_create", "ao_cq_destroy", "ao_cq_status", "ao_cq_submit", "ao_cq_wait",
+                 "ao_cq_take"):  # three pointer-sized arguments each (fast-call shape)
+        getattr(lib, name).restype = vp if name == "ao_cq_create" else i64
+        getattr(lib, name).argtypes = [vp, vp, vp]
 
 
 # Slots of the int64 argument block of ``ao_res_resolve_packed`` that change per call

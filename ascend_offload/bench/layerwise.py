@@ -150,9 +150,8 @@ class _Bench:
 
     def transfer_layer(self, layer: str, save: tuple[BlockRef, ...]) -> None:
         """One layer's load (shared layers only) + save through the pipeline's own copy code."""
-        if self.load and self.plan.is_shared(layer):
-            self.pipe._load_layer(layer, self.load)
-        self.pipe._save_layer(layer, save)
+        load = self.load if self.plan.is_shared(layer) else ()
+        self.pipe.move_layer_now(layer, load, save)
 
     def transfer_alone(self, reps: int) -> dict[str, float]:
         """Per layer: its load + save, nothing overlapped."""
@@ -333,7 +332,7 @@ def run_one(args: argparse.Namespace, b: int) -> dict[str, Any]:
             "gate_waits": gate.waits,
             "gate_wait_ms": gate.wait_s * 1e3,
             "prefetched_loads": st.prefetched_loads,
-            "stolen_loads": st.stolen_loads,
+            "native_jobs": st.native_jobs,
             "load_errors": st.load_errors,
             "save_errors": st.save_errors,
         }

@@ -12,6 +12,15 @@ bytes. Contents are versioned by a per-slot generation: a consumer registers
 against one generation, and a consumer of an old generation is refused (its
 bytes are gone) instead of silently reading the new layer.
 
+A consumer whose work runs on an ordered copy queue (the pipeline's store save,
+see transfer/copy_queue.py) is registered ``queued``: a writer whose own work
+goes onto the same queue after it (a store load) may be granted the slot while
+such consumers are outstanding (``acquire_write(behind_queued=True)``), because
+the queue runs the consumer's copy first - the writer still waits for them, in
+the queue instead of on a thread. Every other writer (the layer's own attention)
+waits until they are released; ``pump`` lets that waiting thread finish the
+queued consumers it is itself responsible for releasing.
+
 Every wait has a deadline that becomes :class:`GateTimeout`, naming slot, layer
 and the consumers still outstanding (invariant I5). Consumers can be expired
 (fenced) after such a failure: their late release is ignored and
@@ -68,6 +77,7 @@ class ConsumerToken:
     generation: int
     name: str
     id: int
+    queued: bool = False  # its work is on an ordered copy queue (see the module doc)
 
 
 @dataclasses.dataclass
@@ -76,6 +86,7 @@ class GateStats:
 
     writes: int = 0  # leases granted
     waits: int = 0  # leases that found the slot busy and had to block
+    queued_waits: int = 0  # leases granted behind queued consumers (they wait in the queue)
     wait_s: float = 0.0  # total time blocked
     max_wait_s: float = 0.0
     timeouts: int = 0
@@ -141,8 +152,12 @@ class ReuseGate:
         return self._slots[slot]
 
     @staticmethod
-    def _busy(s: _Slot) -> bool:
-        return s.writer is not None or bool(s.consumers)
+    def _busy(s: _Slot, behind_queued: bool = False) -> bool:
+        if s.writer is not None:
+            return True
+        if behind_queued:
+            return any(not c.queued for c in s.consumers.values())
+        return bool(s.consumers)
 
     @staticmethod
     def _pending(s: _Slot) -> list[str]:
@@ -150,7 +165,9 @@ class ReuseGate:
         out += [f"{c.name} (layer {s.layer!r})" for c in s.consumers.values()]
         return out
 
-    def _grant(self, s: _Slot, slot: int, layer: str) -> WriteLease:
+    def _grant(self, s: _Slot, slot: int, layer: str, behind_queued: bool = False) -> WriteLease:
+        if behind_queued and s.consumers:
+            self._stats.queued_waits += 1
         s.generation += 1
         s.layer = layer
         s.writer = WriteLease(slot, s.generation, layer)
@@ -159,35 +176,55 @@ class ReuseGate:
 
     # ------------------------------------------------------------------ writers
 
-    def acquire_write(self, slot: int, layer: str, timeout_s: float | None = None) -> WriteLease:
-        """Block until ``slot`` is free, then own it for ``layer``; :class:`GateTimeout` on deadline."""
+    def acquire_write(self, slot: int, layer: str, timeout_s: float | None = None, *,
+                      behind_queued: bool = False,
+                      pump: Callable[[float], bool] | None = None) -> WriteLease:
+        """Block until ``slot`` is free, then own it for ``layer``; :class:`GateTimeout` on deadline.
+
+        ``behind_queued``: the writer's work goes onto the ordered queue of the slot's
+        queued consumers, so only a writer and the other consumers make it wait.
+        ``pump(seconds_left)`` is called (without the gate's lock) while the slot is
+        busy: it may block up to that long to finish and release consumers, and returns
+        False when it has nothing to finish (then the gate waits for others' releases).
+        """
         timeout = self._default_timeout_s if timeout_s is None else timeout_s
         with self._cv:
             s = self._slot(slot)
-            if not self._busy(s):
-                return self._grant(s, slot, layer)
+            if not self._busy(s, behind_queued):
+                return self._grant(s, slot, layer, behind_queued)
             start = self._clock()
             deadline = start + timeout
             s.waits += 1
             self._stats.waits += 1
-            try:
-                while self._busy(s):
+        try:
+            while True:
+                with self._cv:
+                    if not self._busy(s, behind_queued):
+                        return self._grant(s, slot, layer, behind_queued)
                     left = deadline - self._clock()
                     if left <= 0:
                         self._stats.timeouts += 1
                         raise GateTimeout(slot, layer, self._clock() - start, self._pending(s))
-                    self._cv.wait(left)
-            finally:
+                    if pump is None:
+                        self._cv.wait(left)
+                        continue
+                if not pump(left):
+                    with self._cv:
+                        if self._busy(s, behind_queued):
+                            self._cv.wait(max(0.0, min(left, deadline - self._clock())))
+        finally:
+            with self._cv:
                 waited = self._clock() - start
                 self._stats.wait_s += waited
                 self._stats.max_wait_s = max(self._stats.max_wait_s, waited)
-            return self._grant(s, slot, layer)
 
-    def try_acquire_write(self, slot: int, layer: str) -> WriteLease | None:
+    def try_acquire_write(self, slot: int, layer: str, *,
+                          behind_queued: bool = False) -> WriteLease | None:
         """Own ``slot`` for ``layer`` if it is free right now (prefetch), else ``None``."""
         with self._cv:
             s = self._slot(slot)
-            return None if self._busy(s) else self._grant(s, slot, layer)
+            return None if self._busy(s, behind_queued) else self._grant(s, slot, layer,
+                                                                         behind_queued)
 
     def release_write(self, lease: WriteLease) -> None:
         """The writer is done; consumers added before this keep the slot busy."""
@@ -200,8 +237,10 @@ class ReuseGate:
 
     # ---------------------------------------------------------------- consumers
 
-    def add_consumer(self, slot: int, generation: int, name: str) -> ConsumerToken:
-        """Register a reader of ``slot`` at ``generation``; :class:`StaleGeneration` if replaced."""
+    def add_consumer(self, slot: int, generation: int, name: str, *,
+                     queued: bool = False) -> ConsumerToken:
+        """Register a reader of ``slot`` at ``generation``; :class:`StaleGeneration` if replaced.
+        ``queued``: its read is on an ordered copy queue (see the module doc)."""
         with self._cv:
             s = self._slot(slot)
             if generation != s.generation:
@@ -209,7 +248,7 @@ class ReuseGate:
                     f"consumer {name!r} of slot {slot} generation {generation}: the slot now holds "
                     f"generation {s.generation} (layer {s.layer!r})"
                 )
-            tok = ConsumerToken(slot, generation, name, next(self._ids))
+            tok = ConsumerToken(slot, generation, name, next(self._ids), queued)
             s.consumers[tok.id] = tok
             self._stats.consumers_added += 1
             return tok

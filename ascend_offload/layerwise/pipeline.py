@@ -27,10 +27,21 @@ Per layer L with physical slot S (see plan.py):
    0 in ``start_step`` and for layer L+1 at the end of ``save_layer(L)``
    (``ready_before_hook=True``); ``wait_for_layer_load`` then only checks.
 2. vLLM writes L's new KV into S and runs attention.
-3. ``save_layer(L)``: register the store save as a consumer of S (plus
-   ``extra_consumers`` and save listeners, e.g. the P/D producer's decode reads),
-   release the write lease, queue the save on the save thread, and queue gate +
-   load of the next ``prefetch_layers`` layers on the load thread.
+3. ``save_layer(L)``: queue the store save and register it as a *queued*
+   consumer of S (plus ``extra_consumers`` and save listeners, e.g. the P/D
+   producer's decode reads), release the write lease, and own + queue the loads of
+   the next ``prefetch_layers`` layers whose slots allow it.
+
+All byte copies run on one ordered copy queue (transfer/copy_queue.py): a native
+worker thread for host KV and row-addressable stores, else one Python thread. The
+model thread does the store bookkeeping (pin, allocate, commit, unpin), submits,
+and later waits for the ticket it needs, with the GIL released. Why: Python I/O
+threads took the GIL for ~25-50 us a job and slowed the model thread by ~7 %
+(docs/bench-layerwise.md). Order replaces most waiting: a load queued after the
+save of the slot's previous contents cannot start before that save's copy ended,
+so the gate grants it behind the queued save (``behind_queued``); only a writer
+that does not go through the queue (the layer's own attention) waits for the save
+to be reaped, and it reaps while it waits (``pump``).
 
 What is loaded: ``StepIO.load`` (prefix hits found in the store) into every
 layer, and ``StepIO.load_shared`` (the step's requests' own earlier chunks,
@@ -51,7 +62,7 @@ blocks (``take_load_errors``), never silent garbage.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import collections
 import dataclasses
 import functools
 import logging
@@ -64,7 +75,8 @@ import torch
 from ascend_offload import device
 from ascend_offload.layerwise.gate import ConsumerToken, GateError, ReuseGate, WriteLease
 from ascend_offload.layerwise.plan import LayerwisePlan
-from ascend_offload.store.base import KVStore, WriteHandle
+from ascend_offload.store.base import KVStore, Pin, WriteHandle
+from ascend_offload.transfer.copy_queue import NativeRowQueue, ThreadJobQueue, int32_array
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +231,7 @@ class PipelineStats:
     save_duplicates: int = 0  # objects already in the store
     save_skipped: int = 0  # objects not stored because the store was full
     save_errors: int = 0
-    stolen_loads: int = 0  # queued loads the waiting thread ran itself
-    stolen_saves: int = 0  # queued saves drain ran itself
+    native_jobs: int = 0  # copies run by the native queue (the rest: the Python queue or inline)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -240,9 +251,28 @@ class _Unit:
 @dataclasses.dataclass
 class _UnitState:
     lease: WriteLease | None = None
-    job: cf.Future[WriteLease] | None = None  # prefetch: gate + load on the I/O thread
+    ticket: int = 0  # copy-queue ticket of its last load job (0: nothing queued)
     loaded: bool = False
     released: bool = False
+
+
+@dataclasses.dataclass
+class _LoadJob:
+    ticket: int
+    layer: str
+    pin: Pin
+    block_ids: list[int]
+    native: bool
+
+
+@dataclasses.dataclass
+class _SaveJob:
+    ticket: int
+    layer: str
+    handles: list[WriteHandle]
+    native: bool
+    unit_errors: list[BaseException]  # shared by the jobs of one unit
+    token: ConsumerToken | None = None  # released after the unit's last job is reaped
 
 
 class LayerwisePipeline:
@@ -275,7 +305,6 @@ class LayerwisePipeline:
         self.ready_before_hook = ready_before_hook
         self.defer_next_ready = False
         self._direct_host_io = True  # tests turn it off to run the staging path on CPU
-        self._job_timeout_s = save_timeout_s + load_timeout_s  # gate wait + load
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
         self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
         followers: dict[str, list[str]] = {}
@@ -296,10 +325,8 @@ class LayerwisePipeline:
         self._load_errors: set[int] = set()
         self._step: StepIO | None = None
         self._state: dict[str, _UnitState] = {}
-        # queued saves (gate slot, job), so drain can run a not-yet-started save itself
-        self._save_futures: dict[cf.Future[None], tuple[int, Callable[[], None]]] = {}
-        self._loader = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-load")
-        self._saver = cf.ThreadPoolExecutor(1, thread_name_prefix="lw-save")
+        self._queue: NativeRowQueue | ThreadJobQueue | None = None  # made at the first step
+        self._jobs: collections.deque[_LoadJob | _SaveJob] = collections.deque()  # ticket order
         # one copy stream per direction, so a load never waits on an unrelated save's copies
         self._load_stream = device.new_stream()
         self._save_stream = device.new_stream()
@@ -349,6 +376,10 @@ class LayerwisePipeline:
         self._check_open()
         if self._state:
             self.finish_step()
+        self._io()
+        # A previous step's saves (finish_step(wait_saves=False)) must be committed before
+        # this step pins what it loads: its own earlier chunks are among them.
+        self.drain()
         self._step = io
         with self._lock:
             self._stats.steps += 1
@@ -390,19 +421,11 @@ class LayerwisePipeline:
                   for name in extra_consumers]
         for listener in self._save_listeners:
             listener(layer, unit.gate_slot, st.lease.generation)
-        refs = self._step.save
-        if refs:
-            token = self.gate.add_consumer(
-                unit.gate_slot, st.lease.generation, f"store-save {layer}"
-            )
-            ready = device.record_after_compute()
-            job = functools.partial(self._save_unit, unit, refs, token, ready)
-            fut = self._saver.submit(job)
-            with self._lock:
-                self._save_futures[fut] = (unit.gate_slot, job)
-            fut.add_done_callback(self._forget_save)
+        if self._step.save:
+            self._queue_unit_save(unit, self._step.save, st.lease.generation)
         st.released = True
         self.gate.release_write(st.lease)
+        self._reap()
         self._prefetch_from(unit.index + 1)
         if not self.defer_next_ready:
             self.ready_next(layer)
@@ -435,19 +458,11 @@ class LayerwisePipeline:
             if st.released:
                 continue
             st.released = True
-            lease = st.lease
-            if lease is None and st.job is not None and not st.job.cancel():
-                try:  # a prefetch that started owns the slot once it ends
-                    lease = st.job.result(timeout=self._job_timeout_s)
-                except cf.TimeoutError:
-                    raise LoadTimeout(
-                        f"layerwise: prefetch of layer {main!r} still running at step end after "
-                        f"{self._job_timeout_s}s"
-                    ) from None
-                except Exception as exc:  # the layer did not run; its prefetch never owned it
-                    log.warning("layerwise: prefetch of unused layer %s failed: %s", main, exc)
-            if lease is not None:
-                self.gate.release_write(lease)
+            if st.ticket:  # a prefetched load writes into the slot: it must end first
+                self._wait_ticket(st.ticket, self.load_timeout_s,
+                                  f"prefetch of layer {main!r} still running at step end")
+            if st.lease is not None:
+                self.gate.release_write(st.lease)
         self._state.clear()
         self._step = None
         if wait_saves:
@@ -460,22 +475,34 @@ class LayerwisePipeline:
 
     def take_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (vLLM recomputes or fails them)."""
+        self._reap()
         with self._lock:
             out, self._load_errors = self._load_errors, set()
             return out
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Wait for every queued save to finish (deadline: ``save_timeout_s``)."""
-        deadline = time.monotonic() + (self.save_timeout_s if timeout_s is None else timeout_s)
+        """Wait for every queued copy to finish and commit its saves (deadline: ``save_timeout_s``)."""
+        timeout = self.save_timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            pending = list(self._save_futures)
-        for fut in pending:  # run queued saves here rather than wait for the I/O thread
-            self._steal(fut)
-        _done, not_done = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
-        if not_done:
-            raise TimeoutError(
-                f"layerwise: {len(not_done)} store saves still running after the deadline"
-            )
+            last = self._jobs[-1].ticket if self._jobs else 0
+        if last:
+            self._wait_ticket(last, timeout, "store saves still running after the deadline",
+                              TimeoutError)
+
+    def move_layer_now(self, layer: str, load: Sequence[BlockRef], save: Sequence[BlockRef]) -> None:
+        """One layer's load of ``load`` and save of ``save`` through the same queue and copy
+        code as a step, waited for here, outside any step and gate. Why: the transfer-alone
+        baseline of ``bench layerwise`` must measure exactly the pipeline's own transfer."""
+        self._check_open()
+        self._io()
+        last = 0
+        if load:
+            last = self._queue_load(layer, load) or last
+        if save:
+            last = self._queue_save(layer, save, [], 0.0) or last
+        if last:
+            self._wait_ticket(last, self.load_timeout_s + self.save_timeout_s,
+                              f"transfer of layer {layer!r} did not finish")
 
     def stats(self) -> PipelineStats:
         with self._lock:
@@ -490,8 +517,9 @@ class LayerwisePipeline:
             self.drain()
         finally:
             self._closed = True
-            self._loader.shutdown(wait=True)
-            self._saver.shutdown(wait=True)
+            if self._queue is not None:
+                self._queue.close()
+            self._reap()
 
     # ------------------------------------------------------------------ internals
 
@@ -509,18 +537,112 @@ class LayerwisePipeline:
                 "scheduler_output.has_sync_kv_loads=True so vLLM calls it first"
             )
 
-    def _steal(self, fut: cf.Future[None]) -> None:
-        """Run a queued save on this thread if the I/O thread has not started it.
+    def _io(self) -> NativeRowQueue | ThreadJobQueue:
+        """The copy queue, chosen at the first use: native when every layer's KV is host
+        memory with contiguous block rows (then a job's bytes are two row lists)."""
+        if self._queue is None:
+            rows = all(self._block_rows(kv) is not None and self._direct(kv)
+                       for kv in self._kv.values())
+            if rows and self.store.row_addressable and NativeRowQueue.available():
+                self._queue = NativeRowQueue()
+            else:
+                self._queue = ThreadJobQueue("lw-copy")
+            log.debug("layerwise: copy queue %s", type(self._queue).__name__)
+        return self._queue
 
-        Why: under CPU oversubscription a hand-off to a starved I/O thread costs a
-        scheduler time slice per layer; a waiter that would block anyway does the work.
-        """
-        with self._lock:
-            entry = self._save_futures.get(fut)
-        if entry is not None and fut.cancel():
-            entry[1]()
+    def _reap(self) -> None:
+        """Finish the bookkeeping of every copy job that ended (in ticket order): unpin
+        loads and record their errors; commit (or abort) saves and release their consumers."""
+        q = self._queue
+        if q is None:
+            return
+        done = q.done()
+        while True:
             with self._lock:
-                self._stats.stolen_saves += 1
+                if not self._jobs or self._jobs[0].ticket > done:
+                    return
+                job = self._jobs.popleft()
+            if isinstance(job, _LoadJob):
+                self._reap_load(q, job)
+            else:
+                self._reap_save(q, job)
+
+    def _reap_load(self, q: NativeRowQueue | ThreadJobQueue, job: _LoadJob) -> None:
+        try:
+            failed = q.take_result(job.ticket) or []
+        except Exception as exc:  # the whole job copied nothing
+            log.warning("layerwise: load of layer %s failed: %s", job.layer, exc)
+            failed = list(job.block_ids)
+        finally:
+            self.store.unpin(job.pin)
+        self._count_load(job.layer, len(job.block_ids) - len(failed), failed, job.native)
+
+    def _count_load(self, layer: str, moved: int, failed: Sequence[int], native: bool = False) -> None:
+        with self._lock:
+            if moved:
+                self._stats.loads += 1
+            self._stats.native_jobs += native
+            self._stats.blocks_loaded += moved
+            self._stats.bytes_loaded += moved * self._page_bytes[layer]
+            self._stats.load_errors += len(failed)
+            self._load_errors.update(failed)
+
+    def _reap_save(self, q: NativeRowQueue | ThreadJobQueue, job: _SaveJob) -> None:
+        try:
+            q.take_result(job.ticket)
+        except Exception as exc:
+            self._finish_save(job, exc)
+        else:
+            self._finish_save(job, None)
+
+    def _finish_save(self, job: _SaveJob, copy_error: BaseException | None) -> None:
+        """Commit (or, on any error, abort) the job's objects, count, release the consumer."""
+        error: BaseException | None = copy_error
+        try:
+            if error is not None:
+                raise error
+            self.store.commit(job.handles)
+        except Exception as exc:
+            error = exc
+            self.store.abort(job.handles)
+            if not job.unit_errors:
+                with self._lock:
+                    self._stats.save_errors += 1
+            job.unit_errors.append(exc)
+            log.error("layerwise: store save of layer %s failed: %s", job.layer, exc)
+        if error is None:
+            with self._lock:
+                self._stats.saves += 1
+                self._stats.native_jobs += job.native
+                self._stats.blocks_saved += len(job.handles)
+                self._stats.bytes_saved += len(job.handles) * self._page_bytes[job.layer]
+        if job.token is not None:
+            try:
+                self.gate.release_consumer(job.token, job.unit_errors[0] if job.unit_errors else None)
+            except GateError:  # pragma: no cover - gate misuse is a bug; keep going
+                log.exception("layerwise: releasing the save consumer failed")
+
+    def _pump(self, left_s: float) -> bool:
+        """Gate pump: wait (GIL released) for the oldest queued copy and reap it. False
+        when nothing is queued (the slot waits for someone else's consumer)."""
+        with self._lock:
+            ticket = self._jobs[0].ticket if self._jobs else 0
+        if not ticket:
+            return False
+        assert self._queue is not None
+        self._queue.wait(ticket, max(0.0, left_s))
+        self._reap()
+        return True
+
+    def _wait_ticket(self, ticket: int, timeout_s: float, what: str,
+                     error: type[Exception] = LoadTimeout) -> None:
+        """Wait for copy job ``ticket`` (and everything before it) and reap; ``error`` naming
+        ``what`` at the deadline."""
+        assert self._queue is not None
+        if not self._queue.wait(ticket, timeout_s):
+            self._reap()
+            raise error(f"layerwise: {what} ({timeout_s}s)")
+        self._reap()
 
     def _make_ready(self, unit: _Unit) -> None:
         """Own ``unit``'s slot (gate, deadline) and have its store objects in it."""
@@ -528,40 +650,28 @@ class LayerwisePipeline:
         if st is not None and (st.loaded or st.released):
             return
         t0 = time.perf_counter()
-        if st is None:  # not prefetched: own the slot and load on this thread
-            lease = self._acquire_and_load(unit)
+        if st is None:  # not prefetched: own the slot here and queue the load
+            loads = self._has_loads(unit)
+            lease = self.gate.acquire_write(unit.gate_slot, unit.main, behind_queued=loads,
+                                            pump=self._pump)
             st = self._state[unit.main] = _UnitState(lease=lease)
-        else:
-            assert st.job is not None
-            if st.job.cancel():  # the I/O thread has not started it: do it here
-                st.lease = self._acquire_and_load(unit)
-                with self._lock:
-                    self._stats.stolen_loads += 1
-            else:
+            if loads:
                 try:
-                    st.lease = st.job.result(timeout=self._job_timeout_s)
-                except cf.TimeoutError:
-                    raise LoadTimeout(
-                        f"layerwise: store load of layer {unit.main!r} (slot {unit.gate_slot}) "
-                        f"did not finish within {self._job_timeout_s}s"
-                    ) from None
+                    st.ticket = self._queue_unit_load(unit)
+                except BaseException:
+                    st.released = True
+                    self.gate.release_write(lease)
+                    raise
+        if st.ticket:
+            self._wait_ticket(st.ticket, self.load_timeout_s,
+                              f"store load of layer {unit.main!r} (slot {unit.gate_slot}) did "
+                              "not finish")
         st.loaded = True
         with self._lock:
             self._stats.load_wait_s += time.perf_counter() - t0
 
-    def _acquire_and_load(self, unit: _Unit) -> WriteLease:
-        """Wait (with the gate's deadline) for the slot, then fill it from the store."""
-        lease = self.gate.acquire_write(unit.gate_slot, unit.main)
-        try:
-            self._load_unit(unit)
-        except BaseException:
-            self.gate.release_write(lease)
-            raise
-        return lease
-
-    def _forget_save(self, fut: cf.Future[None]) -> None:
-        with self._lock:
-            self._save_futures.pop(fut, None)
+    def _has_loads(self, unit: _Unit) -> bool:
+        return any(self._load_refs(m) for m in unit.members)
 
     def _load_refs(self, layer: str) -> tuple[BlockRef, ...]:
         assert self._step is not None
@@ -570,50 +680,65 @@ class LayerwisePipeline:
         return self._step.load
 
     def _prefetch_from(self, start: int) -> None:
-        """Queue gate + load of the next ``prefetch_layers`` layers on the I/O thread.
+        """Own and queue the loads of the next ``prefetch_layers`` layers.
 
-        A queued job waits on the gate itself, so a slot whose previous contents are
-        still being saved is filled as soon as that save ends, while this thread computes.
+        A slot whose previous contents have only queued consumers (this pipeline's store
+        saves) is granted at once: the load runs after those saves on the queue. One
+        held by anything else (a remote read) is tried again at the next hook, and
+        waited for when its layer comes.
         """
         if self._step is None:
             return
         stop = min(len(self._units), start + (self.prefetch_layers if start else 1 + self.prefetch_layers))
         for unit in self._units[start:stop]:
-            if unit.main in self._state:
-                continue
-            if not any(self._load_refs(m) for m in unit.members):
-                continue  # nothing to move: the slot is owned when the layer runs
+            if unit.main in self._state or not self._has_loads(unit):
+                continue  # owned already, or nothing to move: the slot is owned when it runs
             # Slot order within a step: an earlier user of the slot must be done with it.
             if any(e not in self._state or not self._state[e].released for e in unit.earlier):
                 continue
-            st = self._state[unit.main] = _UnitState()
-            st.job = self._loader.submit(self._acquire_and_load, unit)
+            lease = self.gate.try_acquire_write(unit.gate_slot, unit.main, behind_queued=True)
+            if lease is None:
+                continue
+            st = self._state[unit.main] = _UnitState(lease=lease)
+            try:
+                st.ticket = self._queue_unit_load(unit)
+            except BaseException:
+                st.released = True
+                self.gate.release_write(lease)
+                raise
             with self._lock:
                 self._stats.prefetched_loads += 1
 
+    def _queue_unit_load(self, unit: _Unit) -> int:
+        """Queue the loads of ``unit``'s layers; the last job's ticket (0: nothing queued)."""
+        last = 0
+        for layer in unit.members:
+            refs = self._load_refs(layer)
+            if refs:
+                last = self._queue_load(layer, refs) or last
+        return last
+
+    def _queue_unit_save(self, unit: _Unit, refs: Sequence[BlockRef], generation: int) -> None:
+        """Queue the saves of ``unit``'s layers and register them as one queued consumer of
+        the slot, released once the last of them is committed."""
+        errors: list[BaseException] = []
+        delay = self.save_delay_s
+        for layer in unit.members:
+            self._queue_save(layer, refs, errors, delay)
+            delay = 0.0  # the injected delay is once per unit, like one slow save
+        with self._lock:
+            last = self._jobs[-1] if self._jobs else None
+        if isinstance(last, _SaveJob) and last.unit_errors is errors:
+            last.token = self.gate.add_consumer(unit.gate_slot, generation,
+                                                f"store-save {unit.main}", queued=True)
+
     def _block_view(self, kv: torch.Tensor, block_id: int) -> torch.Tensor:
         return kv.select(self.block_dim, block_id)
-
-    def _load_unit(self, unit: _Unit) -> None:
-        with device.stream_context(self._load_stream):
-            for layer in unit.members:
-                refs = self._load_refs(layer)
-                if refs:
-                    self._load_layer(layer, refs)
-            self._load_stream.synchronize()
 
     def _direct(self, kv: torch.Tensor) -> bool:
         """Host KV with contiguous block pages: copy straight between store and KV tensor."""
         return (self._direct_host_io and not device.is_accelerator(kv)
                 and self._block_view(kv, 0).is_contiguous())
-
-    def _read_one(self, pin: object, key: str, dst: torch.Tensor) -> bool:
-        try:
-            self.store.read(pin, key, 0, dst)  # type: ignore[arg-type]
-            return True
-        except Exception as exc:  # a broken object: that block only
-            log.warning("layerwise: load of %s failed: %s", key, exc)
-            return False
 
     def _block_rows(self, kv: torch.Tensor) -> torch.Tensor | None:
         """``kv`` as ``[num_blocks, block bytes]`` rows (block-first and contiguous), else None."""
@@ -621,101 +746,68 @@ class LayerwisePipeline:
             return None
         return kv.view(kv.shape[0], -1)
 
-    def _read_rows(self, pin: object, keys: list[str], kv: torch.Tensor,
-                   refs: Sequence[BlockRef]) -> bool:
-        """A layer's blocks in one store call (one scatter, the GIL held once), or False
-        when the layout does not allow it or anything failed (the caller retries per block)."""
-        rows = self._block_rows(kv)
-        if rows is None:
-            return False
-        try:
-            self.store.read_rows(pin, keys, rows, [r.block_id for r in refs])  # type: ignore[arg-type]
-            return True
-        except Exception as exc:
-            log.debug("layerwise: batched load failed (%s); retrying per block", exc)
-            return False
-
-    def _load_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
-        kv = self._kv[layer]
+    def _pin(self, layer: str, refs: Sequence[BlockRef]
+             ) -> tuple[Pin | None, list[BlockRef], list[str], list[int]]:
+        """Pin ``layer``'s objects of ``refs``: (pin, refs and keys it covers, block ids of
+        objects that are missing)."""
         keys = [self.key_fn(r.key, layer) for r in refs]
-        failed: list[int] = []
         pin = self.store.pin(keys)
-        if pin is None:  # find exactly which objects are missing
-            ok_refs, ok_keys = [], []
-            for r, k in zip(refs, keys, strict=True):
-                if self.store.contains(k):
-                    ok_refs.append(r)
-                    ok_keys.append(k)
-                else:
-                    failed.append(r.block_id)
-            refs, keys = ok_refs, ok_keys
-            pin = self.store.pin(keys) if keys else None
-            if pin is None and keys:  # evicted between the checks
-                failed.extend(r.block_id for r in refs)
-                refs, keys = [], []
-        moved = 0
+        if pin is not None:
+            return pin, list(refs), keys, []
+        failed: list[int] = []  # find exactly which objects are missing
+        ok_refs, ok_keys = [], []
+        for r, k in zip(refs, keys, strict=True):
+            if self.store.contains(k):
+                ok_refs.append(r)
+                ok_keys.append(k)
+            else:
+                failed.append(r.block_id)
+        pin = self.store.pin(ok_keys) if ok_keys else None
+        if pin is None:  # evicted between the checks
+            failed.extend(r.block_id for r in ok_refs)
+            return None, [], [], failed
+        return pin, ok_refs, ok_keys, failed
+
+    def _queue_load(self, layer: str, refs: Sequence[BlockRef]) -> int:
+        """Pin ``layer``'s objects and queue their copy into its blocks; the ticket, or 0
+        when nothing was queued (missing objects are load errors, counted now)."""
+        pin, refs, keys, failed = self._pin(layer, refs)
+        if failed:
+            self._count_load(layer, 0, failed)
+        if pin is None:
+            return 0
+        if not refs:
+            self.store.unpin(pin)
+            return 0
+        q = self._io()
+        ids = [r.block_id for r in refs]
         try:
-            if pin is not None and refs:
-                if self._direct(kv):
-                    if self._read_rows(pin, keys, kv, refs):
-                        moved = len(refs)
-                    else:  # per block, so a broken object fails only its own block
-                        for r, k in zip(refs, keys, strict=True):
-                            view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
-                            if self._read_one(pin, k, view):
-                                moved += 1
-                            else:
-                                failed.append(r.block_id)
-                else:  # accelerator: one host staging buffer, one H2D scatter per layer
-                    page = tuple(self._block_view(kv, 0).shape)
-                    staging = device.empty_host((len(refs), *page), kv.dtype)
-                    ok: list[int] = []
-                    for i, (r, k) in enumerate(zip(refs, keys, strict=True)):
-                        if self._read_one(pin, k, staging[i].view(torch.uint8).reshape(-1)):
-                            ok.append(i)
-                        else:
-                            failed.append(r.block_id)
-                    if ok:
-                        rows = staging if len(ok) == len(refs) else staging[ok]
-                        idx = torch.tensor([refs[i].block_id for i in ok], dtype=torch.long)
-                        kv.index_copy_(
-                            self.block_dim, idx.to(kv.device),
-                            rows.to(kv.device, non_blocking=True).movedim(0, self.block_dim),
-                        )
-                    moved = len(ok)
-        finally:
-            if pin is not None:
-                self.store.unpin(pin)
+            if isinstance(q, NativeRowQueue):
+                kv_rows = self._block_rows(self._kv[layer])
+                placed = self.store.pinned_rows(pin, keys)
+                if kv_rows is None or placed is None or not self._same_rows(placed[0], kv_rows):
+                    # not row-addressable: copy here, after everything queued before
+                    self._drain_queue()
+                    bad = self._copy_in(layer, pin, refs, keys)
+                    self._count_load(layer, len(refs) - len(bad), bad)
+                    self.store.unpin(pin)
+                    return 0
+                ticket = q.submit_rows(placed[0], int32_array(placed[1]), kv_rows, int32_array(ids))
+                job = _LoadJob(ticket, layer, pin, ids, native=True)
+            else:
+                ticket = q.submit(functools.partial(self._copy_in, layer, pin, refs, keys))
+                job = _LoadJob(ticket, layer, pin, ids, native=False)
+        except BaseException:
+            self.store.unpin(pin)
+            raise
         with self._lock:
-            if moved:
-                self._stats.loads += 1
-            self._stats.blocks_loaded += moved
-            self._stats.bytes_loaded += moved * self._page_bytes[layer]
-            self._stats.load_errors += len(failed)
-            self._load_errors.update(failed)
+            self._jobs.append(job)
+        return ticket
 
-    def _save_unit(
-        self, unit: _Unit, refs: Sequence[BlockRef], token: ConsumerToken, ready: object
-    ) -> None:
-        error: BaseException | None = None
-        try:
-            if self.save_delay_s:
-                time.sleep(self.save_delay_s)  # test hook: proves writers wait for the gate
-            ready.synchronize()  # type: ignore[attr-defined]  # the layer's KV is computed
-            for layer in unit.members:
-                self._save_layer(layer, refs)
-        except BaseException as exc:
-            error = exc
-            with self._lock:
-                self._stats.save_errors += 1
-            log.error("layerwise: store save of layer %s failed: %s", unit.main, exc)
-        finally:
-            try:
-                self.gate.release_consumer(token, error)
-            except GateError:  # pragma: no cover - gate misuse is a bug; keep the thread alive
-                log.exception("layerwise: releasing the save consumer failed")
-
-    def _save_layer(self, layer: str, refs: Sequence[BlockRef]) -> None:
+    def _queue_save(self, layer: str, refs: Sequence[BlockRef], errors: list[BaseException],
+                    delay_s: float) -> int:
+        """Allocate ``layer``'s objects of ``refs`` and queue the copy of its blocks into
+        them; the ticket, or 0 (store full, all duplicates, or copied here)."""
         kv = self._kv[layer]
         size = self._page_bytes[layer]
         keys = [self.key_fn(r.key, layer) for r in refs]
@@ -723,39 +815,133 @@ class LayerwisePipeline:
         if got is None:
             with self._lock:
                 self._stats.save_skipped += len(keys)
-            return
+            return 0
         pairs = [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
-        handles: list[WriteHandle] = [h for _, h in pairs]  # all aborted if anything fails
+        with self._lock:
+            self._stats.save_duplicates += len(keys) - len(pairs)
+        if not pairs:
+            return 0
+        handles = [h for _, h in pairs]
+        q = self._io()
         try:
-            direct = self._direct(kv)
-            block_rows = self._block_rows(kv) if direct else None
-            with device.stream_context(self._save_stream):
-                if block_rows is not None:  # host KV, block-first: one scatter below
-                    rows = []
-                elif direct:
-                    rows = [self._block_view(kv, r.block_id) for r, _ in pairs]
-                elif pairs:  # accelerator: one gather + one D2H copy per layer
-                    idx = torch.tensor([r.block_id for r, _ in pairs], dtype=torch.long)
-                    picked = kv.index_select(self.block_dim, idx.to(kv.device)).movedim(self.block_dim, 0)
-                    host = device.empty_host(tuple(picked.shape), kv.dtype)
-                    host.copy_(picked, non_blocking=True)
-                    self._save_stream.synchronize()
-                    rows = list(host)
-                else:
-                    rows = []
-                if block_rows is not None:
-                    if pairs:
-                        self.store.write_rows(handles, block_rows, [r.block_id for r, _ in pairs])
-                else:
-                    for (_, h), row in zip(pairs, rows, strict=True):
-                        self.store.write(h, 0, row.reshape(-1).view(torch.uint8))
-                self._save_stream.synchronize()
-            self.store.commit(handles)
+            if isinstance(q, NativeRowQueue):
+                kv_rows = self._block_rows(kv)
+                placed = self.store.pending_rows(handles)
+                if kv_rows is None or placed is None or not self._same_rows(placed[0], kv_rows):
+                    self._drain_queue()  # not row-addressable: copy here, in queue order
+                    copy_error: BaseException | None = None
+                    try:
+                        self._copy_out(layer, pairs, None, delay_s)
+                    except Exception as exc:
+                        copy_error = exc
+                    self._finish_save(_SaveJob(0, layer, handles, False, errors), copy_error)
+                    return 0
+                ids = int32_array(r.block_id for r, _ in pairs)
+                ticket = q.submit_rows(kv_rows, ids, placed[0], int32_array(placed[1]), delay_s)
+                job = _SaveJob(ticket, layer, handles, True, errors)
+            else:
+                ready = device.record_after_compute()
+                ticket = q.submit(functools.partial(self._copy_out, layer, pairs, ready, delay_s))
+                job = _SaveJob(ticket, layer, handles, False, errors)
         except BaseException:
             self.store.abort(handles)
             raise
         with self._lock:
-            self._stats.saves += 1
-            self._stats.blocks_saved += len(handles)
-            self._stats.bytes_saved += len(handles) * size
-            self._stats.save_duplicates += len(keys) - len(handles)
+            self._jobs.append(job)
+        return ticket
+
+    @staticmethod
+    def _same_rows(plane: torch.Tensor, kv_rows: torch.Tensor) -> bool:
+        return (plane.dim() == 2 and plane.is_contiguous() and plane.device.type == "cpu"
+                and plane.shape[1] * plane.element_size()
+                == kv_rows.shape[1] * kv_rows.element_size())
+
+    def _drain_queue(self) -> None:
+        """Everything queued so far finished (the order an inline copy must keep)."""
+        with self._lock:
+            last = self._jobs[-1].ticket if self._jobs else 0
+        if last:
+            self._wait_ticket(last, self.load_timeout_s + self.save_timeout_s,
+                              "queued copies did not finish", TimeoutError)
+
+    def _read_one(self, pin: Pin, key: str, dst: torch.Tensor) -> bool:
+        try:
+            self.store.read(pin, key, 0, dst)
+            return True
+        except Exception as exc:  # a broken object: that block only
+            log.warning("layerwise: load of %s failed: %s", key, exc)
+            return False
+
+    def _read_rows(self, pin: Pin, keys: list[str], kv: torch.Tensor,
+                   refs: Sequence[BlockRef]) -> bool:
+        """A layer's blocks in one store call (one scatter, the GIL held once), or False
+        when the layout does not allow it or anything failed (the caller retries per block)."""
+        rows = self._block_rows(kv)
+        if rows is None:
+            return False
+        try:
+            self.store.read_rows(pin, keys, rows, [r.block_id for r in refs])
+            return True
+        except Exception as exc:
+            log.debug("layerwise: batched load failed (%s); retrying per block", exc)
+            return False
+
+    def _copy_in(self, layer: str, pin: Pin, refs: Sequence[BlockRef], keys: list[str]) -> list[int]:
+        """Copy pinned objects into ``layer``'s blocks (the Python-queue path): the block
+        ids that failed (a broken object fails only its own block)."""
+        kv = self._kv[layer]
+        failed: list[int] = []
+        if self._direct(kv):
+            if not self._read_rows(pin, keys, kv, refs):
+                for r, k in zip(refs, keys, strict=True):
+                    view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
+                    if not self._read_one(pin, k, view):
+                        failed.append(r.block_id)
+            return failed
+        # accelerator: one host staging buffer, one H2D scatter per layer
+        with device.stream_context(self._load_stream):
+            page = tuple(self._block_view(kv, 0).shape)
+            staging = device.empty_host((len(refs), *page), kv.dtype)
+            ok: list[int] = []
+            for i, (r, k) in enumerate(zip(refs, keys, strict=True)):
+                if self._read_one(pin, k, staging[i].view(torch.uint8).reshape(-1)):
+                    ok.append(i)
+                else:
+                    failed.append(r.block_id)
+            if ok:
+                rows = staging if len(ok) == len(refs) else staging[ok]
+                idx = torch.tensor([refs[i].block_id for i in ok], dtype=torch.long)
+                kv.index_copy_(
+                    self.block_dim, idx.to(kv.device),
+                    rows.to(kv.device, non_blocking=True).movedim(0, self.block_dim),
+                )
+            self._load_stream.synchronize()
+        return failed
+
+    def _copy_out(self, layer: str, pairs: Sequence[tuple[BlockRef, WriteHandle]],
+                  ready: object, delay_s: float) -> None:
+        """Copy ``layer``'s blocks into pending objects (the Python-queue path); raises on
+        failure (the reaper aborts them all)."""
+        if delay_s:
+            time.sleep(delay_s)  # test hook: proves writers wait for the gate
+        if ready is not None:
+            ready.synchronize()  # type: ignore[attr-defined]  # the layer's KV is computed
+        kv = self._kv[layer]
+        handles = [h for _, h in pairs]
+        direct = self._direct(kv)
+        block_rows = self._block_rows(kv) if direct else None
+        with device.stream_context(self._save_stream):
+            if block_rows is not None:  # host KV, block-first: one scatter
+                self.store.write_rows(handles, block_rows, [r.block_id for r, _ in pairs])
+            elif direct:
+                for r, h in pairs:
+                    self.store.write(h, 0, self._block_view(kv, r.block_id).reshape(-1).view(torch.uint8))
+            else:  # accelerator: one gather + one D2H copy per layer
+                idx = torch.tensor([r.block_id for r, _ in pairs], dtype=torch.long)
+                picked = kv.index_select(self.block_dim, idx.to(kv.device)).movedim(self.block_dim, 0)
+                host = device.empty_host(tuple(picked.shape), kv.dtype)
+                host.copy_(picked, non_blocking=True)
+                self._save_stream.synchronize()
+                for h, row in zip(handles, host, strict=True):
+                    self.store.write(h, 0, row.reshape(-1).view(torch.uint8))
+            self._save_stream.synchronize()

@@ -154,6 +154,23 @@ class KVStore(abc.ABC):
         for h, r in zip(handles, rows, strict=True):
             self.write(h, 0, src[r])
 
+    #: True when :meth:`pinned_rows` / :meth:`pending_rows` answer for this backend's
+    #: objects (then a native copy queue can move them).
+    row_addressable: bool = False
+
+    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        """``(plane, rows)``: pinned ``keys[i]`` is the whole row ``rows[i]`` of the 2-D
+        host tensor ``plane``, or None when the backend cannot say (other layouts, remote
+        bytes). Why: an ordered native copy queue then moves the bytes with no Python on
+        its thread (transfer/copy_queue.py). The caller copies while the pin is held and
+        counts as having read the objects."""
+        return None
+
+    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
+        """``(plane, rows)`` whose rows take the whole content of pending ``handles[i]``
+        (see :meth:`pinned_rows`); the caller writes them before ``commit``."""
+        return None
+
     @abc.abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""

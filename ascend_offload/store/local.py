@@ -59,6 +59,7 @@ class LocalStore(KVStore):
         self._flat = self._pool.view(-1)
         self._words = device.as_words(self._pool) if with_data else self._pool
         self._with_data = with_data
+        self.row_addressable = with_data
         # Popped from the end: a fresh pool hands out pages 0, 1, 2, ... (runs copy as one).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._objects: dict[str, _Object] = {}
@@ -322,6 +323,25 @@ class LocalStore(KVStore):
             device.move_rows(words, self._words, device.plan_rows(rows, pages))
         with self._lock:
             self._stats.bytes_written += len(handles) * self.page_bytes
+
+    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        if not self._with_data:
+            return None
+        with self._lock:
+            pages = self._single_page_rows([self._pinned_object(pin, k) for k in keys])
+            if pages is not None:
+                self._stats.reads += len(keys)
+                self._stats.bytes_read += len(keys) * self.page_bytes
+        return None if pages is None else (self._pool, pages)
+
+    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
+        if not self._with_data:
+            return None
+        with self._lock:
+            pages = self._single_page_rows([self._pending_object(h) for h in handles])
+            if pages is not None:
+                self._stats.bytes_written += len(handles) * self.page_bytes
+        return None if pages is None else (self._pool, pages)
 
     def _row_words(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` as page-sized word rows, or None (other row size, not contiguous, device)."""

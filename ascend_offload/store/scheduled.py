@@ -46,6 +46,8 @@ class _Pending:
 class ScheduledPageStore(KVStore):
     """Per-rank host planes (one ``[num_pages, layer_block_bytes]`` tensor per layer)."""
 
+    row_addressable = True
+
     def __init__(self, layer_block_bytes: Mapping[str, int], num_pages: int) -> None:
         self.num_pages = num_pages
         self.planes = {
@@ -186,6 +188,40 @@ class ScheduledPageStore(KVStore):
 
     def unpin(self, pin: Pin) -> None:
         return None
+
+    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        """One layer's keys map to rows of that layer's plane (mixed layers: None)."""
+        pages: list[int] = []
+        layers = set()
+        with self._lock:
+            for key in keys:
+                if key not in pin.keys:
+                    raise StoreError(f"read of {key!r} without an active pin")
+                if not self._readable(key):
+                    raise StoreError(f"read of {key!r}: not committed at its current page")
+                _, layer, page = self._place(key)
+                layers.add(layer)
+                pages.append(page)
+            if len(layers) != 1:
+                return None
+            (layer,) = layers
+            plane = self.planes[layer]
+            self._stats.reads += len(keys)
+            self._stats.bytes_read += len(keys) * plane.shape[1]
+        return plane, pages
+
+    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
+        with self._lock:
+            ps = [self._pending.get(h.token) for h in handles]
+            if any(p is None for p in ps):
+                bad = next(h.key for h, p in zip(handles, ps, strict=True) if p is None)
+                raise StoreError(f"write handle for {bad!r} is not pending")
+            layers = {p.layer for p in ps if p is not None}
+            if len(layers) != 1:
+                return None
+            plane = self.planes[layers.pop()]
+            self._stats.bytes_written += len(handles) * plane.shape[1]
+        return plane, [p.page for p in ps if p is not None]
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -17,11 +17,39 @@ from ascend_offload.layerwise.pipeline import (
     StepBuilder,
     StepIO,
 )
+from ascend_offload import native
 from ascend_offload.layerwise.plan import LayerSpec, plan_layers, plan_uniform
+from ascend_offload.store.local import LocalStore
 from tests.unit.layerwise.dict_store import DictStore
 
 PAGE = (2, 4, 8)  # per-block page of one layer: (kv, tokens, dims)
 NUM_BLOCKS = 16
+PAGE_BYTES = 2 * 4 * 8 * 4
+
+# "dict": a Python store, so every copy runs on the Python copy queue; "local": the
+# page-pool store, whose rows the native copy queue moves (the CPU product path).
+STORES = ["dict", "local"]
+
+
+def make_store(kind: str):
+    if kind == "dict":
+        return DictStore()
+    if not native.available():
+        pytest.fail("the native library must build here (g++ comes with make bootstrap)")
+    return LocalStore(capacity_bytes=4096 * PAGE_BYTES, page_bytes=PAGE_BYTES)
+
+
+def evict(store, key: str) -> None:
+    if isinstance(store, DictStore):
+        store.evict(key)
+    else:
+        assert store.discard([key]) == 1
+
+
+def assert_queue(sim: "Sim", kind: str) -> None:
+    """The path under test really ran: native jobs exactly when the store has rows."""
+    st = sim.pipe.stats()
+    assert (st.native_jobs > 0) if kind == "local" else (st.native_jobs == 0)
 
 
 def value(key: str, layer: str) -> float:
@@ -82,10 +110,11 @@ def chunked_prefill(sim: Sim, keys: list[str], blocks: list[int], chunk: int,
 @pytest.mark.parametrize("b", [1, 2, 3])
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 @pytest.mark.parametrize("wait_saves", [True, False])
+@pytest.mark.parametrize("kind", STORES)
 def test_chunked_prefill_and_prefix_reuse_see_exact_kv(
-    b: int, prefetch: int, wait_saves: bool
+    b: int, prefetch: int, wait_saves: bool, kind: str
 ) -> None:
-    store = DictStore()
+    store = make_store(kind)
     sim = Sim(plan_uniform(8, b, [0]), store, prefetch_layers=prefetch, save_delay_s=0.001)
     keys = [f"p{i}" for i in range(6)]
     chunked_prefill(sim, keys, blocks=[0, 1, 2, 3, 4, 5], chunk=2, wait_saves=wait_saves)
@@ -104,6 +133,7 @@ def test_chunked_prefill_and_prefix_reuse_see_exact_kv(
     assert st.blocks_loaded == 8 * 4 + own_reloads
     if prefetch:
         assert st.prefetched_loads > 0
+    assert_queue(sim, kind)
     sim.pipe.close()
 
 
@@ -121,15 +151,16 @@ class _NoGate(ReuseGate):
     """A broken gate that never makes a writer wait (negative control)."""
 
     @staticmethod
-    def _busy(s) -> bool:  # type: ignore[override]
+    def _busy(s, behind_queued=False) -> bool:  # type: ignore[override]
         return False
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_slow_save_gate_holds(broken: bool) -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_slow_save_gate_holds(broken: bool, kind: str) -> None:
     """With a slow store save the next layer of the slot must wait; without the gate
     the save reads bytes that the next layer already overwrote."""
-    store = DictStore()
+    store = make_store(kind)
     plan = plan_uniform(4, 1, [0])
     gate = (_NoGate if broken else ReuseGate)(plan.num_physical, default_timeout_s=10.0)
     sim = Sim(plan, store, save_delay_s=0.03, gate=gate, prefetch_layers=1)
@@ -143,15 +174,19 @@ def test_slow_save_gate_holds(broken: bool) -> None:
         assert sim.mismatches == []
         assert gate.stats().waits > 0 and gate.stats().wait_s > 0
         assert gate.stats().timeouts == 0
+        # the second request's loads went into slots still being saved: behind the saves
+        assert gate.stats().queued_waits > 0
+        assert_queue(sim, kind)
 
 
-def test_missing_object_is_load_error_for_exactly_its_blocks() -> None:
-    store = DictStore()
+@pytest.mark.parametrize("kind", STORES)
+def test_missing_object_is_load_error_for_exactly_its_blocks(kind: str) -> None:
+    store = make_store(kind)
     sim = Sim(plan_uniform(3, 1, [0]), store)
     keys = ["a", "b", "c"]
     chunked_prefill(sim, keys, blocks=[0, 1, 2], chunk=3)
     sim.pipe.drain()
-    store.evict("b|layers.2")
+    evict(store, "b|layers.2")
     io = StepIO(load=tuple(BlockRef(b, k) for b, k in zip([4, 5, 6], keys, strict=True)))
     sim.step(io, [BlockRef(4, "a"), BlockRef(6, "c")], [])
     assert sim.pipe.take_load_errors() == {5}
@@ -171,8 +206,9 @@ def test_store_full_is_counted_not_fatal() -> None:
 
 
 @pytest.mark.parametrize("ready_before_hook", [True, False])
-def test_gate_deadline_is_an_explicit_error(ready_before_hook: bool) -> None:
-    store = DictStore()
+@pytest.mark.parametrize("kind", STORES)
+def test_gate_deadline_is_an_explicit_error(ready_before_hook: bool, kind: str) -> None:
+    store = make_store(kind)
     plan = plan_uniform(3, 1, [0])
     sim = Sim(plan, store, save_timeout_s=0.05, ready_before_hook=ready_before_hook)
     io = StepIO(save=(BlockRef(0, "x"),))
@@ -196,10 +232,11 @@ def test_gate_deadline_is_an_explicit_error(ready_before_hook: bool) -> None:
     sim.pipe.close()
 
 
-def test_slot_not_ready_before_kv_write_corrupts_negative_control() -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_slot_not_ready_before_kv_write_corrupts_negative_control(kind: str) -> None:
     """vLLM writes a layer's KV before wait_for_layer_load: without ready_before_hook a slow
     save of the previous layer in the slot reads the new layer's bytes."""
-    store = DictStore()
+    store = make_store(kind)
     sim = Sim(plan_uniform(4, 1, [0]), store, save_delay_s=0.03, ready_before_hook=False)
     keys = [f"s{i}" for i in range(4)]
     chunked_prefill(sim, keys, blocks=[0, 1, 2, 3], chunk=2)
@@ -237,8 +274,9 @@ def test_protocol_errors() -> None:
         pipe.start_step(StepIO())
 
 
-def test_unrun_layers_release_their_lease_at_step_end() -> None:
-    store = DictStore()
+@pytest.mark.parametrize("kind", STORES)
+def test_unrun_layers_release_their_lease_at_step_end(kind: str) -> None:
+    store = make_store(kind)
     plan = plan_uniform(3, 1, [0], mtp_layers=1)
     sim = Sim(plan, store, prefetch_layers=4)
     chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=1)
@@ -254,26 +292,29 @@ def test_unrun_layers_release_their_lease_at_step_end() -> None:
     sim.pipe.close()
 
 
-def test_indexer_followers_move_with_their_main_layer() -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_indexer_followers_move_with_their_main_layer(kind: str) -> None:
     specs = []
     for i in range(4):
         specs.append(LayerSpec(f"l{i}", compat="mla"))
         specs.append(LayerSpec(f"l{i}.idx", compat="idx", follows=f"l{i}"))
     plan = plan_layers(specs, num_shared_buffers=1, independent=[0])
-    store = DictStore()
+    store = make_store(kind)
     sim = Sim(plan, store, prefetch_layers=1)
     keys = ["a", "b", "c"]
     chunked_prefill(sim, keys, blocks=[0, 1, 2], chunk=1)
     chunked_prefill(sim, [*keys, "d"], blocks=[4, 5, 6, 7], chunk=1, hits=3)
     sim.pipe.close()
     assert sim.mismatches == []
-    assert "a|l2.idx" in store.writes
+    assert store.contains("a|l2.idx")
     assert sim.pipe.stats().save_errors == 0
+    assert_queue(sim, kind)
 
 
-def test_concurrent_saves_release_in_background() -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_concurrent_saves_release_in_background(kind: str) -> None:
     """finish_step(wait_saves=False) leaves saves running; drain waits, the gate ends idle."""
-    store = DictStore()
+    store = make_store(kind)
     plan = plan_uniform(4, 2, [0])
     sim = Sim(plan, store, save_delay_s=0.01)
     chunked_prefill(sim, ["a", "b"], blocks=[0, 1], chunk=2, wait_saves=False)
@@ -285,10 +326,11 @@ def test_concurrent_saves_release_in_background() -> None:
     sim.pipe.close()
 
 
-def test_save_listener_registers_consumers_before_the_slot_moves_on() -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_save_listener_registers_consumers_before_the_slot_moves_on(kind: str) -> None:
     """A sibling (P/D producer) adds its reads as consumers from the listener; the next layer
     of the slot waits for them exactly like for the store save."""
-    store = DictStore()
+    store = make_store(kind)
     plan = plan_uniform(3, 1, [0])
     sim = Sim(plan, store, save_timeout_s=5.0)
     gate = sim.pipe.gate
@@ -363,8 +405,9 @@ def test_step_builder_errors() -> None:
         StepBuilder(0)
 
 
-def test_step_builder_drives_the_pipeline_to_exact_kv() -> None:
-    store = DictStore()
+@pytest.mark.parametrize("kind", STORES)
+def test_step_builder_drives_the_pipeline_to_exact_kv(kind: str) -> None:
+    store = make_store(kind)
     sim = Sim(plan_uniform(6, 2, [0]), store)
     sb = StepBuilder(block_size=1)  # one "token" per block in the simulation
     sb.begin("r", list(range(7)))
