@@ -514,7 +514,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 "layerwise_blocks_saved": p.blocks_saved,
                 "layerwise_load_errors": p.load_errors,
                 "layerwise_gate_waits": g.waits,
+                "layerwise_gate_queued_waits": g.queued_waits,
                 "layerwise_gate_timeouts": g.timeouts,
+                "layerwise_native_copies": p.native_jobs,
             })
         g = self.index.stats()
         totals = dict(self._totals)

@@ -71,8 +71,6 @@ class NativeRowQueue:
         self._h = int(self._call("create", max(0, spin_us), 0, 0, False))
         status = int(self._call("status", self._h, 0, 0, False))
         self._status = (ctypes.c_int64 * 2).from_address(status)
-        self._args = (ctypes.c_int64 * 9)()
-        self._args_addr = ctypes.addressof(self._args)
         self._failed_seen = 0
         self._submitted = 0
         self._closed = False
@@ -81,23 +79,31 @@ class NativeRowQueue:
     def available() -> bool:
         return native.available()
 
-    def submit_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
-                    dst_idx: array.array, delay_s: float = 0.0) -> int:
-        """Queue one row copy between 2-D contiguous host tensors with equal row bytes.
-        The caller keeps ``src``/``dst`` alive until the ticket is done (the index
-        arrays are copied). ``delay_s`` sleeps on the worker first (fault injection)."""
-        if self._closed:
-            raise CopyQueueClosed("native copy queue is closed")
+    def prepare_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
+                     dst_idx: array.array, delay_s: float = 0.0) -> ctypes.Array:
+        """Check and pack one row copy between 2-D contiguous host tensors with equal row
+        bytes, for :meth:`submit_prepared` (pack ahead, submit in the hot path). The caller
+        keeps ``src``/``dst`` and the index arrays alive until the job is submitted, and the
+        tensors until it is done (the worker copies the indices at submit)."""
         row_bytes = src.stride(0) * src.element_size()
         if (dst.stride(0) * dst.element_size() != row_bytes or len(src_idx) != len(dst_idx)
                 or src.device.type != "cpu" or dst.device.type != "cpu"):
             raise ValueError("submit_rows: host tensors with equal row bytes and index counts")
-        a = self._args
-        a[0], a[1], a[2] = src.data_ptr(), src.shape[0], src_idx.buffer_info()[0]
-        a[3], a[4], a[5] = dst.data_ptr(), dst.shape[0], dst_idx.buffer_info()[0]
-        a[6], a[7], a[8] = len(src_idx), row_bytes, int(delay_s * 1e6)
-        self._submitted = int(self._call("submit", self._h, self._args_addr, 0, False))
+        return (ctypes.c_int64 * 9)(
+            src.data_ptr(), src.shape[0], src_idx.buffer_info()[0], dst.data_ptr(),
+            dst.shape[0], dst_idx.buffer_info()[0], len(src_idx), row_bytes, int(delay_s * 1e6))
+
+    def submit_prepared(self, args: ctypes.Array) -> int:
+        """Queue a job packed by :meth:`prepare_rows`; its ticket."""
+        if self._closed:
+            raise CopyQueueClosed("native copy queue is closed")
+        self._submitted = int(self._call("submit", self._h, ctypes.addressof(args), 0, False))
         return self._submitted
+
+    def submit_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
+                    dst_idx: array.array, delay_s: float = 0.0) -> int:
+        """Queue one row copy (see :meth:`prepare_rows`); its ticket."""
+        return self.submit_prepared(self.prepare_rows(src, src_idx, dst, dst_idx, delay_s))
 
     def done(self) -> int:
         return self._submitted if self._closed else int(self._status[0])

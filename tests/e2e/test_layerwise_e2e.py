@@ -80,6 +80,8 @@ def test_layerwise_parity_prefix_and_capacity(baseline: dict[str, Any], b: int) 
         assert factor >= 0.9 * N_LAYERS / physical
         assert _counter(llm, "layerwise_load_errors") == 0
         assert _counter(llm, "layerwise_blocks_loaded") > 0
+        # the CPU product path: every copy ran on the native ordered queue
+        assert _counter(llm, "layerwise_native_copies") > 0
         if slow:
             assert _counter(llm, "layerwise_gate_waits") > 0
 

@@ -132,7 +132,8 @@ def test_wait_consumers_drains_and_times_out() -> None:
 # ---------------------------------------------------------------- properties
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["acquire", "release_w", "consume", "done", "expire", "stale"]),
+    st.tuples(st.sampled_from(["acquire", "acquire_bq", "release_w", "consume", "consume_q",
+                               "done", "expire", "stale"]),
               st.integers(0, 2), st.integers(0, 10)),
     max_size=80,
 )
@@ -140,16 +141,22 @@ OPS = st.lists(
 
 @given(OPS)
 def test_sequential_model(ops: list[tuple[str, int, int]]) -> None:
-    """Against a reference model: try_acquire succeeds exactly when the slot is idle."""
+    """Against a reference model: try_acquire succeeds exactly when the slot is idle; a
+    writer behind the queue (``behind_queued``) exactly when only queued consumers remain."""
     gate = ReuseGate(3, default_timeout_s=1.0)
     writer: dict[int, WriteLease | None] = {0: None, 1: None, 2: None}
     consumers: dict[int, list[ConsumerToken]] = {0: [], 1: [], 2: []}
     gen = {0: 0, 1: 0, 2: 0}
     for op, slot, pick in ops:
         busy = writer[slot] is not None or bool(consumers[slot])
-        if op == "acquire":
-            lease = gate.try_acquire_write(slot, f"L{pick}")
-            assert (lease is None) == busy
+        busy_bq = writer[slot] is not None or any(not t.queued for t in consumers[slot])
+        if op in ("acquire", "acquire_bq"):
+            bq = op == "acquire_bq"
+            queued0 = gate.stats().queued_waits
+            lease = gate.try_acquire_write(slot, f"L{pick}", behind_queued=bq)
+            assert (lease is None) == (busy_bq if bq else busy)
+            behind = lease is not None and bq and bool(consumers[slot])
+            assert gate.stats().queued_waits == queued0 + behind
             if lease is not None:
                 gen[slot] += 1
                 assert lease.generation == gen[slot]
@@ -157,8 +164,9 @@ def test_sequential_model(ops: list[tuple[str, int, int]]) -> None:
         elif op == "release_w" and writer[slot] is not None:
             gate.release_write(writer[slot])
             writer[slot] = None
-        elif op == "consume" and gen[slot] > 0:
-            consumers[slot].append(gate.add_consumer(slot, gen[slot], f"c{pick}"))
+        elif op in ("consume", "consume_q") and gen[slot] > 0:
+            consumers[slot].append(
+                gate.add_consumer(slot, gen[slot], f"c{pick}", queued=op == "consume_q"))
         elif op == "done" and consumers[slot]:
             tok = consumers[slot].pop(pick % len(consumers[slot]))
             assert gate.release_consumer(tok) is True
@@ -260,3 +268,51 @@ def test_outwait_raises_the_writer_deadline_only_upwards() -> None:
     assert gate.default_timeout_s == 11.0
     gate.outwait(3.0)
     assert gate.default_timeout_s == 11.0
+
+
+def test_writer_behind_queued_consumers_and_the_pump() -> None:
+    """A load queued behind the slot's store save is granted at once (and counted); the
+    layer's own writer waits, and its pump is what finishes the queued save."""
+    gate = ReuseGate(1, default_timeout_s=5.0)
+    lease = gate.acquire_write(0, "layers.1")
+    save = gate.add_consumer(0, lease.generation, "store-save layers.1", queued=True)
+    remote = gate.add_consumer(0, lease.generation, "rd2h layers.1")
+    gate.release_write(lease)
+    assert gate.try_acquire_write(0, "layers.4", behind_queued=True) is None  # remote read
+    gate.release_consumer(remote)
+    assert gate.try_acquire_write(0, "layers.4") is None  # the save is still queued
+    load = gate.try_acquire_write(0, "layers.4", behind_queued=True)
+    assert load is not None and gate.stats().queued_waits == 1
+    gate.release_write(load)
+    calls: list[float] = []
+
+    def pump(left: float) -> bool:
+        calls.append(left)
+        if len(calls) < 3:
+            return True  # "waited for a copy" but the save is not done yet
+        gate.release_consumer(save)
+        return True
+
+    own = gate.acquire_write(0, "layers.7", pump=pump)
+    assert own.layer == "layers.7" and len(calls) == 3 and all(c > 0 for c in calls)
+    assert gate.stats().waits == 1 and gate.stats().timeouts == 0
+
+
+def test_pump_with_nothing_to_do_falls_back_to_waiting_and_deadline() -> None:
+    gate = ReuseGate(1, default_timeout_s=5.0)
+    lease = gate.acquire_write(0, "a")
+    tok = gate.add_consumer(0, lease.generation, "rd2h a")
+    gate.release_write(lease)
+    threading.Timer(0.03, gate.release_consumer, args=(tok,)).start()
+    t0 = time.monotonic()
+    b = gate.acquire_write(0, "b", pump=lambda left: False)
+    assert b.layer == "b" and time.monotonic() - t0 >= 0.02
+    gate.release_write(b)
+    lease = gate.try_acquire_write(0, "c")
+    assert lease is not None
+    gate.add_consumer(0, lease.generation, "never")
+    gate.release_write(lease)
+    t0 = time.monotonic()
+    with pytest.raises(GateTimeout):
+        gate.acquire_write(0, "d", timeout_s=0.05, pump=lambda left: False)
+    assert time.monotonic() - t0 < 2.0
