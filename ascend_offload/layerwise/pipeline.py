@@ -709,14 +709,7 @@ class LayerwisePipeline:
             loads = self._has_loads(unit)
             lease = self.gate.acquire_write(unit.gate_slot, unit.main, behind_queued=loads,
                                             pump=self._pump)
-            st = self._state[unit.main] = _UnitState(lease=lease)
-            if loads:
-                try:
-                    st.ticket = self._queue_unit_load(unit)
-                except BaseException:
-                    st.released = True
-                    self.gate.release_write(lease)
-                    raise
+            st = self._own(unit, lease, loads)
         if st.ticket:
             self._wait_ticket(st.ticket, self.load_timeout_s,
                               f"store load of layer {unit.main!r} (slot {unit.gate_slot}) did "
@@ -754,15 +747,22 @@ class LayerwisePipeline:
             lease = self.gate.try_acquire_write(unit.gate_slot, unit.main, behind_queued=True)
             if lease is None:
                 continue
-            st = self._state[unit.main] = _UnitState(lease=lease)
+            self._own(unit, lease, True)
+            with self._lock:
+                self._stats.prefetched_loads += 1
+
+    def _own(self, unit: _Unit, lease: WriteLease, load: bool) -> _UnitState:
+        """Record ``unit``'s lease for this step and queue its loads (``load``); the lease
+        is handed back if queueing fails."""
+        st = self._state[unit.main] = _UnitState(lease=lease)
+        if load:
             try:
                 st.ticket = self._queue_unit_load(unit)
             except BaseException:
                 st.released = True
                 self.gate.release_write(lease)
                 raise
-            with self._lock:
-                self._stats.prefetched_loads += 1
+        return st
 
     def _queue_unit_load(self, unit: _Unit) -> int:
         """Queue the loads of ``unit``'s layers; the last job's ticket (0: nothing queued)."""
@@ -830,9 +830,7 @@ class LayerwisePipeline:
         if planned is not None:
             assert isinstance(self._queue, NativeRowQueue)
             ticket = self._queue.submit_prepared(planned.args)
-            with self._lock:
-                self._jobs.append(_LoadJob(ticket, layer, None, planned.block_ids, native=True))
-            return ticket
+            return self._enqueue(_LoadJob(ticket, layer, None, planned.block_ids, native=True))
         pin, refs, keys, failed = self._pin(layer, refs)
         if failed:
             self._count_load(layer, 0, failed)
@@ -862,9 +860,7 @@ class LayerwisePipeline:
         except BaseException:
             self.store.unpin(pin)
             raise
-        with self._lock:
-            self._jobs.append(job)
-        return ticket
+        return self._enqueue(job)
 
     def _queue_save(self, layer: str, refs: Sequence[BlockRef], errors: list[BaseException],
                     delay_s: float) -> int:
@@ -878,9 +874,7 @@ class LayerwisePipeline:
             assert isinstance(self._queue, NativeRowQueue)
             planned.args[8] = int(delay_s * 1e6)
             ticket = self._queue.submit_prepared(planned.args)
-            with self._lock:
-                self._jobs.append(_SaveJob(ticket, layer, planned.handles, True, errors))
-            return ticket
+            return self._enqueue(_SaveJob(ticket, layer, planned.handles, True, errors))
         kv = self._kv[layer]
         size = self._page_bytes[layer]
         keys = [self.key_fn(r.key, layer) for r in refs]
@@ -919,9 +913,13 @@ class LayerwisePipeline:
         except BaseException:
             self.store.abort(handles)
             raise
+        return self._enqueue(job)
+
+    def _enqueue(self, job: _LoadJob | _SaveJob) -> int:
+        """Track a submitted job until it is reaped; its ticket."""
         with self._lock:
             self._jobs.append(job)
-        return ticket
+        return job.ticket
 
     def _build_plan(self, loads: Sequence[tuple[str, Sequence[BlockRef]]],
                     saves: Sequence[tuple[str, Sequence[BlockRef]]]) -> _StepPlan:
