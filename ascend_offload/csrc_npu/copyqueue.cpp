@@ -23,8 +23,10 @@
 // Waking a sleeping worker costs the submitter ~40 us on the 2-vCPU VM we
 // measure on (a futex wake that exits to the hypervisor), against ~1 us when the
 // worker is awake. So the worker polls for `spin_us` after its queue ran empty
-// before it sleeps, and a submit only signals a worker that sleeps.
+// before it sleeps, and a submit only signals a worker that sleeps; a waiter
+// likewise polls its ticket for wait_spin_us before it sleeps on the condition.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -66,6 +68,7 @@ struct Queue {
   std::atomic<int64_t> status[2] = {{0}, {0}};  // done ticket, failed jobs
   std::atomic<int64_t> submitted{0};
   int64_t spin_us;
+  int64_t wait_spin_us = 0;
   std::mutex mu;
   std::condition_variable work_cv, done_cv;
   std::deque<Job> jobs;
@@ -124,9 +127,11 @@ inline int64_t as_int(void* p) { return static_cast<int64_t>(reinterpret_cast<in
 
 extern "C" {
 
-// spin: microseconds the worker polls for new work before it sleeps.
-void* ao_cq_create(void* spin_us, void*, void*) {
+// spin_us: microseconds the worker polls for new work before it sleeps;
+// wait_spin_us: how long a waiter polls for its ticket before it sleeps.
+void* ao_cq_create(void* spin_us, void* wait_spin_us, void*) {
   Queue* q = new Queue(as_int(spin_us));
+  q->wait_spin_us = as_int(wait_spin_us);
   q->worker = std::thread([q] { q->run(); });
   return q;
 }
@@ -152,7 +157,7 @@ int64_t ao_cq_status(void* h, void*, void*) {
 // args = {src, src_rows, sidx, dst, dst_rows, didx, n, row_bytes, delay_us}:
 // dst[didx[i]] = src[sidx[i]] for i < n (rows of row_bytes), after sleeping delay_us
 // (a fault-injection hook: a slow save). The index arrays are copied: the caller's
-// buffers may go away on return. Returns the job's ticket.
+// buffers may go away on return. Returns the job's ticket, or -1 (out of memory).
 int64_t ao_cq_submit(void* h, void* argp, void*) {
   Queue* q = static_cast<Queue*>(h);
   const int64_t* a = static_cast<const int64_t*>(argp);
@@ -161,18 +166,20 @@ int64_t ao_cq_submit(void* h, void* argp, void*) {
   const int32_t* didx = reinterpret_cast<const int32_t*>(a[5]);
   Job job{0, reinterpret_cast<const uint8_t*>(a[0]), a[1], reinterpret_cast<uint8_t*>(a[3]),
           a[4], a[7], a[8], {}, {}};
-  if (n > 0) {
-    job.sidx.assign(sidx, sidx + n);
-    job.didx.assign(didx, didx + n);
-  }
   int64_t ticket;
   bool wake;
-  {
+  try {
+    if (n > 0) {
+      job.sidx.assign(sidx, sidx + n);
+      job.didx.assign(didx, didx + n);
+    }
     std::lock_guard<std::mutex> lk(q->mu);
     ticket = job.ticket = q->submitted.load(std::memory_order_relaxed) + 1;
     q->jobs.push_back(std::move(job));
     q->submitted.store(ticket, std::memory_order_release);
     wake = q->sleeping;
+  } catch (...) {  // out of memory: nothing queued; no C++ exception crosses the C ABI
+    return -1;
   }
   if (wake) q->work_cv.notify_one();
   return ticket;
@@ -183,6 +190,15 @@ int64_t ao_cq_wait(void* h, void* ticketp, void* timeout_usp) {
   Queue* q = static_cast<Queue*>(h);
   const int64_t ticket = as_int(ticketp);
   if (q->status[0].load(std::memory_order_acquire) >= ticket) return 1;
+  if (q->wait_spin_us > 0) {  // the job is often about to end: poll before sleeping
+    const auto until = Clock::now() + std::chrono::microseconds(
+        std::min<int64_t>(q->wait_spin_us, as_int(timeout_usp)));
+    while (q->status[0].load(std::memory_order_acquire) < ticket) {
+      for (int i = 0; i < 64; ++i) AO_PAUSE();
+      if (Clock::now() >= until) break;
+    }
+    if (q->status[0].load(std::memory_order_acquire) >= ticket) return 1;
+  }
   std::unique_lock<std::mutex> lk(q->mu);
   const bool ok = q->done_cv.wait_for(lk, std::chrono::microseconds(as_int(timeout_usp)), [q, ticket] {
     return q->status[0].load(std::memory_order_relaxed) >= ticket;

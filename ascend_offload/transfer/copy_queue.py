@@ -53,9 +53,14 @@ class NativeRowQueue:
     The calls go through the CPython fast-call trampoline when it builds (~0.1 us
     against ~3 us for ctypes' argument conversion), else ctypes. ``done()`` and the
     failure count are read from the queue's status words, without a call.
+
+    ``spin_us``: the worker polls that long for new work before it sleeps (a submit
+    wakes only a sleeping worker: ~40 us for the submitter on the test VM);
+    ``wait_spin_us``: a waiter polls that long for its ticket (GIL released) before it
+    sleeps. Both measured in bench layerwise (docs/bench-layerwise.md, session 6).
     """
 
-    def __init__(self, spin_us: int = 200) -> None:
+    def __init__(self, spin_us: int = 200, wait_spin_us: int = 1000) -> None:
         lib = native.load()
         if lib is None:
             raise RuntimeError("native copy queue unavailable (no native library)")
@@ -68,7 +73,7 @@ class NativeRowQueue:
                 lambda n, a, b, c, rel: fast(fns[n], a, b, c, rel))
         else:
             self._call = lambda n, a, b, c, rel: getattr(lib, f"ao_cq_{n}")(a, b, c) or 0
-        self._h = int(self._call("create", max(0, spin_us), 0, 0, False))
+        self._h = int(self._call("create", max(0, spin_us), max(0, wait_spin_us), 0, False))
         status = int(self._call("status", self._h, 0, 0, False))
         self._status = (ctypes.c_int64 * 2).from_address(status)
         self._failed_seen = 0
@@ -97,8 +102,11 @@ class NativeRowQueue:
         """Queue a job packed by :meth:`prepare_rows`; its ticket."""
         if self._closed:
             raise CopyQueueClosed("native copy queue is closed")
-        self._submitted = int(self._call("submit", self._h, ctypes.addressof(args), 0, False))
-        return self._submitted
+        t = int(self._call("submit", self._h, ctypes.addressof(args), 0, False))
+        if t < 0:
+            raise MemoryError("native copy queue: no memory for a job's index lists")
+        self._submitted = t
+        return t
 
     def submit_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
                     dst_idx: array.array, delay_s: float = 0.0) -> int:
