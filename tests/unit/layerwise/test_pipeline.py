@@ -212,7 +212,7 @@ def test_store_full_is_counted_not_fatal(kind: str) -> None:
         # (only once layer 0's save is committed, which races with layer 1's allocation)
         assert st.save_skipped + st.blocks_saved == 4 and st.save_errors == 0
         assert st.blocks_saved >= 2
-        assert store.stats().evicted_objects == st.blocks_saved - 2
+        assert store.stats().evicted_objects == max(0, st.blocks_saved - 3)  # 3 pages
 
 
 @pytest.mark.parametrize("kind", STORES)
