@@ -873,7 +873,11 @@ class LayerwisePipeline:
         if planned is not None:
             assert isinstance(self._queue, NativeRowQueue)
             planned.args[8] = int(delay_s * 1e6)
-            ticket = self._queue.submit_prepared(planned.args)
+            try:
+                ticket = self._queue.submit_prepared(planned.args)
+            except BaseException:
+                self.store.abort(planned.handles)
+                raise
             return self._enqueue(_SaveJob(ticket, layer, planned.handles, True, errors))
         kv = self._kv[layer]
         size = self._page_bytes[layer]
