@@ -13,6 +13,7 @@ callers then use the pure-torch twin.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -300,6 +301,15 @@ def available() -> bool:
 def has_openmp() -> bool:
     lib = load()
     return bool(lib is not None and lib.ao_res_has_openmp())
+
+
+_INT32_CODE = next(c for c in "ilh" if array.array(c).itemsize == 4)
+
+
+def int32_array(values: Iterable[int]) -> array.array:
+    """Row indices as an int32 ``array`` for the C ABI (~0.5 us for 16 ints, against
+    ~3 us for ``torch.tensor``)."""
+    return array.array(_INT32_CODE, values)
 
 
 def int32_index(t: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,9 @@ import torch
 from ascend_offload import device
 from ascend_offload.layerwise.gate import ConsumerToken, GateError, ReuseGate, WriteLease
 from ascend_offload.layerwise.plan import LayerwisePlan
+from ascend_offload.native import int32_array
 from ascend_offload.store.base import KVStore, Pin, WriteHandle
-from ascend_offload.transfer.copy_queue import NativeRowQueue, ThreadJobQueue, int32_array
+from ascend_offload.transfer.copy_queue import NativeRowQueue, ThreadJobQueue
 
 log = logging.getLogger(__name__)
 
@@ -595,8 +596,8 @@ class LayerwisePipeline:
         """The copy queue, chosen at the first use: native when every layer's KV is host
         memory with contiguous block rows (then a job's bytes are two row lists)."""
         if self._queue is None:
-            rows = all(self._block_rows(kv) is not None and self._direct(kv)
-                       for kv in self._kv.values())
+            rows = all(self._rows_of[n] is not None and self._direct(kv)
+                       for n, kv in self._kv.items())
             if rows and self.store.row_addressable and NativeRowQueue.available():
                 self._queue = NativeRowQueue()
             else:
@@ -652,20 +653,20 @@ class LayerwisePipeline:
 
     def _finish_save(self, job: _SaveJob, copy_error: BaseException | None) -> None:
         """Commit (or, on any error, abort) the job's objects, count, release the consumer."""
-        error: BaseException | None = copy_error
-        try:
-            if error is not None:
-                raise error
-            self.store.commit(job.handles)
-        except Exception as exc:
-            error = exc
+        error = copy_error
+        if error is None:
+            try:
+                self.store.commit(job.handles)
+            except Exception as exc:
+                error = exc
+        if error is not None:
             self.store.abort(job.handles)
             if not job.unit_errors:
                 with self._lock:
                     self._stats.save_errors += 1
-            job.unit_errors.append(exc)
-            log.error("layerwise: store save of layer %s failed: %s", job.layer, exc)
-        if error is None:
+            job.unit_errors.append(error)
+            log.error("layerwise: store save of layer %s failed: %s", job.layer, error)
+        else:
             with self._lock:
                 self._stats.saves += 1
                 self._stats.native_jobs += job.native
@@ -805,7 +806,7 @@ class LayerwisePipeline:
              ) -> tuple[Pin | None, list[BlockRef], list[str], list[int]]:
         """Pin ``layer``'s objects of ``refs``: (pin, refs and keys it covers, block ids of
         objects that are missing)."""
-        keys = [self.key_fn(r.key, layer) for r in refs]
+        keys = self._keys(refs, layer)
         pin = self.store.pin(keys)
         if pin is not None:
             return pin, list(refs), keys, []
@@ -843,17 +844,14 @@ class LayerwisePipeline:
         ids = [r.block_id for r in refs]
         try:
             if isinstance(q, NativeRowQueue):
-                kv_rows = self._block_rows(self._kv[layer])
-                placed = self.store.pinned_rows(pin, keys)
-                if kv_rows is None or placed is None or not self._same_rows(placed[0], layer):
-                    # not row-addressable: copy here, after everything queued before
+                rc = self._load_rows(q, layer, self.store.pinned_rows(pin, keys), ids)
+                if rc is None:  # not row-addressable: copy here, after everything queued before
                     self._drain_queue()
                     bad = self._copy_in(layer, pin, refs, keys)
                     self._count_load(layer, len(refs) - len(bad), bad)
                     self.store.unpin(pin)
                     return 0
-                ticket = q.submit_rows(placed[0], int32_array(placed[1]), kv_rows, int32_array(ids))
-                job = _LoadJob(ticket, layer, pin, ids, native=True)
+                job = _LoadJob(q.submit_prepared(rc.args), layer, pin, ids, native=True)
             else:
                 ticket = q.submit(functools.partial(self._copy_in, layer, pin, refs, keys))
                 job = _LoadJob(ticket, layer, pin, ids, native=False)
@@ -879,15 +877,14 @@ class LayerwisePipeline:
                 self.store.abort(planned.handles)
                 raise
             return self._enqueue(_SaveJob(ticket, layer, planned.handles, True, errors))
-        kv = self._kv[layer]
         size = self._page_bytes[layer]
-        keys = [self.key_fn(r.key, layer) for r in refs]
+        keys = self._keys(refs, layer)
         got = self.store.allocate(keys, [size] * len(keys))
         if got is None:
             with self._lock:
                 self._stats.save_skipped += len(keys)
             return 0
-        pairs = [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
+        pairs = self._allocated(refs, got)
         with self._lock:
             self._stats.save_duplicates += len(keys) - len(pairs)
         if not pairs:
@@ -896,10 +893,9 @@ class LayerwisePipeline:
         q = self._io()
         try:
             if isinstance(q, NativeRowQueue):
-                kv_rows = self._block_rows(kv)
-                placed = self.store.pending_rows(handles)
-                if kv_rows is None or placed is None or not self._same_rows(placed[0], layer):
-                    self._drain_queue()  # not row-addressable: copy here, in queue order
+                rc = self._save_rows(q, layer, handles, [r.block_id for r, _ in pairs])
+                if rc is None:  # not row-addressable: copy here, in queue order
+                    self._drain_queue()
                     copy_error: BaseException | None = None
                     try:
                         self._copy_out(layer, pairs, None, delay_s)
@@ -907,9 +903,8 @@ class LayerwisePipeline:
                         copy_error = exc
                     self._finish_save(_SaveJob(0, layer, handles, False, errors), copy_error)
                     return 0
-                ids = int32_array(r.block_id for r, _ in pairs)
-                ticket = q.submit_rows(kv_rows, ids, placed[0], int32_array(placed[1]), delay_s)
-                job = _SaveJob(ticket, layer, handles, True, errors)
+                rc.args[8] = int(delay_s * 1e6)
+                job = _SaveJob(q.submit_prepared(rc.args), layer, handles, True, errors)
             else:
                 ready = device.record_after_compute()
                 ticket = q.submit(functools.partial(self._copy_out, layer, pairs, ready, delay_s))
@@ -955,13 +950,9 @@ class LayerwisePipeline:
                 else:
                     placed = self.store.pinned_rows(plan.pin, keys)
                 at += len(keys)
-                kv_rows = self._rows_of.get(layer)
-                if kv_rows is None or placed is None or not self._same_rows(placed[0], layer):
-                    continue
-                ids, kv_idx = block_ids(refs)
-                src_idx = int32_array(placed[1])
-                plan.loads[layer] = _RowCopy(q.prepare_rows(placed[0], src_idx, kv_rows, kv_idx),
-                                             (src_idx, kv_idx), ids, [])
+                rc = self._load_rows(q, layer, placed, *block_ids(refs))
+                if rc is not None:
+                    plan.loads[layer] = rc
         save_want = [(layer, refs, self._keys(refs, layer)) for layer, refs in saves if refs]
         save_keys = [k for _, _, keys in save_want for k in keys]
         if not save_keys:
@@ -975,29 +966,59 @@ class LayerwisePipeline:
         for layer, refs, keys in save_want:
             part = got[at:at + len(keys)]
             at += len(keys)
-            if all(h is not None for h in part):
+            if all(h is not None for h in part):  # the usual case: the step's ids, shared
                 handles: list[WriteHandle] = part  # type: ignore[assignment]
                 ids, kv_idx = block_ids(refs)
             else:
-                pairs = [(r, h) for r, h in zip(refs, part, strict=True) if h is not None]
+                pairs = self._allocated(refs, part)
                 dups += len(keys) - len(pairs)
                 if not pairs:
                     plan.nothing_to_save.add(layer)
                     continue
                 handles = [h for _, h in pairs]
-                ids = [r.block_id for r, _ in pairs]
-                kv_idx = int32_array(ids)
-            kv_rows = self._rows_of.get(layer)
-            placed = self.store.pending_rows(handles)
-            if kv_rows is None or placed is None or not self._same_rows(placed[0], layer):
+                ids, kv_idx = [r.block_id for r, _ in pairs], None
+            rc = self._save_rows(q, layer, handles, ids, kv_idx)
+            if rc is None:
                 self.store.abort(handles)  # allocated again on the per-layer path
                 continue
-            dst_idx = int32_array(placed[1])
-            plan.saves[layer] = _RowCopy(q.prepare_rows(kv_rows, kv_idx, placed[0], dst_idx),
-                                         (kv_idx, dst_idx), ids, handles)
+            plan.saves[layer] = rc
         with self._lock:
             self._stats.save_duplicates += dups
         return plan
+
+    def _load_rows(self, q: NativeRowQueue, layer: str,
+                   placed: tuple[torch.Tensor, list[int]] | None, ids: list[int],
+                   kv_idx: array.array | None = None) -> _RowCopy | None:
+        """The packed native job copying ``placed`` (store plane, rows) into ``layer``'s
+        blocks ``ids``, or None when the plane's rows do not fit the layer's."""
+        if placed is None or not self._same_rows(placed[0], layer):
+            return None
+        kv_rows = self._rows_of[layer]
+        assert kv_rows is not None  # _same_rows checked it
+        kv_idx = int32_array(ids) if kv_idx is None else kv_idx
+        src_idx = int32_array(placed[1])
+        return _RowCopy(q.prepare_rows(placed[0], src_idx, kv_rows, kv_idx), (src_idx, kv_idx),
+                        ids, [])
+
+    def _save_rows(self, q: NativeRowQueue, layer: str, handles: list[WriteHandle],
+                   ids: list[int], kv_idx: array.array | None = None) -> _RowCopy | None:
+        """The packed native job copying ``layer``'s blocks ``ids`` into pending ``handles``,
+        or None when the store cannot place them as rows that fit."""
+        placed = self.store.pending_rows(handles)
+        if placed is None or not self._same_rows(placed[0], layer):
+            return None
+        kv_rows = self._rows_of[layer]
+        assert kv_rows is not None
+        kv_idx = int32_array(ids) if kv_idx is None else kv_idx
+        dst_idx = int32_array(placed[1])
+        return _RowCopy(q.prepare_rows(kv_rows, kv_idx, placed[0], dst_idx), (kv_idx, dst_idx),
+                        ids, handles)
+
+    @staticmethod
+    def _allocated(refs: Sequence[BlockRef], got: Sequence[WriteHandle | None]
+                   ) -> list[tuple[BlockRef, WriteHandle]]:
+        """The refs that got a handle from ``allocate`` (the others are stored already)."""
+        return [(r, h) for r, h in zip(refs, got, strict=True) if h is not None]
 
     def _keys(self, refs: Sequence[BlockRef], layer: str) -> list[str]:
         if self.key_fn is default_key:  # inlined: ~300 keys a step
@@ -1044,11 +1065,11 @@ class LayerwisePipeline:
             log.warning("layerwise: load of %s failed: %s", key, exc)
             return False
 
-    def _read_rows(self, pin: Pin, keys: list[str], kv: torch.Tensor,
+    def _read_rows(self, pin: Pin, keys: list[str], layer: str,
                    refs: Sequence[BlockRef]) -> bool:
         """A layer's blocks in one store call (one scatter, the GIL held once), or False
         when the layout does not allow it or anything failed (the caller retries per block)."""
-        rows = self._block_rows(kv)
+        rows = self._rows_of[layer]
         if rows is None:
             return False
         try:
@@ -1064,7 +1085,7 @@ class LayerwisePipeline:
         kv = self._kv[layer]
         failed: list[int] = []
         if self._direct(kv):
-            if not self._read_rows(pin, keys, kv, refs):
+            if not self._read_rows(pin, keys, layer, refs):
                 for r, k in zip(refs, keys, strict=True):
                     view = self._block_view(kv, r.block_id).view(torch.uint8).reshape(-1)
                     if not self._read_one(pin, k, view):
@@ -1101,7 +1122,7 @@ class LayerwisePipeline:
         kv = self._kv[layer]
         handles = [h for _, h in pairs]
         direct = self._direct(kv)
-        block_rows = self._block_rows(kv) if direct else None
+        block_rows = self._rows_of[layer] if direct else None
         with device.stream_context(self._save_stream):
             if block_rows is not None:  # host KV, block-first: one scatter
                 self.store.write_rows(handles, block_rows, [r.block_id for r, _ in pairs])

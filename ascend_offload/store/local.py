@@ -291,8 +291,7 @@ class LocalStore(KVStore):
                   rows: Sequence[int]) -> None:
         self._need_data()
         with self._lock:
-            objs = [self._pinned_object(pin, k) for k in keys]
-        pages = self._single_page_rows(objs)
+            pages = self._single_page_rows([self._pinned_object(pin, k) for k in keys])
         if pages is None or len(rows) != len(pages):
             super().read_rows(pin, keys, dst, rows)
             return
@@ -310,8 +309,7 @@ class LocalStore(KVStore):
                    rows: Sequence[int]) -> None:
         self._need_data()
         with self._lock:
-            objs = [self._pending_object(h) for h in handles]
-        pages = self._single_page_rows(objs)
+            pages = self._single_page_rows([self._pending_object(h) for h in handles])
         if pages is None or len(rows) != len(pages):
             super().write_rows(handles, src, rows)
             return

@@ -170,13 +170,18 @@ class ScheduledPageStore(KVStore):
                 return None
             return Pin(keys=tuple(keys), token=next(self._tokens))
 
-    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
+    def _pinned_place(self, pin: Pin, key: str) -> tuple[str, int]:
+        """(layer, page) of a pinned, readable key (call with the lock held)."""
         if key not in pin.keys:
             raise StoreError(f"read of {key!r} without an active pin")
+        if not self._readable(key):
+            raise StoreError(f"read of {key!r}: not committed at its current page")
+        _, layer, page = self._place(key)
+        return layer, page
+
+    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
         with self._lock:
-            if not self._readable(key):
-                raise StoreError(f"read of {key!r}: not committed at its current page")
-            _, layer, page = self._place(key)
+            layer, page = self._pinned_place(pin, key)
         out = dst.reshape(-1).view(torch.uint8)
         row = self.planes[layer][page]
         if offset < 0 or offset + out.numel() > row.numel():
@@ -195,11 +200,7 @@ class ScheduledPageStore(KVStore):
         layers = set()
         with self._lock:
             for key in keys:
-                if key not in pin.keys:
-                    raise StoreError(f"read of {key!r} without an active pin")
-                if not self._readable(key):
-                    raise StoreError(f"read of {key!r}: not committed at its current page")
-                _, layer, page = self._place(key)
+                layer, page = self._pinned_place(pin, key)
                 layers.add(layer)
                 pages.append(page)
             if len(layers) != 1:

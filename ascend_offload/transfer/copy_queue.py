@@ -35,12 +35,8 @@ import torch
 
 from ascend_offload import native
 
-_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)
-
-
-def int32_array(values: Any) -> array.array:
-    """Row indices as the int32 buffer :meth:`NativeRowQueue.submit_rows` takes."""
-    return array.array(_INT32, values)
+# The int32 index buffers NativeRowQueue.submit_rows takes (re-exported for callers).
+int32_array = native.int32_array
 
 
 class CopyQueueClosed(RuntimeError):
