@@ -28,17 +28,26 @@ import asyncio
 import itertools
 import logging
 import secrets
-import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from proxy.backend import (
+    JSON_HEADERS,
+    JSON_TYPE,
+    DecodeResponse,
+    backend_headers,
+    json_error,
+    on_headers_sent,
+    snippet,
+    uncancel,
+)
 from proxy.balancer import Balancer, Instance
 from proxy.bodies import CHAT, COMPLETIONS, SubRequest, decode_body, prefill_body, split_request
+from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body, sse_error_event
 from proxy.metaserver import Pending, PendingTable
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -50,8 +59,6 @@ log = logging.getLogger("proxy")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
-JSON_TYPE = "application/json"
-_JSON_HEADERS = {"Content-Type": JSON_TYPE}
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -59,116 +66,6 @@ _SSE_HEADERS = {
 }
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _DISPATCHED = _encode({"status": "dispatched"})
-
-
-@dataclass
-class ProxyConfig:
-    """Everything the proxy needs; validated here so the CLI and tests share the rules."""
-
-    prefillers: list[tuple[str, int]]
-    decoders: list[tuple[str, int]]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # URL decode instances POST registrations to; default derived from host/port.
-    metaserver_url: str | None = None
-    # Deadline for a prefill answer, and for each read from a decode.
-    timeout_s: float = 600.0
-    # The decode must register (or answer) within this after being forwarded.
-    register_timeout_s: float = 60.0
-    connect_timeout_s: float = 5.0
-    # A backend that refused a connection is skipped this long.
-    cooldown_s: float = 2.0
-    # Must stay below the backends' keep-alive (uvicorn: 5 s), or a reused
-    # connection can be closed under us.
-    keepalive_s: float = 4.0
-    # Connections per backend instance (0 = unlimited).
-    max_connections: int = 0
-    max_fanout: int = 1024
-    max_body_mb: int = 64
-
-    def __post_init__(self) -> None:
-        for key in ("timeout_s", "register_timeout_s", "connect_timeout_s", "keepalive_s"):
-            value = getattr(self, key)
-            if not value > 0:
-                raise ValueError(f"{key} must be > 0, got {value!r}")
-        if self.cooldown_s < 0:
-            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s!r}")
-        if self.max_connections < 0:
-            raise ValueError(f"max_connections must be >= 0, got {self.max_connections!r}")
-        if self.max_fanout < 1:
-            raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
-        if self.max_body_mb < 1:
-            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb!r}")
-        if not self.prefillers:
-            raise ValueError("at least one prefill instance is required")
-        if not self.decoders:
-            raise ValueError("at least one decode instance is required")
-        for role, addrs in (("prefill", self.prefillers), ("decode", self.decoders)):
-            for host, port in addrs:
-                if not host or not 0 < int(port) < 65536:
-                    raise ValueError(f"bad {role} address {host!r}:{port!r}")
-
-
-def _uncancel() -> None:
-    """Undo a cancellation we delivered ourselves (Pending.fail) so later awaits work."""
-    task = asyncio.current_task()
-    uncancel = getattr(task, "uncancel", None)
-    if uncancel is not None:
-        uncancel()
-
-
-def _snippet(data: bytes, limit: int = 300) -> str:
-    text = data[:limit].decode("utf-8", "replace")
-    return text + ("..." if len(data) > limit else "")
-
-
-def _backend_headers(p: Pending) -> dict[str, str]:
-    """Headers of both backend requests of ``p``.
-
-    vLLM takes ``X-Request-Id`` as its request id, so the decode's and the
-    prefill's logs carry the proxy_request_id; the client's Authorization is
-    passed on so backends started with ``--api-key`` work behind the proxy.
-    """
-    headers = {"Content-Type": JSON_TYPE, "X-Request-Id": p.id}
-    if p.auth is not None:
-        headers["Authorization"] = p.auth
-    return headers
-
-
-def _json_error(err: ProxyError) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), headers=_JSON_HEADERS)
-
-
-class _Decode:
-    """An open decode response and the instance it came from."""
-
-    __slots__ = ("ctype", "data", "inst", "resp")
-
-    def __init__(self, resp: aiohttp.ClientResponse, inst: Instance) -> None:
-        self.resp = resp
-        self.inst = inst
-        self.data = b""
-        self.ctype = resp.headers.get("Content-Type", JSON_TYPE)
-
-    @property
-    def status(self) -> int:
-        return self.resp.status
-
-    def close(self, ok: bool) -> None:
-        """Give the connection back (ok) or drop it, which makes vLLM abort the request."""
-        if ok:
-            self.resp.release()
-        else:
-            self.resp.close()
-        Balancer.release(self.inst)
-
-
-async def _on_headers_sent(
-    session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestHeadersSentParams
-) -> None:
-    p = ctx.trace_request_ctx
-    if isinstance(p, Pending) and p.dispatched is not None and not p.dispatched.done():
-        p.dispatched.set_result(True)
 
 
 class Proxy:
@@ -220,7 +117,7 @@ class Proxy:
             skip_auto_headers=("User-Agent",),
         )
         trace = aiohttp.TraceConfig()
-        trace.on_request_headers_sent.append(_on_headers_sent)
+        trace.on_request_headers_sent.append(on_headers_sent)
         self._psession = aiohttp.ClientSession(
             connector=self._connector(),
             timeout=aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s),
@@ -256,7 +153,7 @@ class Proxy:
             "prefillers": self.prefillers.snapshot(),
             "decoders": self.decoders.snapshot(),
         }
-        return web.Response(body=_encode(body), headers=_JSON_HEADERS)
+        return web.Response(body=_encode(body), headers=JSON_HEADERS)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -279,8 +176,8 @@ class Proxy:
             except _CONNECT_ERRORS:
                 self.decoders.mark_down(inst)
             except (aiohttp.ClientError, TimeoutError) as e:
-                return _json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
-        return _json_error(ProxyError(503, "no decode instance reachable"))
+                return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
+        return json_error(ProxyError(503, "no decode instance reachable"))
 
     async def handle_metaserver(self, request: web.Request) -> web.Response:
         """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire."""
@@ -307,7 +204,7 @@ class Proxy:
             return web.Response(
                 status=404,
                 body=error_body(404, f"metaserver: unknown or finished proxy_request_id {rid!r}"),
-                headers=_JSON_HEADERS,
+                headers=JSON_HEADERS,
             )
         if p.dispatched is None:
             p.params = params
@@ -325,14 +222,14 @@ class Proxy:
             await asyncio.shield(p.dispatched)
         except ProxyError as e:
             self.metrics.registration("failed")
-            return web.Response(status=e.status, body=e.body(), headers=_JSON_HEADERS)
+            return web.Response(status=e.status, body=e.body(), headers=JSON_HEADERS)
         self.metrics.registration(result)
-        return web.Response(body=_DISPATCHED, headers=_JSON_HEADERS)
+        return web.Response(body=_DISPATCHED, headers=JSON_HEADERS)
 
     def _meta_reject(self, status: int, message: str) -> web.Response:
         log.warning("%s", message)
         self.metrics.registration("malformed")
-        return web.Response(status=status, body=error_body(status, message), headers=_JSON_HEADERS)
+        return web.Response(status=status, body=error_body(status, message), headers=JSON_HEADERS)
 
     # ------------------------------------------------------------------ generate
 
@@ -360,7 +257,7 @@ class Proxy:
             status = e.status
             if e.status >= 500:
                 log.warning("%s %s: %s", path, e.status, e.message)
-            return _json_error(e)
+            return json_error(e)
         except asyncio.CancelledError:
             status = 499  # client went away
             raise
@@ -376,7 +273,7 @@ class Proxy:
         p.arm_deadline(asyncio.get_running_loop(), self.cfg.register_timeout_s)
         return p
 
-    def _end(self, p: Pending, d: _Decode | None, ok: bool) -> None:
+    def _end(self, p: Pending, d: DecodeResponse | None, ok: bool) -> None:
         """Release everything a sub-request holds; on failure abort both backends."""
         self.pending.finish(p)
         if d is not None:
@@ -385,7 +282,7 @@ class Proxy:
         if t is not None and not t.done() and not ok:
             t.cancel()  # closes the prefill connection: vLLM aborts the request
 
-    async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str]) -> _Decode:
+    async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str]) -> DecodeResponse:
         assert self._dsession is not None
         tried: list[Instance] = []
         while True:
@@ -408,14 +305,14 @@ class Proxy:
                 raise
             if inst.down_until:
                 Balancer.mark_up(inst)
-            return _Decode(resp, inst)
+            return DecodeResponse(resp, inst)
 
-    async def _begin(self, p: Pending, stream: bool) -> _Decode:
+    async def _begin(self, p: Pending, stream: bool) -> DecodeResponse:
         """Forward to a decode and wait for its first output (or its whole answer)."""
         payload = _encode(decode_body(p.body, self.metaserver_url, p.id))
-        d: _Decode | None = None
+        d: DecodeResponse | None = None
         try:
-            d = await self._open_decode(p.path, payload, _backend_headers(p))
+            d = await self._open_decode(p.path, payload, backend_headers(p))
             if stream and d.status == 200:
                 d.data = await d.resp.content.readany()
                 if not d.data:
@@ -432,7 +329,7 @@ class Proxy:
                 d.close(False)
             if p.error is None:
                 raise  # the client went away
-            _uncancel()
+            uncancel()
             raise p.error from None
         except ProxyError:
             if d is not None:
@@ -456,7 +353,7 @@ class Proxy:
         self, request: web.Request, path: str, sub: SubRequest, stream: bool
     ) -> web.StreamResponse:
         p = self._new_pending(path, sub, request.headers.get("Authorization"))
-        d: _Decode | None = None
+        d: DecodeResponse | None = None
         ok = False
         try:
             d = await self._begin(p, stream)
@@ -491,9 +388,9 @@ class Proxy:
 
     # ------------------------------------------------------------------ fan-out
 
-    async def _sub_whole(self, path: str, sub: SubRequest, auth: str | None) -> _Decode:
+    async def _sub_whole(self, path: str, sub: SubRequest, auth: str | None) -> DecodeResponse:
         p = self._new_pending(path, sub, auth)
-        d: _Decode | None = None
+        d: DecodeResponse | None = None
         try:
             d = await self._begin(p, stream=False)
             return d
@@ -508,7 +405,7 @@ class Proxy:
         queue: asyncio.Queue[tuple[str, SubRequest, Any]],
     ) -> None:
         p = self._new_pending(path, sub, auth)
-        d: _Decode | None = None
+        d: DecodeResponse | None = None
         ok = False
         try:
             d = await self._begin(p, stream=True)
@@ -541,7 +438,7 @@ class Proxy:
         if not stream:
             tasks = [loop.create_task(self._sub_whole(path, s, auth)) for s in subs]
             try:
-                results: list[_Decode] = await asyncio.gather(*tasks)
+                results: list[DecodeResponse] = await asyncio.gather(*tasks)
             finally:
                 for t in tasks:
                     t.cancel()
@@ -555,7 +452,7 @@ class Proxy:
                 )
             except (msgspec.DecodeError, ValueError) as e:
                 raise ProxyError(502, f"decode answered malformed JSON: {e}", "decode_malformed") from None
-            return web.Response(body=merged, headers=_JSON_HEADERS)
+            return web.Response(body=merged, headers=JSON_HEADERS)
 
         queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue()
         tasks = [loop.create_task(self._sub_stream(path, s, auth, queue)) for s in subs]
@@ -574,7 +471,7 @@ class Proxy:
                         return web.Response(
                             status=value.status, body=value.data, headers={"Content-Type": value.ctype}
                         )
-                    value = ProxyError(502, f"decode answered HTTP {value.status}: {_snippet(value.data)}")
+                    value = ProxyError(502, f"decode answered HTTP {value.status}: {snippet(value.data)}")
                     kind = "fail"
                 if kind == "fail":
                     if out is None:
@@ -615,7 +512,7 @@ class Proxy:
         assert self._psession is not None and p.dispatched is not None and p.params is not None
         dispatched = p.dispatched
         payload = _encode(prefill_body(p.body, p.path, p.params))
-        headers = _backend_headers(p)
+        headers = backend_headers(p)
         tried: list[Instance] = []
         try:
             while True:
@@ -635,7 +532,7 @@ class Proxy:
                         if resp.status >= 300:
                             raise ProxyError(
                                 502,
-                                f"prefill {inst.name} answered HTTP {resp.status}: {_snippet(data)}",
+                                f"prefill {inst.name} answered HTTP {resp.status}: {snippet(data)}",
                                 "prefill_status",
                             )
                     if inst.down_until:
@@ -670,73 +567,3 @@ class Proxy:
                 dispatched.set_exception(ProxyError(404, f"request {p.id} was aborted", "aborted"))
                 dispatched.exception()
             raise
-
-
-# ---------------------------------------------------------------------- server
-
-
-def bound_port(site: web.TCPSite) -> int:
-    """The port a site listens on (the chosen one when asked for port 0)."""
-    server = getattr(site, "_server", None)
-    sockets = getattr(server, "sockets", None)
-    if sockets:
-        return int(sockets[0].getsockname()[1])
-    return int(site.port)
-
-
-def advertised_host(host: str) -> str:
-    """The address decode instances can reach us at when we bind a wildcard."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-class ProxyServer:
-    """Runs a ``Proxy`` on an aiohttp site; ``port=0`` picks a free port."""
-
-    def __init__(self, cfg: ProxyConfig, shutdown_grace_s: float = 5.0) -> None:
-        self.cfg = cfg
-        self.proxy = Proxy(cfg)
-        self.port = cfg.port
-        # In-flight requests get this long to finish on shutdown, then are cut.
-        self.shutdown_grace_s = shutdown_grace_s
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        host = advertised_host(self.cfg.host)
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
-
-    async def start(self) -> int:
-        self._runner = web.AppRunner(
-            self.proxy.app(),
-            access_log=None,
-            handler_cancellation=True,
-            handle_signals=False,
-            shutdown_timeout=self.shutdown_grace_s,
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=2048, reuse_address=True)
-        await site.start()
-        self.port = bound_port(site)
-        if not self.cfg.metaserver_url:
-            self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
-        log.info(
-            "proxy on %s:%d, metaserver %s, %d prefill, %d decode",
-            self.cfg.host,
-            self.port,
-            self.proxy.metaserver_url,
-            len(self.cfg.prefillers),
-            len(self.cfg.decoders),
-        )
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None

@@ -17,7 +17,8 @@ import logging
 import signal
 import sys
 
-from proxy.app import ProxyConfig, ProxyServer
+from proxy.config import ProxyConfig
+from proxy.server import ProxyServer
 
 
 def _split(values: list[str]) -> list[str]:

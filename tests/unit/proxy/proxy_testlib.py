@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 
 from ascend_offload.testing.fake_backends import FakeBackend
-from proxy.app import ProxyConfig, ProxyServer
+from proxy.config import ProxyConfig
+from proxy.server import ProxyServer
 
 HANG_GUARD_S = 60.0  # a deadlock guard for each test, not a performance threshold
 

@@ -404,7 +404,7 @@ def test_fanout_stream_breaks_after_start() -> None:
 
 
 def test_metaserver_url_override_and_advertised_host() -> None:
-    from proxy.app import advertised_host
+    from proxy.server import advertised_host
 
     assert advertised_host("10.1.2.3") == "10.1.2.3"
     assert advertised_host("0.0.0.0") not in ("", "0.0.0.0")

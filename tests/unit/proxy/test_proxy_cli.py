@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.app import ProxyConfig
 from proxy.cli import build_parser, config_from_args, main, pair_addresses
+from proxy.config import ProxyConfig
 
 
 def test_pairing_rules() -> None:

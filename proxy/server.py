@@ -1,0 +1,80 @@
+"""Runs the proxy on an aiohttp site: binding, the advertised address, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from aiohttp import web
+
+from proxy.app import Proxy
+from proxy.config import ProxyConfig
+
+log = logging.getLogger("proxy")
+
+
+def bound_port(site: web.TCPSite) -> int:
+    """The port a site listens on (the chosen one when asked for port 0)."""
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None)
+    if sockets:
+        return int(sockets[0].getsockname()[1])
+    return int(site.port)
+
+
+def advertised_host(host: str) -> str:
+    """The address decode instances can reach us at when we bind a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class ProxyServer:
+    """Runs a ``Proxy`` on an aiohttp site; ``port=0`` picks a free port."""
+
+    def __init__(self, cfg: ProxyConfig, shutdown_grace_s: float = 5.0) -> None:
+        self.cfg = cfg
+        self.proxy = Proxy(cfg)
+        self.port = cfg.port
+        # In-flight requests get this long to finish on shutdown, then are cut.
+        self.shutdown_grace_s = shutdown_grace_s
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = advertised_host(self.cfg.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> int:
+        self._runner = web.AppRunner(
+            self.proxy.app(),
+            access_log=None,
+            handler_cancellation=True,
+            handle_signals=False,
+            shutdown_timeout=self.shutdown_grace_s,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=2048, reuse_address=True)
+        await site.start()
+        self.port = bound_port(site)
+        if not self.cfg.metaserver_url:
+            self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
+        log.info(
+            "proxy on %s:%d, metaserver %s, %d prefill, %d decode",
+            self.cfg.host,
+            self.port,
+            self.proxy.metaserver_url,
+            len(self.cfg.prefillers),
+            len(self.cfg.decoders),
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
