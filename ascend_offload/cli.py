@@ -43,12 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in COMMANDS:
         return _run(COMMANDS[cmd], rest)
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            sys.stdout.write(USAGE)
+            return 0
         if not rest or rest[0] not in [*BENCHES, "all"]:
             sys.stderr.write(USAGE + "error: bench needs one of: " + ", ".join([*BENCHES, "all"]) + "\n")
             return 2
         name, bench_args = rest[0], rest[1:]
         if name != "all":
             return _run(BENCHES[name], bench_args)
+        if "-h" in bench_args or "--help" in bench_args:
+            sys.stdout.write("usage: ascend-offload bench all [--out DIR]\n"
+                             "runs every bench but e2e-pd, writing DIR/<name>.json "
+                             "(default DIR: bench-results)\n")
+            return 0
         out = "bench-results"
         if "--out" in bench_args:
             out = bench_args[bench_args.index("--out") + 1]

@@ -53,7 +53,7 @@ class Server:
     server each core always carried another group's spinning worker: engine cores,
     API servers, proxy and client waited 2-16 ms per wake-up on the run queue, a
     decode engine core once 1 s with its request's KV already pulled, and P/D TTFT
-    stalled by 200-900 ms with bunched tokens (docs/bench-e2e-pd.md, "Session 4").
+    stalled by 200-900 ms with bunched tokens (docs/bench-e2e-pd.md, "Reading it").
     In one session they compete as threads and the yields give the core away.
     """
 
