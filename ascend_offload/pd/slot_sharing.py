@@ -6,18 +6,20 @@ therefore registers decode's reads as consumers of the buffer's reuse-gate
 slot. These protocols name exactly what it and ``AscendMultiConnector`` use,
 so the store's pipeline (``ascend_offload.layerwise.pipeline.LayerwisePipeline``
 with its ``ReuseGate``) can change freely behind them; tests drive the seam
-with a small stand-in.
+with a small stand-in and check that the real pipeline still conforms
+(``isinstance`` works: the protocols are runtime-checkable).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 # listener(layer, gate_slot, generation), called inside save_layer before the slot is handed on
 SaveListener = Callable[[str, int, int], None]
 
 
+@runtime_checkable
 class ReadGate(Protocol):
     """The reuse gate as a reader of a slot sees it. Tokens are opaque to the reader."""
 
@@ -31,6 +33,7 @@ class ReadGate(Protocol):
         """The reader of ``token`` finished (``error`` if it failed)."""
 
 
+@runtime_checkable
 class SlotSharing(Protocol):
     """A pipeline whose layers share physical buffers, seen by a sibling that reads them."""
 
@@ -44,6 +47,7 @@ class SlotSharing(Protocol):
         """The layers saved and handed on together with ``layer``."""
 
 
+@runtime_checkable
 class LayerPlan(Protocol):
     @property
     def num_logical(self) -> int: ...
@@ -51,6 +55,7 @@ class LayerPlan(Protocol):
     def num_physical(self) -> int: ...
 
 
+@runtime_checkable
 class SharedStepPipeline(SlotSharing, Protocol):
     """What ``AscendMultiConnector`` also drives: taking the next layer's slot only after
     the producer published (``defer_next_ready`` + ``ready_next`` within a step)."""
