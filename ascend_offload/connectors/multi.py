@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from ascend_offload.config import ConfigError, parse_extra_config
 from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector
 from ascend_offload.connectors.store import AscendStoreConnector
+from ascend_offload.pd.slot_sharing import SharedStepPipeline
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,22 +101,29 @@ class AscendMultiConnector(MultiConnector):
     def shares_slots_with_pd(self) -> bool:
         return self._store is not None and self._rd2h is not None
 
+    def _shared_pipeline(self) -> SharedStepPipeline | None:
+        """The store's layerwise pipeline when its buffers are shared with P/D reads."""
+        if self._store is None or self._rd2h is None:
+            return None
+        return self._store.pipeline
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._store is not None and self._rd2h is not None and self._store.pipeline is not None:
-            self._rd2h.attach_reuse_gate(self._store.pipeline)
+        pipe = self._shared_pipeline()
+        if pipe is not None and self._rd2h is not None:
+            self._rd2h.attach_reuse_gate(pipe)
             # The next layer's slot is taken only after the producer published this
             # layer (see save_kv_layer): otherwise it would wait for its own publish.
-            self._store.pipeline.defer_next_ready = True
+            pipe.defer_next_ready = True
             log.info("%s: decode reads of each layer hold its physical buffer (%d layers on %d buffers)",
-                     NAME, self._store.pipeline.plan.num_logical, self._store.pipeline.plan.num_physical)
+                     NAME, pipe.plan.num_logical, pipe.plan.num_physical)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """Children in order (store: save + hold the slot for decode; producer: publish),
         then the next layer's slot is made ready, which may wait for decode's reads."""
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-        pipe = self._store.pipeline if self._store is not None and self._rd2h is not None else None
+        pipe = self._shared_pipeline()
         if pipe is not None and pipe.defer_next_ready and pipe.in_step:
             pipe.ready_next(layer_name)
 

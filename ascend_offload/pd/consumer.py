@@ -22,7 +22,6 @@ pool blocks, and an indexer cache, if present, still goes to device blocks
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ import zmq
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.layout import block_capacity, extents, incompatibility, out_of_range
+from ascend_offload.pd.reads import PeerReader, build_ops
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 
@@ -102,26 +102,6 @@ class _Parked:
     item: P.ReadReady
 
 
-def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
-              main: bool, index_range: tuple[int, int],
-              index_blocks: Sequence[int] | None = None) -> list[ReadOp]:
-    """Read descriptors for one contributor's share of one layer (before coalescing).
-
-    ``index_blocks`` is the indexer's destination when it is not ``dst_blocks``
-    (main KV into a host pool, indexer into device blocks)."""
-    ops: list[ReadOp] = []
-    if main:
-        for s_t, d_t in zip(src.main, dst.main, strict=True):
-            ops += [ReadOp(d_t.block_addr(d), s_t.block_addr(s), d_t.block_bytes)
-                    for s, d in zip(src_blocks, dst_blocks, strict=True)]
-    if src.indexer is not None and dst.indexer is not None:
-        s_t, d_t = src.indexer, dst.indexer
-        idx_dst = dst_blocks if index_blocks is None else index_blocks
-        ops += [ReadOp(d_t.block_addr(idx_dst[i]), s_t.block_addr(src_blocks[i]), d_t.block_bytes)
-                for i in range(*index_range)]
-    return ops
-
-
 @dataclass
 class _ReadResult:
     parked: _Parked
@@ -131,39 +111,6 @@ class _ReadResult:
     descriptors: int
     nbytes: int
     retries: int
-
-
-class _PeerReader:
-    """Serial reads from one prefill endpoint on their own thread.
-
-    A stalled prefill (alive, not answering) blocks a Mooncake read without
-    bound; with one thread per peer it stalls only its own requests, while the
-    I/O thread keeps answering, expiring deadlines and reading from others.
-    """
-
-    def __init__(self, endpoint: str, run: Callable[[Any], None]) -> None:
-        self.endpoint = endpoint
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._run = run
-        self._thread = threading.Thread(target=self._loop, name=f"pd-read-{endpoint}", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Any) -> None:
-        self._q.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                self._run(job)
-            except Exception:  # a bug in one read must not kill the peer's reader
-                log.exception("reader for %s failed on a job", self.endpoint)
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=2)
 
 
 class Consumer:
@@ -213,7 +160,7 @@ class Consumer:
         self._parked: dict[str, list[_Parked]] = {}
         self._metas: dict[tuple[str, int], P.MfMeta] = {}
         self._commands: list[tuple[str, str]] = []
-        self._readers: dict[str, _PeerReader] = {}
+        self._readers: dict[str, PeerReader] = {}
         self._results: list[_ReadResult] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
@@ -482,7 +429,7 @@ class Consumer:
             req.inflight += 1
         reader = self._readers.get(meta.endpoint)
         if reader is None:
-            reader = self._readers[meta.endpoint] = _PeerReader(meta.endpoint, self._read_job)
+            reader = self._readers[meta.endpoint] = PeerReader(meta.endpoint, self._read_job)
         reader.submit((p, req, meta.endpoint, ops, budget_end))
 
     def _read_job(self, job: tuple[_Parked, _Request, str, list[ReadOp], float]) -> None:

@@ -190,7 +190,7 @@ class _DecodeRank:
     def raw_pull(self, meta: bytes, src_blocks: list[int], dst_blocks: list[int], iters: int) -> list[float]:
         """Baseline: the same per-layer reads straight through the engine, no protocol."""
         from ascend_offload.pd import protocol as P
-        from ascend_offload.pd.consumer import build_ops
+        from ascend_offload.pd.reads import build_ops
 
         m = P.decode(meta, expect=(P.MfMeta,))
         assert isinstance(m, P.MfMeta)

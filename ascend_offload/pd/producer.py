@@ -21,13 +21,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.layout import block_capacity, extents, out_of_range
+from ascend_offload.pd.slot_sharing import ReadGate
 from ascend_offload.pd.topology import Topology, decode_port
 from ascend_offload.transfer.base import TransferEngine
 
@@ -488,7 +488,7 @@ class ReadFailedError(RuntimeError):
     """Decode did not (provably) read a slot's contents; carried to the reuse gate."""
 
 
-def gate_listener(gate: Any) -> SlotListener:
+def gate_listener(gate: ReadGate) -> SlotListener:
     """Listener that releases the layerwise reuse gate's consumer token passed as ``tag``.
 
     Usage: ``tok = gate.add_consumer(slot, gen, "rd2h")`` after the layer's

@@ -8,6 +8,11 @@ capped exponential backoff; a 4xx (unknown id, malformed body) is final. The
 whole exchange has a deadline that becomes a :class:`RegistrationError`, never
 a hang (invariant I5). :class:`Registrar` runs registrations off the
 scheduler thread.
+
+:class:`DecodeRegistration` is what decode registers and prefill receives back
+(the proxy passes it through untouched, adding ``do_remote_decode`` /
+``do_remote_prefill``): one typed struct on both sides, its field names the
+JSON keys of the wire format.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +33,51 @@ class RegistrationError(RuntimeError):
     """The metaserver refused the registration or did not accept it before the deadline."""
 
 
+class ParamsError(ValueError):
+    """A request's ``kv_transfer_params`` are not a valid decode registration."""
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# Keys the proxy adds next to the registered ones when it dispatches the prefill.
+ROLE_FLAGS = ("do_remote_decode", "do_remote_prefill")
+
+
+class DecodeRegistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Decode's endpoint and destination blocks for one request (decode -> proxy -> prefill).
+
+    Why typed: both sides used to build and read loose dicts, so a renamed or
+    mistyped key surfaced only as a decode timeout. Unknown keys and wrong types
+    are rejected where prefill parses them (:meth:`from_params`).
+    """
+
+    remote_engine_id: str = ""
+    remote_host: str
+    remote_port: _Port  # decode's kv_port; rank ports follow (topology.decode_port)
+    remote_tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    remote_dp_rank: _Count = 0
+    remote_request_id: str  # decode's request id: the name on the P/D wire
+    remote_block_ids: list[_Count]  # decode blocks, one per prompt block from the offset
+    remote_block_offset: _Count = 0  # prefill block index of remote_block_ids[0]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object registered with the metaserver."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> DecodeRegistration:
+        """Parse prefill's ``kv_transfer_params`` (registered keys + the proxy's role flags)."""
+        body = {k: v for k, v in params.items() if k not in ROLE_FLAGS}
+        try:
+            return msgspec.convert(body, cls)
+        except msgspec.ValidationError as exc:
+            raise ParamsError(f"kv_transfer_params of a remote decode: {exc}") from None
+
+
 def register(
     url: str,
     proxy_request_id: str,
-    kv_transfer_params: Mapping[str, Any],
+    kv_transfer_params: DecodeRegistration | Mapping[str, Any],
     *,
     timeout_s: float = 30.0,
     retries: int = 5,
@@ -43,7 +90,9 @@ def register(
         raise RegistrationError(f"metaserver={url!r}: must be an http(s) URL")
     if not proxy_request_id:
         raise RegistrationError("proxy_request_id is empty")
-    body = {"proxy_request_id": proxy_request_id, "kv_transfer_params": dict(kv_transfer_params)}
+    params = (kv_transfer_params.to_wire() if isinstance(kv_transfer_params, DecodeRegistration)
+              else dict(kv_transfer_params))
+    body = {"proxy_request_id": proxy_request_id, "kv_transfer_params": params}
     deadline = time.monotonic() + timeout_s
     own = client is None
     http = client or httpx.Client()
@@ -97,7 +146,7 @@ class Registrar:
         self._futures: dict[str, cf.Future[dict[str, Any]]] = {}
 
     def submit(self, request_id: str, url: str, proxy_request_id: str,
-               kv_transfer_params: Mapping[str, Any]) -> None:
+               kv_transfer_params: DecodeRegistration | Mapping[str, Any]) -> None:
         self._futures[request_id] = self._pool.submit(
             register, url, proxy_request_id, kv_transfer_params,
             timeout_s=self.timeout_s, retries=self.retries, client=self._client,

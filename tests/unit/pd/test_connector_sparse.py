@@ -15,6 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ascend_offload.config import ConfigError, RemoteD2HConfig
 from ascend_offload.connectors import remote_d2h as rd
+from ascend_offload.connectors.remote_d2h.decode_worker import SPARSE_HOOK_ENV
+from ascend_offload.connectors.remote_d2h.settings import check_sparse_role
+from ascend_offload.pd.layout import pool_row_shape
 from tests.unit.pd.pool_scenario import (
     BLOCK,
     CFG,
@@ -45,27 +48,27 @@ def test_sparse_on_a_producer_is_a_config_error_naming_the_key():
         rd.SfaRemoteD2HConnector(_vllm_config(producer=True), KVConnectorRole.SCHEDULER)
     cfg = RemoteD2HConfig.model_validate({"sparse_offload": SPARSE})
     with pytest.raises(ConfigError, match=r"'sparse_offload\.enabled'"):
-        rd.check_sparse_role(cfg, is_producer=True, is_consumer=True)  # kv_both
-    rd.check_sparse_role(RemoteD2HConfig(), is_producer=True, is_consumer=False)  # off: fine
+        check_sparse_role(cfg, is_producer=True, is_consumer=True)  # kv_both
+    check_sparse_role(RemoteD2HConfig(), is_producer=True, is_consumer=False)  # off: fine
 
 
 def test_sparse_decode_without_attention_hook_is_refused(monkeypatch):
-    monkeypatch.delenv(rd.SPARSE_HOOK_ENV, raising=False)
-    with pytest.raises(ConfigError, match=rf"'sparse_offload\.enabled'.*{rd.SPARSE_HOOK_ENV}"):
+    monkeypatch.delenv(SPARSE_HOOK_ENV, raising=False)
+    with pytest.raises(ConfigError, match=rf"'sparse_offload\.enabled'.*{SPARSE_HOOK_ENV}"):
         rd.SfaRemoteD2HConnector(_vllm_config(producer=False), KVConnectorRole.SCHEDULER)
-    monkeypatch.setenv(rd.SPARSE_HOOK_ENV, "no_such_module_xyz:make")
+    monkeypatch.setenv(SPARSE_HOOK_ENV, "no_such_module_xyz:make")
     with pytest.raises(ConfigError, match="cannot load"):
         rd.SfaRemoteD2HConnector(_vllm_config(producer=False), KVConnectorRole.SCHEDULER)
 
 
 def test_pool_row_shape_needs_one_mla_row_per_token():
     nb = 4
-    assert rd.pool_row_shape({"l0": torch.zeros(nb, BLOCK, 8), "l1": torch.zeros(nb, BLOCK, 8)},
-                             nb, BLOCK) == ((8,), torch.float32)
+    assert pool_row_shape({"l0": torch.zeros(nb, BLOCK, 8), "l1": torch.zeros(nb, BLOCK, 8)},
+                          nb, BLOCK) == ((8,), torch.float32)
     with pytest.raises(ConfigError, match="not one"):
-        rd.pool_row_shape({"l0": torch.zeros(2, nb, BLOCK, 2, 4)}, nb, BLOCK)  # K/V pair
+        pool_row_shape({"l0": torch.zeros(2, nb, BLOCK, 2, 4)}, nb, BLOCK)  # K/V pair
     with pytest.raises(ConfigError, match=r"\(8,\).*\(4,\)|\(4,\).*\(8,\)"):
-        rd.pool_row_shape({"l0": torch.zeros(nb, BLOCK, 8), "l1": torch.zeros(nb, BLOCK, 4)}, nb, BLOCK)
+        pool_row_shape({"l0": torch.zeros(nb, BLOCK, 8), "l1": torch.zeros(nb, BLOCK, 4)}, nb, BLOCK)
 
 
 def _until(fn, timeout_s: float = 20.0):
@@ -83,7 +86,7 @@ def test_decode_worker_pulls_into_pool_fails_on_exhaustion_and_releases(monkeypa
     from ascend_offload.pd.producer import DecodeTarget
     from ascend_offload.transfer.mooncake import MooncakeEngine
 
-    monkeypatch.setenv(rd.SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
+    monkeypatch.setenv(SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
     dev_blocks = 40
     conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=port), KVConnectorRole.WORKER,
@@ -98,7 +101,7 @@ def test_decode_worker_pulls_into_pool_fails_on_exhaustion_and_releases(monkeypa
         conn.register_kv_caches(kv)
         hook = RecordingHook.made[-1]
         pool = hook.pool
-        assert pool is conn._pool and pool.num_blocks == 16 and hook.layer_names == sorted(kv)
+        assert pool is conn.decode.pool and pool.num_blocks == 16 and hook.layer_names == sorted(kv)
         pool.kv.zero_()
         dev = {"a": tuple(range(0, 10)), "b": (20, 21, 22), "c": (30, 31, 32, 33, 34, 35, 36)}
         jobs = [rd.RecvJob(r, dev[r], len(p), len(p) + MAX_NEW) for r, p in reqs.items()]
@@ -136,10 +139,10 @@ def test_decode_worker_pulls_into_pool_fails_on_exhaustion_and_releases(monkeypa
 
 
 def test_scheduler_asks_for_the_whole_prompt_and_reserves_max_tokens(monkeypatch):
-    monkeypatch.setenv(rd.SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
+    monkeypatch.setenv(SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
     conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=1), KVConnectorRole.SCHEDULER)
     submitted = []
-    monkeypatch.setattr(conn._registrar, "submit", lambda *a: submitted.append(a))
+    monkeypatch.setattr(conn.scheduler.decode.registrar, "submit", lambda *a: submitted.append(a))
     try:
         req = SimpleNamespace(request_id="r", num_prompt_tokens=70, max_tokens=9, kv_transfer_params={
             "do_remote_prefill": True, "metaserver": "http://127.0.0.1:1", "proxy_request_id": "p"})
@@ -149,7 +152,8 @@ def test_scheduler_asks_for_the_whole_prompt_and_reserves_max_tokens(monkeypatch
         meta = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
         # load errors name only the externally loaded device blocks; the pool gets the whole prompt
         assert meta.recv == [rd.RecvJob("r", (3, 5, 6, 2), 70, 79)]
-        (_rid, _url, _prid, params), = submitted
+        (_rid, _url, _prid, registration), = submitted
+        params = registration.to_wire()  # the JSON object the metaserver receives
         assert params["remote_block_offset"] == 0 and params["remote_block_ids"] == [8, 3, 5, 6, 2]
     finally:
         conn.shutdown()

@@ -20,7 +20,7 @@ from ascend_offload.pd.producer import SlotRelease, gate_listener
 
 
 class _Pipeline:
-    """The two things the connector uses of a LayerwisePipeline, with a real gate."""
+    """A ``SlotSharing`` (what the connector uses of a LayerwisePipeline), with a real gate."""
 
     def __init__(self) -> None:
         self.gate = ReuseGate(2, default_timeout_s=0.2)
@@ -51,7 +51,7 @@ def _connector(monkeypatch: pytest.MonkeyPatch, **extra: Any) -> rd.SfaRemoteD2H
                           parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
                           model_config=SimpleNamespace(use_mla=True))
     conn = rd.SfaRemoteD2HConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=8))
-    conn._layer_index = {"l0": 0, "l1": 1}
+    conn.prefill._layer_index = {"l0": 0, "l1": 1}
     return conn
 
 
@@ -61,12 +61,12 @@ def test_decode_reads_hold_the_slot_until_the_producer_releases(monkeypatch) -> 
     conn.attach_reuse_gate(pipe)
     assert pipe.gate.default_timeout_s >= 3.0 + 5.0  # writers outwait the ack deadline
     prod = _Producer()
-    conn._producers[1] = prod
-    conn._step_sends = {1: ["r1"]}
+    conn.prefill._producers[1] = prod
+    conn.prefill._step_sends = {1: ["r1"]}
     lease = pipe.gate.acquire_write(1, "l1")
     pipe.listeners[0]("l1", 1, lease.generation)  # inside save_layer(l1), before the hand-off
     pipe.gate.release_write(lease)
-    conn._publish(1, "l1")
+    conn.prefill._publish(1, "l1")
     (pub,) = prod.published
     assert pub["slot"] == 1 and pub["request_ids"] == ["r1"] and pub["tag"] is not None
     with pytest.raises(GateTimeout):  # the next layer of slot 1 must wait for decode
@@ -80,21 +80,21 @@ def test_tokens_of_unpublished_layers_are_released_at_step_end(monkeypatch) -> N
     conn = _connector(monkeypatch)
     pipe = _Pipeline()
     conn.attach_reuse_gate(pipe)
-    conn._producers[1] = _Producer()
-    conn._step_sends = {1: ["r1"]}
+    conn.prefill._producers[1] = _Producer()
+    conn.prefill._step_sends = {1: ["r1"]}
     lease = pipe.gate.acquire_write(0, "l0")
     pipe.listeners[0]("l0", 0, lease.generation)
     pipe.gate.release_write(lease)
     conn.wait_for_save()  # l0 was never published this step
     pipe.gate.release_write(pipe.gate.acquire_write(0, "l2", timeout_s=0.05))
-    assert conn._gate_tokens == {}
+    assert conn.prefill._gate_tokens == {}
 
 
 def test_nothing_to_send_takes_no_token(monkeypatch) -> None:
     conn = _connector(monkeypatch)
     pipe = _Pipeline()
     conn.attach_reuse_gate(pipe)
-    conn._step_sends = {}
+    conn.prefill._step_sends = {}
     lease = pipe.gate.acquire_write(1, "l1")
     pipe.listeners[0]("l1", 1, lease.generation)
     pipe.gate.release_write(lease)

@@ -8,7 +8,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ascend_offload.pd.registration import Registrar, RegistrationError, register
+from ascend_offload.pd.registration import (
+    DecodeRegistration,
+    ParamsError,
+    Registrar,
+    RegistrationError,
+    register,
+)
+from proxy.bodies import prefill_body
 
 
 class Meta:
@@ -125,3 +132,25 @@ def test_registrar_runs_in_background(meta):
         assert isinstance(done["req-2"], RegistrationError)
     finally:
         reg.close()
+
+
+def test_registration_struct_round_trips_through_the_proxy_contract():
+    """Decode's struct -> registered JSON -> the proxy's prefill body -> prefill's parse."""
+    reg = DecodeRegistration(remote_engine_id="D0", remote_host="10.0.0.2", remote_port=7000, remote_tp_size=2,
+                             remote_dp_rank=1, remote_request_id="dec-1", remote_block_ids=[3, 4],
+                             remote_block_offset=2)
+    wire = reg.to_wire()
+    assert sorted(wire) == sorted(["remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
+                                   "remote_dp_rank", "remote_request_id", "remote_block_ids",
+                                   "remote_block_offset"])
+    body = prefill_body({"prompt": "x"}, "/v1/completions", json.loads(json.dumps(wire)))
+    assert DecodeRegistration.from_params(body["kv_transfer_params"]) == reg
+
+
+def test_registration_struct_rejects_unknown_and_malformed_keys():
+    ok = {"remote_host": "h", "remote_port": 1, "remote_request_id": "r", "remote_block_ids": []}
+    assert DecodeRegistration.from_params({**ok, "do_remote_decode": True}).remote_tp_size == 1
+    with pytest.raises(ParamsError, match="unknown field `metaserver`"):
+        DecodeRegistration.from_params({**ok, "metaserver": "http://x"})
+    with pytest.raises(ParamsError, match=r"\$\.remote_block_offset"):
+        DecodeRegistration.from_params({**ok, "remote_block_offset": -1})

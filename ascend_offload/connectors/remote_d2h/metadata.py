@@ -1,0 +1,26 @@
+"""What ``SfaRemoteD2HConnector``'s scheduler tells its workers each step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ascend_offload.pd.decode_requests import RecvJob
+from ascend_offload.pd.prefill_requests import SendJob
+
+__all__ = ["RecvJob", "RemoteD2HMetadata", "SendJob"]
+
+
+@dataclasses.dataclass
+class RemoteD2HMetadata(KVConnectorMetadata):
+    """Decode: loads to start, fail or cancel. Prefill: requests to publish to decode."""
+
+    recv: list[RecvJob] = dataclasses.field(default_factory=list)
+    fail_recv: dict[str, str] = dataclasses.field(default_factory=dict)
+    cancel_recv: list[str] = dataclasses.field(default_factory=list)
+    send: list[SendJob] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.recv or self.fail_recv or self.cancel_recv or self.send)

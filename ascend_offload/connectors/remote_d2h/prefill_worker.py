@@ -1,0 +1,213 @@
+"""``SfaRemoteD2HConnector``'s prefill worker: one TP rank publishing its KV to decode.
+
+After each attention layer (``save_kv_layer``) the rank's
+:class:`~ascend_offload.pd.producer.Producer` (one per decode TP size) publishes
+that layer to the decode ranks that read it; a request's blocks are freed only
+after decode answered for every layer or the ack deadline passed (the
+scheduler's ``request_finished`` delays the free until this worker says so).
+
+With layer sharing (``AscendMultiConnector``) a layer's physical buffer is
+reused within the forward, so decode's reads hold the buffer's reuse-gate slot
+(:meth:`PrefillWorker.attach_reuse_gate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ascend_offload import device
+from ascend_offload.config import ConfigError
+from ascend_offload.connectors.remote_d2h.kv_region import KVRegion
+from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
+from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
+from ascend_offload.pd.slot_sharing import ReadGate, SlotSharing
+from ascend_offload.pd.topology import Topology, TopologyError
+
+if TYPE_CHECKING:
+    from ascend_offload.pd.producer import Producer
+
+log = logging.getLogger(__name__)
+
+# Test-only fault injection on the prefill side, e.g. "none,invalid:1,drop:2"
+# (see ascend_offload.pd.producer.parse_faults). Unset in production.
+FAULTS_ENV = "ASCEND_OFFLOAD_PD_FAULTS"
+
+
+class PrefillWorker:
+    """Prefill state of one rank: producers, this step's sends, requests in flight, the gate."""
+
+    def __init__(self, settings: Settings, tp_rank: int, *, prepare: Callable[[], None]) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        # Applies the step's metadata (the connector's, once per step): a save listener may
+        # run before any other hook of the step.
+        self._prepare = prepare
+        self._region: KVRegion | None = None
+        self._layer_index: dict[str, int] = {}
+        self._producers: dict[int, Producer] = {}  # decode TP size -> producer
+        self._step_sends: dict[int, list[str]] = {}  # decode TP size -> decode ids sent this step
+        self._by_remote: dict[tuple[int, str], str] = {}  # (decode tp, decode id) -> our id
+        self._own: dict[str, tuple[int, str]] = {}  # our id -> (decode tp, decode id)
+        self._send_done: set[str] = set()
+        self._seen_finished: set[str] = set()
+        # Layer sharing on this prefill (AscendMultiConnector): decode reads hold the slot.
+        self._gate: ReadGate | None = None
+        self._gate_pipeline: SlotSharing | None = None
+        self._gate_tokens: dict[str, tuple[int, dict[int, Any]]] = {}  # layer -> (slot, d_tp -> token)
+
+    def start(self, region: KVRegion, names: Sequence[str]) -> None:
+        """Publish from ``region``; ``names`` in model order give the layer indices on the wire."""
+        self._region = region
+        self._layer_index = {n: i for i, n in enumerate(names)}
+
+    def _producer(self, d_tp: int) -> Producer:
+        prod = self._producers.get(d_tp)
+        if prod is None:
+            from ascend_offload.pd.producer import Producer, gate_listener
+
+            assert self._region is not None
+            cfg = self.settings.cfg
+            prod = Producer(engine_id=self.settings.engine_id, p_rank=self.tp_rank,
+                            topology=Topology(self.settings.tp_size, d_tp), transfer=self._region.engine,
+                            layers=self._region.layers, ack_timeout_s=cfg.ack_timeout_s,
+                            request_timeout_s=cfg.request_timeout_s, register_memory=False,
+                            faults=os.environ.get(FAULTS_ENV) or None,
+                            listener=gate_listener(self._gate) if self._gate is not None else None)
+            self._producers[d_tp] = prod
+        return prod
+
+    # ------------------------------------------------------------------ layer sharing
+
+    def attach_reuse_gate(self, pipeline: SlotSharing) -> None:
+        """Layer sharing on this prefill: the physical slot of a layer is reused by a later
+        layer within the same forward, so decode's reads of it must hold the slot.
+
+        ``pipeline`` is the store connector's layerwise pipeline. In its ``save_layer``
+        (before the slot is handed on) one gate consumer is registered per decode TP
+        size this step sends to; the layer is published on that gate slot with the
+        token as tag, and the producer releases the token when every read of it
+        answered or the ack deadline passed (``gate_listener``). Called by
+        ``AscendMultiConnector``; needs ``use_layerwise`` (publish per layer).
+        """
+        from ascend_offload.pd.producer import gate_listener
+
+        cfg = self.settings.cfg
+        if not cfg.use_layerwise:
+            raise ConfigError(f"{NAME}: key 'use_layerwise'=False with layer sharing on this prefill: the "
+                              "slot of a layer is reused within the forward, so each layer must be "
+                              "published as soon as it is written (accepted: True)")
+        gate = pipeline.gate
+        self._gate = gate
+        self._gate_pipeline = pipeline
+        # Our tokens are released by the ack deadline at the latest; a writer waiting for
+        # the slot must not give up (and fail the forward) before that.
+        gate.outwait(cfg.ack_timeout_s)
+        for prod in self._producers.values():
+            prod.listener = gate_listener(gate)
+        pipeline.add_save_listener(self._on_slot_saved)
+
+    def _on_slot_saved(self, layer: str, gate_slot: int, generation: int) -> None:
+        """Save listener (runs inside the pipeline's ``save_layer``): hold the slot for decode."""
+        self._prepare()
+        if not self._step_sends:
+            return
+        assert self._gate is not None and self._gate_pipeline is not None
+        for name in self._gate_pipeline.members_of(layer):
+            tokens = {d_tp: self._gate.add_consumer(gate_slot, generation, f"rd2h d_tp={d_tp} {name}")
+                      for d_tp in self._step_sends}
+            self._gate_tokens[name] = (gate_slot, tokens)
+
+    def _release_gate_tokens(self) -> None:
+        """Tokens of layers that were never published (no save_kv_layer came): free the slots."""
+        assert self._gate is not None
+        for _, tokens in self._gate_tokens.values():
+            for tok in tokens.values():
+                self._gate.release_consumer(tok, None)
+        self._gate_tokens.clear()
+
+    # ------------------------------------------------------------------ per step
+
+    def apply(self, meta: RemoteD2HMetadata) -> None:
+        """Hand this step's send jobs to the producers (before the first layer is saved)."""
+        from ascend_offload.pd.producer import DecodeTarget
+
+        step: defaultdict[int, list[str]] = defaultdict(list)
+        for job in meta.send:
+            try:
+                self._producer(job.d_tp).add_request(
+                    job.remote_request_id, job.block_ids, DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
+            except (ValueError, TopologyError) as exc:
+                log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
+                self._send_done.add(job.request_id)
+                continue
+            self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
+            self._own[job.request_id] = (job.d_tp, job.remote_request_id)
+            step[job.d_tp].append(job.remote_request_id)
+        self._step_sends = dict(step)
+
+    def _publish(self, layer: int, name: str | None = None) -> None:
+        device.synchronize()  # the layer's KV must be in memory before decode may read it
+        held = self._gate_tokens.pop(name, None) if name is not None else None
+        if self._gate is not None and held is None:
+            log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
+                      "published on a private slot", NAME, name)
+        for d_tp, rids in self._step_sends.items():
+            if held is not None and d_tp in held[1]:
+                self._producers[d_tp].publish_layer(layer, slot=held[0], tag=held[1].pop(d_tp),
+                                                    request_ids=rids)
+            else:
+                self._producers[d_tp].publish_layer(layer, unique_slot=True, request_ids=rids)
+        if held is not None:
+            assert self._gate is not None
+            for tok in held[1].values():  # a decode TP size with nothing to send this layer
+                self._gate.release_consumer(tok, None)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""
+        if self._step_sends and self.settings.cfg.use_layerwise:
+            idx = self._layer_index.get(layer_name)
+            if idx is None:
+                log.error("%s: unknown layer %r; not published", NAME, layer_name)
+                return
+            self._publish(idx, layer_name)
+
+    def wait_for_save(self) -> None:
+        """End of the forward: publish every layer now unless published per layer."""
+        if self._step_sends and not self.settings.cfg.use_layerwise:
+            assert self._region is not None
+            for i in range(len(self._region.layers)):
+                self._publish(i)
+        if self._gate_tokens:
+            self._release_gate_tokens()
+        self._step_sends = {}
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks may be freed: vLLM finished them *and* decode answered every
+        published layer (or the ack deadline passed)."""
+        mine = {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
+        self._seen_finished |= mine
+        for rid in mine:
+            key = self._own.get(rid)
+            if key is not None:
+                self._producers[key[0]].abort_request(key[1])  # no-op unless layers were never published
+        for d_tp, prod in self._producers.items():
+            for o in prod.finished():
+                own = self._by_remote.pop((d_tp, o.request_id), None)
+                if own is None:
+                    continue
+                self._own.pop(own, None)
+                self._send_done.add(own)
+                if not o.ok:
+                    log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
+        ready = self._send_done & self._seen_finished
+        self._send_done -= ready
+        self._seen_finished -= ready
+        return ready
+
+    def close(self) -> None:
+        for prod in self._producers.values():
+            prod.close()

@@ -1,0 +1,89 @@
+"""``SfaRemoteD2HConnector``'s scheduler side: vLLM's scheduler hooks onto the vLLM-free
+bookkeeping of :mod:`ascend_offload.pd.decode_requests` (decode) and
+:mod:`ascend_offload.pd.prefill_requests` (prefill).
+
+Only the translation lives here: a request's blocks come from vLLM's KV cache
+manager, the step's scheduled tokens from ``SchedulerOutput``, and the result
+goes into :class:`RemoteD2HMetadata`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
+from ascend_offload.connectors.remote_d2h.settings import Settings
+from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
+from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
+from ascend_offload.pd.registration import Registrar
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class RemoteD2HScheduler:
+    """Scheduler state of one connector: decode's pulls and/or prefill's sends."""
+
+    def __init__(self, settings: Settings) -> None:
+        cfg = settings.cfg
+        self.decode = DecodeRequests(
+            settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
+            registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
+        ) if settings.is_consumer else None
+        self.prefill = PrefillRequests() if settings.is_producer else None
+        self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
+
+    def _block_ids(self, request_id: str) -> list[int] | None:
+        mgr = self.kv_cache_manager
+        return list(mgr.get_block_ids(request_id)[0]) if mgr is not None else None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.decode is None:
+            return 0, False
+        return self.decode.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if self.decode is not None and wants_remote_prefill(params):
+            ids: list[int] = []
+            if num_external_tokens > 0:
+                # All of the request's blocks; before the manager is bound, this allocation's.
+                found = self._block_ids(request.request_id)
+                ids = found if found is not None else list(blocks.get_block_ids()[0])
+            self.decode.after_alloc(request, ids, num_external_tokens)
+        elif self.prefill is not None and wants_remote_decode(params):
+            self.prefill.after_alloc(request, params)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RemoteD2HMetadata:
+        meta = RemoteD2HMetadata()
+        if self.decode is not None:
+            step = self.decode.take_step()
+            meta.recv, meta.fail_recv, meta.cancel_recv = step.recv, step.fail, step.cancel
+        if self.prefill is not None:
+            meta.send = self.prefill.take_sends(scheduler_output.num_scheduled_tokens, self._block_ids)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay freeing while decode still pulls into the blocks or reads from them."""
+        rid = request.request_id
+        reading = self.prefill.request_finished(rid) if self.prefill is not None else False
+        pulling = self.decode.request_finished(rid) if self.decode is not None else False
+        return pulling or reading, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        recved = connector_output.finished_recving or ()
+        sent = connector_output.finished_sending or ()
+        if self.decode is not None:
+            self.decode.workers_done(recved)
+            self.decode.workers_done(sent)  # a cancelled pull reports "sent"
+        if self.prefill is not None:
+            self.prefill.workers_done(sent)
+
+    def shutdown(self) -> None:
+        if self.decode is not None:
+            self.decode.close()

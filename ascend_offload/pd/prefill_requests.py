@@ -1,0 +1,115 @@
+"""Prefill scheduler bookkeeping of remote decodes, free of vLLM.
+
+A request carrying decode's registration (``do_remote_decode``) is tracked
+from allocation; in the step where its prompt finishes computing, its blocks
+and decode target become a :class:`SendJob` for the workers. Its blocks are
+held after vLLM finished it until the workers report decode answered. The
+registration is parsed and validated here, at the boundary: a malformed one
+is logged and the request runs as a plain prefill (decode then times out and
+recovers by its own policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ascend_offload.pd.registration import DecodeRegistration, ParamsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendJob:
+    """One request whose KV a prefill worker publishes to decode this step."""
+
+    request_id: str  # prefill's own id
+    remote_request_id: str  # decode's id: the name on the wire
+    block_ids: tuple[int, ...]  # prefill blocks, aligned with decode's block list
+    host: str
+    kv_port: int
+    d_tp: int
+    dp_rank: int
+
+
+class PromptProgress(Protocol):
+    """The fields of a scheduler request this bookkeeping reads (vLLM's ``Request`` has them)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """The proxy dispatched this prefill on behalf of a registered decode."""
+    return bool(params and params.get("do_remote_decode"))
+
+
+class PrefillRequests:
+    """Requests whose KV this prefill publishes to a decode: pending, sending."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
+        self._sending: set[str] = set()
+
+    @property
+    def sending(self) -> frozenset[str]:
+        """Requests whose blocks decode may still read."""
+        return frozenset(self._sending)
+
+    def after_alloc(self, request: PromptProgress, params: Mapping[str, Any]) -> bool:
+        """Track ``request`` until its prompt is computed; False if its registration is invalid."""
+        try:
+            reg = DecodeRegistration.from_params(params)
+        except ParamsError as exc:
+            log.error("remote-d2h: request %s has do_remote_decode but %s; decode will not get its KV",
+                      request.request_id, exc)
+            return False
+        self._pending[request.request_id] = (request, reg)
+        return True
+
+    def take_sends(self, scheduled: Mapping[str, int],
+                   block_ids: Callable[[str], Sequence[int] | None]) -> list[SendJob]:
+        """Requests whose prompt finishes computing in this step (``scheduled``: tokens per
+        request), with their prefill blocks (``block_ids``: a request's blocks, None if unknown)."""
+        jobs = []
+        for rid, (req, reg) in list(self._pending.items()):
+            n = scheduled.get(rid, 0)
+            if not n or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            del self._pending[rid]
+            job = self._job(rid, reg, block_ids(rid))
+            if job is not None:
+                log.debug("remote-d2h: %s prefill completes this step; %d blocks -> decode %s:%d as %s",
+                          rid, len(job.block_ids), job.host, job.kv_port, job.remote_request_id)
+                jobs.append(job)
+                self._sending.add(rid)
+        return jobs
+
+    @staticmethod
+    def _job(rid: str, reg: DecodeRegistration, mine: Sequence[int] | None) -> SendJob | None:
+        if mine is None:
+            log.error("remote-d2h: no KV cache manager bound; cannot send %s", rid)
+            return None
+        want = len(reg.remote_block_ids)
+        src = tuple(mine[reg.remote_block_offset:reg.remote_block_offset + want])
+        if len(src) != want:
+            log.error("remote-d2h: request %s has %d prefill blocks from offset %d; decode expects %d",
+                      rid, len(mine), reg.remote_block_offset, want)
+            return None
+        return SendJob(rid, reg.remote_request_id, src, reg.remote_host, reg.remote_port,
+                       reg.remote_tp_size, reg.remote_dp_rank)
+
+    def request_finished(self, request_id: str) -> bool:
+        """vLLM finished the request; True: its blocks must wait (decode still reads them)."""
+        self._pending.pop(request_id, None)
+        return request_id in self._sending
+
+    def workers_done(self, request_ids: Iterable[str]) -> None:
+        """Workers reported decode answered for these requests (or gave up on it)."""
+        self._sending.difference_update(request_ids)

@@ -1,0 +1,93 @@
+"""Prefill scheduler bookkeeping (pd.prefill_requests), driven directly without vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+
+from ascend_offload.pd.prefill_requests import PrefillRequests, SendJob
+
+
+@dataclasses.dataclass
+class Req:
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+
+
+def _params(**kw: Any) -> dict[str, Any]:
+    """What the proxy hands prefill: its role flags plus decode's registration."""
+    base = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "D0",
+            "remote_host": "10.0.0.2", "remote_port": 7000, "remote_tp_size": 2, "remote_dp_rank": 1,
+            "remote_request_id": "dec-1", "remote_block_ids": [30, 31], "remote_block_offset": 1}
+    return {**base, **kw}
+
+
+BLOCKS = {"p": [4, 5, 6]}
+
+
+def test_send_job_when_the_prompt_finishes_computing() -> None:
+    reqs = PrefillRequests()
+    req = Req("p", 40)
+    assert reqs.after_alloc(req, _params())
+    assert reqs.take_sends({"p": 32}, BLOCKS.get) == []  # chunk 1: 32 of 40 tokens
+    req.num_computed_tokens = 32
+    assert reqs.take_sends({}, BLOCKS.get) == []  # not scheduled this step
+    assert reqs.take_sends({"p": 8}, BLOCKS.get) == [SendJob("p", "dec-1", (5, 6), "10.0.0.2", 7000, 2, 1)]
+    assert reqs.sending == {"p"}
+    assert reqs.take_sends({"p": 1}, BLOCKS.get) == []  # sent once
+
+
+def test_blocks_wait_for_decode_after_the_request_finished() -> None:
+    reqs = PrefillRequests()
+    reqs.after_alloc(Req("p", 16), _params(remote_block_ids=[30], remote_block_offset=0))
+    assert len(reqs.take_sends({"p": 16}, BLOCKS.get)) == 1
+    assert reqs.request_finished("p") is True
+    reqs.workers_done(["p"])
+    assert reqs.request_finished("p") is False
+
+
+def test_finished_before_its_prompt_completed_sends_nothing() -> None:
+    reqs = PrefillRequests()
+    reqs.after_alloc(Req("p", 40), _params())
+    assert reqs.request_finished("p") is False
+    assert reqs.take_sends({"p": 40}, BLOCKS.get) == []
+
+
+def test_missing_blocks_or_manager_drop_the_send(caplog: pytest.LogCaptureFixture) -> None:
+    reqs = PrefillRequests()
+    reqs.after_alloc(Req("p", 16), _params(remote_block_ids=[1, 2, 3], remote_block_offset=1))
+    reqs.after_alloc(Req("q", 16), _params())
+    with caplog.at_level(logging.ERROR):
+        assert reqs.take_sends({"p": 16, "q": 16}, lambda rid: BLOCKS.get(rid)) == []
+    assert "has 3 prefill blocks from offset 1; decode expects 3" in caplog.text
+    assert "no KV cache manager bound; cannot send q" in caplog.text
+    assert reqs.sending == set()
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"remote_extra": 1}, "unknown field `remote_extra`"),
+    ({"remote_port": "7000"}, "Expected `int`, got `str` - at `$.remote_port`"),
+    ({"remote_port": 70000}, "at `$.remote_port`"),
+    ({"remote_block_ids": [1, -2]}, "at `$.remote_block_ids[1]`"),
+    ({"remote_tp_size": 0}, "at `$.remote_tp_size`"),
+    ({"remote_host": None}, "at `$.remote_host`"),
+])
+def test_malformed_registration_is_rejected_at_the_boundary(change: dict[str, Any], why: str,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    reqs = PrefillRequests()
+    with caplog.at_level(logging.ERROR):
+        assert reqs.after_alloc(Req("p", 16), _params(**change)) is False
+    assert why in caplog.text and "decode will not get its KV" in caplog.text
+    assert reqs.take_sends({"p": 16}, BLOCKS.get) == []
+
+
+def test_missing_registration_key_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    params = _params()
+    del params["remote_request_id"]
+    with caplog.at_level(logging.ERROR):
+        assert PrefillRequests().after_alloc(Req("p", 16), params) is False
+    assert "missing required field `remote_request_id`" in caplog.text
