@@ -91,9 +91,6 @@ class RequestBook(Generic[E]):
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._entries
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def _count(self, e: E, name: str, n: int) -> None:
         setattr(e, name, getattr(e, name) + n)
         self.totals[name] += n
