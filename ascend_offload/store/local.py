@@ -43,7 +43,7 @@ class LocalStore(KVStore):
         self, capacity_bytes: int, page_bytes: int, eviction: str = "lru", *, with_data: bool = True
     ) -> None:
         """``with_data=False`` keeps only the index: vLLM's scheduler decides pages
-        while each worker rank holds the bytes of its own shard (see connectors/store.py)."""
+        while each worker rank holds the bytes of its own shard (see connectors/store/)."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
         if eviction != "lru":

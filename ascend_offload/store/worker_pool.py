@@ -14,14 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ascend_offload import device
-
-
-def block_dim(t: torch.Tensor, num_blocks: int) -> int:
-    """The dimension of a paged KV tensor that indexes blocks."""
-    dims = [i for i, n in enumerate(t.shape) if n == num_blocks]
-    if not dims:
-        raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV tensor {tuple(t.shape)}")
-    return dims[0]
+from ascend_offload.kv_layout import block_dim
 
 
 class _Layer:

@@ -32,3 +32,15 @@ def test_save_then_load_restores_bytes_into_other_blocks() -> None:
 def test_page_size_mismatch_is_explained() -> None:
     with pytest.raises(ValueError, match="sized store pages at 123"):
         WorkerPagePool(_caches(10), num_blocks=10, num_pages=4, expected_page_bytes=123)
+
+
+def test_kv_stack_with_two_blocks_copies_blocks_not_k_and_v() -> None:
+    """(2, num_blocks=2, ...): dim 0 is the K/V stack; copying along it would swap K and V."""
+    g = torch.Generator().manual_seed(1)
+    kv = {"l0": torch.randn(2, 2, 32, 8, generator=g)}
+    before = kv["l0"].clone()
+    pool = WorkerPagePool(kv, num_blocks=2, num_pages=1)
+    pool.save([1], [0])
+    pool.load([0], [0])
+    assert torch.equal(kv["l0"][:, 0], before[:, 1])  # K and V of block 1 -> block 0
+    assert torch.equal(kv["l0"][:, 1], before[:, 1])

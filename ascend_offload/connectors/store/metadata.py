@@ -1,0 +1,54 @@
+"""Messages between the store connector's scheduler and its worker ranks.
+
+Scheduler -> workers once per step (``build_connector_meta``): copy jobs
+(whole-prefix mode) or the step's block keys and their pages (layerwise mode).
+Workers -> scheduler (``build_connector_worker_meta``): per-step completions,
+which vLLM sums across ranks so the scheduler can tell when all ranks reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from ascend_offload.layerwise.pipeline import StepIO
+from ascend_offload.store.prefix_jobs import CopyJob
+
+__all__ = ["CopyJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]
+
+
+@dataclasses.dataclass
+class StoreConnectorMetadata(KVConnectorMetadata):
+    """Whole-prefix mode: this step's loads (before the forward) and saves (after it)."""
+
+    loads: list[CopyJob] = dataclasses.field(default_factory=list)
+    saves: list[CopyJob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LayerwiseMetadata(KVConnectorMetadata):
+    """Layerwise mode: what the step moves (block keys) and where each block lives."""
+
+    io: StepIO
+    pages: dict[str, int]  # block key -> page, for every block of ``io``
+    save_blocks: list[str]  # blocks newly placed for saving this step
+    freed: list[str]  # block keys whose pages were freed since the last step
+
+
+@dataclasses.dataclass
+class StoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-step completions of one or more ranks: job id (whole-prefix mode) or block key
+    (layerwise mode) -> number of ranks."""
+
+    done: Counter[Any] = dataclasses.field(default_factory=Counter)
+    failed: Counter[Any] = dataclasses.field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, StoreWorkerMetadata)
+        return StoreWorkerMetadata(done=self.done + other.done, failed=self.failed + other.failed)

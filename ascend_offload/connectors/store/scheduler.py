@@ -1,0 +1,215 @@
+"""The store connector's scheduler role: vLLM's requests and steps -> store bookkeeping.
+
+The store *index* lives here (``LocalStore(with_data=False)``): lookups, page
+placement, commit/abort, pins and eviction are decided in one process, single
+threaded, so they never race. The rules themselves are vLLM-free
+(``store/prefix_jobs.py``, ``store/layerwise_saves.py``); this module only reads
+vLLM's request and scheduler-output fields and turns the answers into the
+messages of ``metadata.py``. One class per mode:
+
+* :class:`PrefixScheduler` - whole prefixes: load the longest stored prefix before
+  the first forward, save full blocks after the step that computed them;
+* :class:`LayerwiseScheduler` - every step names the blocks each layer loads and
+  saves; the workers' layerwise pipeline moves them during the forward.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats
+from ascend_offload.connectors.store.metadata import (
+    LayerwiseMetadata,
+    StoreConnectorMetadata,
+    StoreWorkerMetadata,
+)
+from ascend_offload.connectors.store.settings import NAME, StoreSettings
+from ascend_offload.layerwise.pipeline import StepBuilder, StepIO
+from ascend_offload.store.keys import block_keys
+from ascend_offload.store.layerwise_saves import LayerwiseSaves
+from ascend_offload.store.local import LocalStore
+from ascend_offload.store.prefix_jobs import PrefixJobs
+from ascend_offload.store.request_book import RequestBook
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+#: ``block_ids_of(req_id)``: a running request's block table (vLLM's KV cache manager).
+BlockIdsOf = Callable[[str], list[int]]
+
+
+class StoreScheduler(abc.ABC):
+    """What both modes share: keys from block hashes, lookups, completions, stats."""
+
+    book: RequestBook[Any]
+
+    def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
+        s = self.settings = settings
+        self.block_size = s.block_size
+        self.index = LocalStore(s.num_pages * s.page_bytes, s.page_bytes, s.cfg.local.eviction,
+                                with_data=False)
+        self._block_ids_of = block_ids_of
+        self._requests: dict[str, Request] = {}  # every request the connector was asked about
+        self._deltas = CounterDeltas()
+        log.info("%s: local store index with %d pages of %d bytes per rank", NAME, s.num_pages,
+                 s.page_bytes)
+
+    def _book_args(self) -> dict[str, int]:
+        s = self.settings
+        return {"block_size": s.block_size, "page_bytes": s.page_bytes, "world_size": s.world_size,
+                "min_load_blocks": s.cfg.min_load_blocks}
+
+    def _keys(self, request: Request, upto: int) -> list[str]:
+        hashes, ratio = request.block_hashes, self.settings.hash_ratio
+        per_block = [hashes[(i + 1) * ratio - 1] for i in range(upto)]
+        return block_keys(self.settings.cfg.model_tag, self.settings.fingerprint, 0, per_block)
+
+    def _full_blocks_with_hash(self, request: Request) -> int:
+        return len(request.block_hashes) // self.settings.hash_ratio
+
+    def _track(self, request: Request) -> None:
+        self._requests.setdefault(request.request_id, request)
+
+    # ------------------------------------------------------------------ vLLM calls
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._track(request)
+        # vLLM must compute at least the last prompt token itself.
+        max_blocks = min((request.num_tokens - 1) // self.block_size, self._full_blocks_with_hash(request))
+        n = self.book.lookup(request.request_id, num_computed_tokens, max_blocks,
+                             lambda upto: self._keys(request, upto))
+        return n, False
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Take (or drop) the offer made by the last lookup."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """What the worker ranks copy in this step."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, StoreWorkerMetadata):
+            self.book.report(meta.done, meta.failed)
+
+    def _request_ended(self, req_id: str) -> None:  # noqa: B027 - optional hook
+        """Mode-specific cleanup of a finished request (before its pins are released)."""
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Release what the request holds; its block counts and the store's occupancy go
+        back in ``kv_transfer_params['ascend_store']``."""
+        rid = request.request_id
+        if self._requests.pop(rid, None) is None:
+            return False, None
+        self._request_ended(rid)
+        stats: dict[str, Any] = dict(self.book.finish(rid) or {})
+        stats["store"] = self.book.store_gauges()
+        log.debug("%s: request %s finished: %s", NAME, rid, stats)
+        return False, {"ascend_store": stats}
+
+    def stats(self) -> StoreConnectorStats | None:
+        """Counter deltas since the last call."""
+        return self._deltas.take(self.book.counters())
+
+
+class PrefixScheduler(StoreScheduler):
+    """Whole-prefix mode: copy jobs (see ``store/prefix_jobs.py``)."""
+
+    def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
+        super().__init__(settings, block_ids_of)
+        self.book: PrefixJobs = PrefixJobs(self.index, **self._book_args())
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._track(request)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.book.accept_load(request.request_id, num_external_tokens, block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
+        meta = StoreConnectorMetadata(loads=self.book.take_loads())
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            computed[req_id] = n
+        for req_id, before in computed.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(after // self.block_size, self._full_blocks_with_hash(request))
+            if full > self.book.saved_upto(req_id):
+                job = self.book.plan_save(req_id, self._keys(request, full), self._block_ids_of(req_id))
+                if job is not None:
+                    meta.saves.append(job)
+        return meta
+
+
+class LayerwiseScheduler(StoreScheduler):
+    """Layerwise mode: per-step block keys (``StepBuilder``) and their save placement
+    (see ``store/layerwise_saves.py``)."""
+
+    def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
+        super().__init__(settings, block_ids_of)
+        self.steps = StepBuilder(self.block_size, partial_prefix=f"partial:{settings.engine_id}")
+        self.book: LayerwiseSaves = LayerwiseSaves(
+            self.index, partial_prefix=self.steps.partial_prefix, **self._book_args())
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._track(request)
+        self.book.accept_load(request.request_id, num_external_tokens)
+
+    def _full_key_fn(self, request: Request) -> Callable[[int], str | None]:
+        n = self._full_blocks_with_hash(request)
+        keys = self._keys(request, n)
+        return lambda i: keys[i] if i < n else None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LayerwiseMetadata:
+        # start_load_kv must run before the forward: the pipeline owns and fills the
+        # first layer's slot there (vLLM otherwise starts loads after the forward).
+        scheduler_output.has_sync_kv_loads = True
+        steps, book = self.steps, self.book
+        ios: list[tuple[str, StepIO]] = []
+        n_sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is None:
+                continue
+            steps.begin(new.req_id, new.block_ids[0], book.hit_keys(new.req_id))
+            steps.schedule(new.req_id, new.num_computed_tokens, n_sched[new.req_id], self._full_key_fn(request))
+            ios.append((new.req_id, steps.build()))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids or rid not in steps:
+                steps.begin(rid, self._block_ids_of(rid), book.hit_keys(rid))
+            elif new_ids is not None:
+                steps.add_blocks(rid, new_ids[0])
+            steps.schedule(rid, cached.num_computed_tokens[i], n_sched[rid], self._full_key_fn(request))
+            ios.append((rid, steps.build()))
+        save_blocks: list[str] = []
+        for rid, io in ios:
+            save_blocks += book.place(rid, [ref.key for ref in io.save])
+        io = StepIO(
+            load=tuple(r for _, x in ios for r in x.load),
+            load_shared=tuple(r for _, x in ios for r in x.load_shared),
+            save=tuple(r for _, x in ios for r in x.save),
+        )
+        pages = book.pages(ref.key for ref in (*io.load, *io.load_shared, *io.save))
+        return LayerwiseMetadata(io=io, pages=pages, save_blocks=save_blocks, freed=book.take_freed())
+
+    def _request_ended(self, req_id: str) -> None:
+        self.steps.end(req_id)

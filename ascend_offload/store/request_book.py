@@ -1,0 +1,195 @@
+"""Scheduler-side store bookkeeping of requests, common to both connector modes.
+
+Why a vLLM-free module: the rules that keep the store index consistent are
+decided here, single-threaded, in vLLM's scheduler process:
+
+* a lookup pins exactly the prefix it offers, so eviction cannot take it before
+  the load ran;
+* the pin is released whenever the offer is not taken as offered (asked again,
+  nothing allocated, a different token count);
+* a finished request leaves nothing pinned.
+
+Keeping vLLM's request and scheduler types out lets unit tests drive these rules
+with plain keys and block ids. The connector translates vLLM's calls into them;
+the mode-specific parts (copy jobs, layerwise saves) extend :class:`RequestBook`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from ascend_offload.store.base import Pin
+from ascend_offload.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+#: Per-request block counters, reported when a request finishes and summed in
+#: :attr:`RequestBook.totals` for the connector's metrics.
+COUNT_NAMES = ("loaded_blocks", "saved_blocks", "skipped_blocks", "duplicate_blocks")
+
+
+@dataclasses.dataclass
+class RequestEntry:
+    """One request's load offer and block counters."""
+
+    load_pin: Pin | None = None
+    load_range: tuple[int, int] = (0, 0)  # [first, last) block indices offered for loading
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    skipped_blocks: int = 0  # not saved: the store was full
+    duplicate_blocks: int = 0  # not saved: the store had (or was writing) them already
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNT_NAMES}
+
+
+E = TypeVar("E", bound=RequestEntry)
+
+
+class RequestBook(Generic[E]):
+    """Requests' store lookups and pins over the scheduler's store index.
+
+    ``block_size`` converts between vLLM's token counts and store blocks;
+    ``world_size`` is the number of worker ranks whose reports complete a copy.
+    """
+
+    def __init__(
+        self,
+        index: LocalStore,
+        entry_type: type[E],
+        *,
+        block_size: int,
+        page_bytes: int,
+        world_size: int,
+        min_load_blocks: int,
+    ) -> None:
+        if block_size < 1 or world_size < 1:
+            raise ValueError(f"block_size={block_size}, world_size={world_size}: both must be >= 1")
+        self.index = index
+        self.block_size = block_size
+        self.page_bytes = page_bytes
+        self.world_size = world_size
+        self.min_load_blocks = min_load_blocks
+        #: engine-wide sums of the per-request counters plus failed-job counts
+        self.totals: Counter[str] = Counter()
+        self._entry_type = entry_type
+        self._entries: dict[str, E] = {}
+
+    # ------------------------------------------------------------------ entries
+
+    def entry(self, req_id: str) -> E:
+        """The request's entry, created on first use."""
+        e = self._entries.get(req_id)
+        if e is None:
+            e = self._entries[req_id] = self._entry_type()
+        return e
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._entries
+
+    def _count(self, e: E, name: str, n: int) -> None:
+        setattr(e, name, getattr(e, name) + n)
+        self.totals[name] += n
+
+    # ------------------------------------------------------------------ loads
+
+    def lookup(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        max_blocks: int,
+        keys_upto: Callable[[int], Sequence[str]],
+    ) -> int:
+        """Tokens the store can add after ``num_computed_tokens``, pinned until taken.
+
+        ``max_blocks``: the most leading blocks that may come from the store;
+        ``keys_upto(n)``: the keys of blocks ``[0, n)``, built only when a hit of at
+        least ``min_load_blocks`` is still possible. Any earlier offer is released
+        first (vLLM asks again when an allocation failed)."""
+        e = self.entry(req_id)
+        self._release_load(e)
+        first = num_computed_tokens // self.block_size
+        if max_blocks - first < self.min_load_blocks:
+            return 0
+        keys = keys_upto(max_blocks)
+        hit = self.index.lookup_prefix(keys)
+        if hit - first < self.min_load_blocks:
+            return 0
+        pin = self.index.pin(keys[first:hit])
+        if pin is None:  # cannot happen single-threaded; stay safe
+            return 0
+        e.load_pin, e.load_range = pin, (first, hit)
+        return (hit - first) * self.block_size
+
+    def release_load(self, req_id: str) -> None:
+        """Drop the request's pending load offer, if any."""
+        e = self._entries.get(req_id)
+        if e is not None:
+            self._release_load(e)
+
+    def _release_load(self, e: E) -> None:
+        if e.load_pin is not None:
+            self.index.unpin(e.load_pin)
+            e.load_pin = None
+            e.load_range = (0, 0)
+
+    def _take_offer(self, req_id: str, num_tokens: int) -> tuple[E, Pin, int, int] | None:
+        """The offer vLLM took exactly as made: ``(entry, pin, first, last)``, with the pin
+        now the caller's to hold or release and the blocks counted as loaded. Any other
+        count releases the offer."""
+        e = self.entry(req_id)
+        pin = e.load_pin
+        if num_tokens == 0 or pin is None:
+            self._release_load(e)
+            return None
+        first, last = e.load_range
+        if (last - first) * self.block_size != num_tokens:
+            log.warning("store: request %s: scheduler accepted %d external tokens, expected %d; "
+                        "not loading", req_id, num_tokens, (last - first) * self.block_size)
+            self._release_load(e)
+            return None
+        e.load_pin = None
+        self._count(e, "loaded_blocks", last - first)
+        return e, pin, first, last
+
+    # ------------------------------------------------------------------ end
+
+    def finish(self, req_id: str) -> dict[str, int] | None:
+        """Forget a finished request; its pins are released. Returns its block counts
+        (None for a request never seen)."""
+        e = self._entries.pop(req_id, None)
+        if e is None:
+            return None
+        self._release_load(e)
+        self._finished(e)
+        return e.counts()
+
+    def _finished(self, e: E) -> None:
+        """Mode-specific release of what a finished request still holds."""
+
+    # ------------------------------------------------------------------ reporting
+
+    def store_gauges(self) -> dict[str, int]:
+        """The store index's occupancy, reported with every finished request."""
+        g = self.index.stats()
+        return {
+            "stored_objects": g.stored_objects,
+            "pinned_objects": g.pinned_objects,
+            "pending_objects": g.pending_objects,
+            "free_pages": g.free_pages,
+            "total_pages": g.total_pages,
+            "skipped_stores": g.skipped_stores,
+            "evicted_objects": g.evicted_objects,
+        }
+
+    def counters(self) -> dict[str, int]:
+        """Monotonic totals for the connector's metrics (turned into deltas there)."""
+        g = self.index.stats()
+        totals = dict(self.totals)
+        totals.update(lookups=g.lookups, hit_objects=g.hit_objects, miss_objects=g.miss_objects,
+                      evicted_objects=g.evicted_objects)
+        return totals
