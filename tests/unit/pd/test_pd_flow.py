@@ -247,7 +247,7 @@ def test_reuse_gate_waits_for_decode_read(port_pair, kv):
     pe, de = LoopbackEngine(), LoopbackEngine()
     topo = Topology(1, 1)
     prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc,
-                    ack_timeout_s=0.5, listener=gate_listener(gate))
+                    ack_timeout_s=2.0, listener=gate_listener(gate))
     cons = None
     try:
         prod.add_request("r", [1], DecodeTarget("127.0.0.1", port, 1))
