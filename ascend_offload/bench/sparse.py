@@ -8,8 +8,8 @@ previous top-k (a random subset), always selects the newest token, and draws
 the rest uniformly from the context outside the current selection: no temporal
 locality beyond the step-to-step overlap, so LRU has little to exploit beyond
 it. Belady (optimal offline) hit rate on the same trace is printed for context.
-The policy comparison adds a uniform, a sink + window and a drifting-focus
-trace (``sparse_traces.py``).
+The policy comparison adds a uniform, a sink + window, a drifting-focus and a
+recurring-rows trace (``sparse_traces.py``).
 
 Baselines measured in the same run: the reference Ascend design (scan all H
 slots per row against a hash map of the top-k, per-row linked LRU list) built

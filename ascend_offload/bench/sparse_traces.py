@@ -13,7 +13,9 @@ none should lose to it (the bench's timing trace); ``uniform`` is ``overlap`` at
 (attention sinks) and a window of the most recent ones, the rest uniform;
 ``drift`` selects most of its top-k from a focus region that moves through the
 context, the rest uniform: the rows of the focus come back often, the
-background rows almost never, which exact LRU cannot tell apart.
+background rows almost never, which exact LRU cannot tell apart; ``recur``
+re-selects rows exactly once a fixed number of steps later: recency is all
+that predicts reuse (the adversary of frequency-minded policies).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["TRACE_KINDS", "belady_hits", "drift_trace", "overlap_trace", "sink_window_trace"]
+__all__ = ["TRACE_KINDS", "belady_hits", "drift_trace", "overlap_trace", "recur_trace",
+           "sink_window_trace"]
 
 
 def _fill_uniform(rng: np.random.Generator, member: np.ndarray, ctx: int, need: int) -> np.ndarray:
@@ -109,6 +112,33 @@ def sink_window_trace(rng: np.random.Generator, *, steps: int, k: int, ctx0: int
     return out
 
 
+def recur_trace(rng: np.random.Generator, *, steps: int, k: int, ctx0: int, gap: int = 2,
+                share: float = 0.5) -> np.ndarray:
+    """A ``share`` of each top-k re-selects rows that were drawn uniformly ``gap``
+    steps earlier, each exactly once; then the newest token; the rest uniformly
+    from the context. A row's second use is its last, so keeping re-selected rows
+    (ARC's T2) buys nothing, and exact LRU with ``gap`` steps of history in the hot
+    buffer gets every return: the case where ARC trails LRU."""
+    nr = round(share * k)
+    if not 0 <= nr < k or gap < 1:
+        raise ValueError(f"recur trace: share {share} of k={k} and gap {gap} (>= 1)")
+    out = np.empty((steps, k), dtype=np.int32)
+    member = np.zeros(ctx0 + steps + 1, dtype=bool)
+    drawn: list[np.ndarray] = []
+    for t in range(steps):
+        ctx = ctx0 + t + 1
+        newest = ctx - 1
+        back = drawn[t - gap][:nr] if t >= gap else np.empty(0, dtype=np.int32)
+        back = back[back != newest]
+        member[:] = False
+        member[back] = True
+        member[newest] = True
+        fresh = rng.permutation(_fill_uniform(rng, member, ctx, k - back.size - 1))
+        drawn.append(fresh)
+        out[t] = rng.permutation(np.concatenate([back, np.array([newest], dtype=np.int32), fresh]))
+    return out
+
+
 TraceFn = Callable[..., np.ndarray]
 
 # name -> (generator, its keyword arguments besides steps / k / ctx0)
@@ -117,6 +147,7 @@ TRACE_KINDS: dict[str, tuple[TraceFn, dict]] = {
     "uniform": (overlap_trace, {"overlap": 0.0}),
     "sink_window": (sink_window_trace, {}),
     "drift": (drift_trace, {}),
+    "recur": (recur_trace, {}),
 }
 
 
