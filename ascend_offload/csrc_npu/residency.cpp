@@ -40,7 +40,7 @@
 // batch of demands).  Why: exact LRU ranks a one-off miss above an entry that
 // is selected again and again; when the indexer's focus drifts through the
 // context over a uniform background, that evicts the focus rows for
-// background rows that never return (docs/bench-sparse.md: the drift trace).
+// background rows that never return (`bench sparse`, drift trace).
 // ARC keeps rows seen once (T1) apart from rows seen again (T2) and sizes T1
 // by what evicting recently cost: positions evicted from T1 / T2 are
 // remembered, without slots, in ghost lists B1 / B2.  Per call, after the
