@@ -118,6 +118,10 @@ class SparseOffloadConfig(_Strict):
     dram_size_per_dp_GB: float = Field(128.0, gt=0)
     index_topk: int = Field(2048, gt=0)
     use_native: Literal["auto", "on", "off"] = "auto"
+    # Hot-buffer replacement: exact LRU, or ARC (keeps re-selected rows over one-off
+    # misses; ahead of LRU when the indexer's focus drifts, level with it on uniform or
+    # sink + window selections, a little behind where rows return exactly once).
+    residency_policy: Literal["lru", "arc"] = "lru"
 
     def check_against(self, *, block_size: int, index_topk: int | None = None) -> None:
         """Cross-field checks that need the model/cache config."""

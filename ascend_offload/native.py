@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 LIB_SOURCES = ("residency.cpp", "rowcopy.cpp", "copyqueue.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing", "-pthread")
 
@@ -252,6 +252,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     lib.ao_res_create.restype = vp
     lib.ao_res_create.argtypes = [i32, i32, i32]
+    lib.ao_res_create_policy.restype = vp
+    lib.ao_res_create_policy.argtypes = [i32, i32, i32, i32]
+    lib.ao_res_policy_state.restype = i32
+    lib.ao_res_policy_state.argtypes = [vp, i32, i32, vp, vp, vp]
     lib.ao_res_destroy.restype = None
     lib.ao_res_destroy.argtypes = [vp]
     lib.ao_res_release.restype = i32

@@ -1,12 +1,15 @@
 """``ascend-offload bench sparse``: residency resolve + copy descriptors, hit rate,
-bytes moved, and miss-row copy throughput, on synthetic top-k traces.
+bytes moved, and miss-row copy throughput, on synthetic top-k traces; and the hit
+rate of every residency policy next to Belady's on four trace kinds.
 
-Trace model (per layer and request, documented in docs/bench-sparse.md): the
+Timing trace (per layer and request, documented in docs/bench-sparse.md): the
 context grows by one token per step; each step keeps ``overlap`` of the
 previous top-k (a random subset), always selects the newest token, and draws
 the rest uniformly from the context outside the current selection: no temporal
 locality beyond the step-to-step overlap, so LRU has little to exploit beyond
 it. Belady (optimal offline) hit rate on the same trace is printed for context.
+The policy comparison adds a uniform, a sink + window, a drifting-focus and a
+recurring-rows trace (``sparse_traces.py``).
 
 Baselines measured in the same run: the reference Ascend design (scan all H
 slots per row against a hash map of the top-k, per-row linked LRU list) built
@@ -29,62 +32,8 @@ import numpy as np
 import torch
 
 from ascend_offload import device, native
-from ascend_offload.sparse.residency import NativeResidency, TorchResidency
-
-
-def make_trace(rng: np.random.Generator, *, steps: int, k: int, ctx0: int, overlap: float
-               ) -> np.ndarray:
-    """``[steps, k]`` int32 top-k positions (no duplicates, no padding)."""
-    out = np.empty((steps, k), dtype=np.int32)
-    ctx = ctx0
-    cur = rng.choice(ctx, size=k, replace=False).astype(np.int32)
-    member = np.zeros(ctx0 + steps + 1, dtype=bool)
-    for t in range(steps):
-        ctx += 1
-        newest = ctx - 1
-        keep = cur[rng.permutation(k)[: round(overlap * k)]]
-        keep = keep[keep != newest]
-        member[:] = False
-        member[keep] = True
-        member[newest] = True
-        need = k - keep.size - 1
-        fresh: list[np.ndarray] = []
-        while need > 0:
-            cand = np.unique(rng.integers(0, ctx, size=need * 2 + 16).astype(np.int32))
-            cand = cand[~member[cand]]
-            cand = rng.permutation(cand)[:need]
-            member[cand] = True
-            fresh.append(cand)
-            need -= cand.size
-        cur = np.concatenate([keep, np.array([newest], dtype=np.int32), *fresh])
-        out[t] = rng.permutation(cur)
-    return out
-
-
-def belady_hits(trace: np.ndarray, hot: int) -> list[int]:
-    """Hits per step of the optimal offline policy for batched demand (every
-    position of a step must be resident; evict the farthest next use)."""
-    steps = trace.shape[0]
-    nxt: list[dict[int, int]] = [dict() for _ in range(steps)]
-    last: dict[int, int] = {}
-    for t in range(steps - 1, -1, -1):
-        d = nxt[t]
-        for p in trace[t].tolist():
-            d[p] = last.get(p, steps + 1)
-            last[p] = t
-    cache: dict[int, int] = {}  # position -> next use
-    hits = []
-    for t in range(steps):
-        req = nxt[t]
-        h = sum(1 for p in req if p in cache)
-        hits.append(h)
-        over = len(cache) + (len(req) - h) - hot
-        if over > 0:
-            cand = sorted(((nu, p) for p, nu in cache.items() if p not in req), reverse=True)
-            for _, p in cand[:over]:
-                del cache[p]
-        cache.update(req)
-    return hits
+from ascend_offload.bench.sparse_traces import TRACE_KINDS, belady_hits, overlap_trace
+from ascend_offload.sparse.residency import POLICIES, NativeResidency, TorchResidency
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -116,13 +65,14 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
     mdst = torch.empty(batch * K, dtype=torch.int32)
     counts = torch.empty((batch, 2), dtype=torch.int32)
     err = torch.empty(2, dtype=torch.int32)
-    names = ("ours", "api", "ref_hash", "ref_direct")
+    names = ("ours", "arc", "api", "ref_hash", "ref_direct")
     topks = {(t, layer): torch.from_numpy(np.stack([traces[(layer, b)][t] for b in range(batch)]))
              .contiguous() for t in range(steps) for layer in range(L)}
     lens_at = [torch.full((batch,), args.ctx + t + 1, dtype=torch.int32) for t in range(steps)]
 
     def make_impls() -> tuple[dict, list]:
         nat = NativeResidency(L, batch, H)
+        nat_arc = NativeResidency(L, batch, H, policy="arc")
         nat_api = NativeResidency(L, batch, H)
         bases = {"ref_hash": base_lib.ao_base_create(L, batch, H, 0),
                  "ref_direct": base_lib.ao_base_create(L, batch, H, 1)}
@@ -142,14 +92,18 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
         release = batch > 1
         slow = lib.ao_res_resolve_layer
 
-        def ours(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
-            if bound[layer] is not lens:  # a new step
-                block = blocks[layer]
-                block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
-                bound[layer] = lens
-            if call3 is not None:
-                return call3(fn, h, p_blocks[layer], topk.data_ptr(), release)
-            return slow(h, p_blocks[layer], topk.data_ptr())
+        def table_call(table: int):
+            def run(layer: int, lens: torch.Tensor, topk: torch.Tensor) -> int:
+                if bound[layer] is not lens:  # a new step
+                    block = blocks[layer]
+                    block[native.ARG_STABLE] = block[native.ARG_LENS] = lens.data_ptr()
+                    bound[layer] = lens
+                if call3 is not None:
+                    return call3(fn, table, p_blocks[layer], topk.data_ptr(), release)
+                return slow(table, p_blocks[layer], topk.data_ptr())
+            return run
+
+        ours, arc = table_call(h), table_call(nat_arc._h)  # the same call on an ARC table
 
         api_step: list[torch.Tensor | None] = [None]
 
@@ -169,12 +123,12 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
                                                 mdst.data_ptr())
             return run
 
-        impls = {"ours": ours, "api": api, "ref_hash": baseline("ref_hash"),
+        impls = {"ours": ours, "arc": arc, "api": api, "ref_hash": baseline("ref_hash"),
                  "ref_direct": baseline("ref_direct")}
-        return impls, [nat, nat_api, *bases.values()]
+        return impls, [nat, nat_arc, nat_api, *bases.values()]
 
     def free(keep: list) -> None:
-        for h in keep[2:]:
+        for h in keep[3:]:
             base_lib.ao_base_destroy(h)
 
     def timed(name: str, fn, t: int, layer: int, acc: dict) -> int:
@@ -239,10 +193,9 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
                        "cpu_us_per_req_layer": {"median": med(c), "p90": _pct(c, 90)},
                        "hit_rate": 1 - acc["miss"][name] / resolved}
         for name in ("ref_hash", "ref_direct"):
-            r[f"speedup_vs_{name}"] = {
-                "wall": med(acc["wall"][name]) / med(acc["wall"]["ours"]),
-                "cpu": med(acc["cpu"][name]) / med(acc["cpu"]["ours"]),
-            }
+            for impl, key in (("ours", f"speedup_vs_{name}"), ("arc", f"arc_speedup_vs_{name}")):
+                r[key] = {"wall": med(acc["wall"][name]) / med(acc["wall"][impl]),
+                          "cpu": med(acc["cpu"][name]) / med(acc["cpu"][impl])}
         return r
 
     res = {"batch": batch, "samples": len(inter["wall"]["ours"])}
@@ -323,6 +276,46 @@ def bench_copy(args: argparse.Namespace, msrc: torch.Tensor, mdst: torch.Tensor,
     }
 
 
+def trace_kinds(args: argparse.Namespace) -> dict[str, tuple]:
+    """The policy comparison's trace kinds with this run's knobs."""
+    kinds = {name: (fn, dict(kw)) for name, (fn, kw) in TRACE_KINDS.items()}
+    kinds["overlap"][1]["overlap"] = args.overlap
+    kinds["drift"][1].update(focus=args.drift_focus, width=args.drift_width, speed=args.drift_speed)
+    kinds["sink_window"][1].update(sink=args.sink, window=args.window)
+    return kinds
+
+
+def bench_policies(args: argparse.Namespace) -> dict:
+    """Hit rate of every residency policy (the native table, one row per trace, all
+    traces of a kind resolved as one batch) and Belady's, per trace kind, over the
+    steps after ``--policy-warmup``. ``gap_closed`` = (policy - lru) / (belady - lru)."""
+    K, H, steps, warm = args.k, args.hot, args.policy_steps, args.policy_warmup
+    n = args.policy_traces
+    bt = torch.arange(n * -(-(args.ctx + steps + 1) // args.block), dtype=torch.int32).view(n, -1)
+    rows, tags = torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.int64)
+    out: dict = {}
+    for ki, (kind, (fn, kw)) in enumerate(trace_kinds(args).items()):
+        rng = np.random.default_rng([args.seed, ki])
+        traces = [fn(rng, steps=steps, k=K, ctx0=args.ctx, **kw) for _ in range(n)]
+        resolved = n * K * (steps - warm)
+        res: dict = {"params": kw, "traces": n, "steps": steps, "warmup": warm}
+        for policy in POLICIES:
+            table = NativeResidency(1, n, H, policy=policy)
+            misses = 0
+            for t in range(steps):
+                lens = torch.full((n,), args.ctx + t + 1, dtype=torch.int32)
+                topk = torch.from_numpy(np.stack([tr[t] for tr in traces]))
+                r = table.resolve(0, rows, tags, lens, lens, topk, bt, args.block)
+                if t >= warm:
+                    misses += r.num_misses
+            res[policy] = 1 - misses / resolved
+        res["belady"] = sum(sum(belady_hits(tr, H)[warm:]) for tr in traces) / resolved
+        gap = res["belady"] - res["lru"]
+        res["gap_closed"] = {p: (res[p] - res["lru"]) / gap if gap > 0 else 0.0 for p in POLICIES}
+        out[kind] = res
+    return out
+
+
 def bench_manager(args: argparse.Namespace, batch: int, reps: int = 200) -> dict:
     """The manager's per-layer host path as an attention backend calls it in a decode
     step: ``offload_new_kv`` of one new token per request and ``onload_topk`` of a
@@ -385,16 +378,41 @@ def main(argv: list[str] | None = None) -> int:
                    help="alternating reps of the copy comparison (9 flipped the verdict run to run)")
     p.add_argument("--belady-traces", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("residency policies (hit rates of every policy and Belady's)")
+    g.add_argument("--policy-traces", type=int, default=8, help="traces (requests) per kind")
+    g.add_argument("--policy-steps", type=int, default=48)
+    g.add_argument("--policy-warmup", type=int, default=8, help="steps not counted")
+    g.add_argument("--drift-focus", type=float, default=0.6,
+                   help="drift trace: share of the top-k drawn from the moving focus window")
+    g.add_argument("--drift-width", type=int, default=4096, help="drift trace: window tokens")
+    g.add_argument("--drift-speed", type=int, default=32, help="drift trace: tokens per step")
+    g.add_argument("--sink", type=int, default=64, help="sink+window trace: first tokens")
+    g.add_argument("--window", type=int, default=1024, help="sink+window trace: recent tokens")
+    g.add_argument("--policies-only", action="store_true",
+                   help="only the policy hit rates (no timing, copy or manager runs)")
     args = p.parse_args(argv)
     if native.load() is None or native.load_bench() is None:
         print("bench sparse: the native library could not be built (needs g++); nothing to measure")
         return 1
     torch.set_num_threads(1)
+    policies = bench_policies(args)
+    print(f"residency policies: hit rate per trace kind (K={args.k} H={args.hot} ctx={args.ctx}, "
+          f"{args.policy_traces} traces x {args.policy_steps} steps, first "
+          f"{args.policy_warmup} not counted); gap = share of the LRU -> Belady gap closed")
+    print(f"{'trace':>12} | {'belady':>6} | " + " | ".join(f"{p:>5} {'gap':>5}" for p in POLICIES))
+    for kind, r in policies.items():
+        print(f"{kind:>12} | {r['belady']:>6.3f} | " + " | ".join(
+            f"{r[p]:>5.3f} {r['gap_closed'][p]:>5.2f}" for p in POLICIES))
+    if args.policies_only:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"policies": policies}, indent=2))
+        return 0
     batches = [int(b) for b in args.batches.split(",") if b]
     rng = np.random.default_rng(args.seed)
     t_gen = time.perf_counter()
-    traces = {(layer, b): make_trace(rng, steps=args.steps, k=args.k, ctx0=args.ctx,
-                                     overlap=args.overlap)
+    traces = {(layer, b): overlap_trace(rng, steps=args.steps, k=args.k, ctx0=args.ctx,
+                                        overlap=args.overlap)
               for layer in range(args.layers) for b in range(max(batches))}
     gen_s = time.perf_counter() - t_gen
     overlaps = [len(set(tr[t].tolist()) & set(tr[t + 1].tolist())) / args.k
@@ -411,13 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         "trace": {"measured_overlap": statistics.mean(overlaps), "generation_s": gen_s},
         "belady_hit_rate": bel_h / bel_n if bel_n else None,
         "targets": {"us_per_req_layer": 9.0, "hit_rate": 0.60, "copy_vs_contiguous": 0.5},
+        "policies": policies,
         "batches": [],
     }
     print(f"sparse residency bench: K={args.k} H={args.hot} ctx={args.ctx} "
           f"overlap={statistics.mean(overlaps):.3f} layers={args.layers} steps={args.steps} "
           f"(1 thread)")
     print(f"{'B':>3} | {'ours med':>8} {'p90':>6} {'cpu':>6} | {'hash ref':>8} {'cpu':>6} "
-          f"{'x':>5} | {'direct ref':>10} {'cpu':>6} {'x':>5} | {'api':>6} {'twin':>6} | "
+          f"{'x':>5} | {'direct ref':>10} {'cpu':>6} {'x':>5} | {'arc':>6} {'xhash':>5} "
+          f"{'xdir':>5} | {'api':>6} {'twin':>6} | "
           f"{'hit':>5} {'bytes/full':>10} | {'copy':>5} {'torch':>5}")
     for batch in batches:
         r = bench_resolve(args, batch, traces)
@@ -433,13 +453,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup_vs_ref_hash']['wall']:>4.1f}x | "
               f"{rd['wall_us_per_req_layer']['median']:>10.2f} {rd['cpu_us_per_req_layer']['median']:>6.2f} "
               f"{r['speedup_vs_ref_direct']['wall']:>4.1f}x | "
+              f"{r['arc']['wall_us_per_req_layer']['median']:>6.2f} "
+              f"{r['arc_speedup_vs_ref_hash']['wall']:>4.1f}x {r['arc_speedup_vs_ref_direct']['wall']:>4.1f}x | "
               f"{r['python_api_us_per_req_layer']:>6.1f} {(f'{twin:.0f}' if twin else '-'):>6} | "
               f"{r['hit_rate']:>5.3f} {r['bytes_vs_full_reload']:>10.3f} | "
               f"{c.get('native_vs_contiguous', float('nan')):>4.2f}x "
               f"{c.get('torch_index_vs_contiguous', float('nan')):>4.2f}x")
     print("alone (one implementation at a time over the whole trace, 4 layers' states rotating):")
     print(f"{'B':>3} | {'ours med':>8} {'p90':>6} {'cpu':>6} | {'hash ref':>8} {'cpu':>6} "
-          f"{'x':>5} | {'direct ref':>10} {'cpu':>6} {'x':>5} | {'api':>6} | {'target':>6}")
+          f"{'x':>5} | {'direct ref':>10} {'cpu':>6} {'x':>5} | {'arc':>6} {'xhash':>5} "
+          f"{'xdir':>5} | {'api':>6} | {'target':>6}")
     for r in results["batches"]:
         a = r["alone"]
         o, rh, rd = a["ours"], a["ref_hash"], a["ref_direct"]
@@ -450,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{a['speedup_vs_ref_hash']['wall']:>4.1f}x | "
               f"{rd['wall_us_per_req_layer']['median']:>10.2f} {rd['cpu_us_per_req_layer']['median']:>6.2f} "
               f"{a['speedup_vs_ref_direct']['wall']:>4.1f}x | "
+              f"{a['arc']['wall_us_per_req_layer']['median']:>6.2f} "
+              f"{a['arc_speedup_vs_ref_hash']['wall']:>4.1f}x {a['arc_speedup_vs_ref_direct']['wall']:>4.1f}x | "
               f"{a['api']['wall_us_per_req_layer']['median']:>6.1f} | {'met' if ok else 'missed':>6}")
-    print(f"Belady (optimal) hit rate on the same traces: {results['belady_hit_rate']:.3f}")
+    print(f"Belady (optimal) hit rate on the same traces: {results['belady_hit_rate']:.3f}; "
+          f"arc hit rate: " + " / ".join(f"{r['arc']['hit_rate']:.3f}" for r in results["batches"]))
     results["manager"] = [bench_manager(args, b) for b in sorted({1, max(batches)})]
     for mg in results["manager"]:
         print(f"manager host path, B={mg['batch']}: offload_new_kv (1 token/request) "
@@ -461,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     print("us per (request, layer) for resolve + copy descriptors, one thread (wall median, "
           "p90, thread-CPU median); hash/direct ref = reference Ascend design (full H scan + "
           "linked LRU list) with a hash-map / direct-address top-k lookup, same run, x = their "
-          "time / ours; api = through the Python wrapper; twin = pure-torch fallback; "
+          "time / ours; arc = the same call on an ARC table (xhash / xdir = the references' "
+          "time / arc's); api = through the Python wrapper; twin = pure-torch fallback; "
           "bytes/full = rows copied per step / full top-k reload; copy/torch = miss-row "
           "gather-scatter throughput (native / torch index ops) relative to a contiguous copy "
           "of the same bytes")

@@ -1,5 +1,7 @@
-// Hot-buffer residency for sparse decode offload: one exact-LRU table per
-// (layer, request row), resolved for a whole batch in one call.
+// Hot-buffer residency for sparse decode offload: one table per (layer,
+// request row), resolved for a whole batch in one call.  Two replacement
+// policies share the layout and the call: exact LRU (policy 0, the default)
+// and ARC (policy 1, see "ARC" below).
 //
 // Plain C++17 with a C ABI (loaded by ascend_offload/native.py through
 // ctypes): no torch headers, so one build serves every torch / torch_npu
@@ -33,6 +35,35 @@
 //     order (so the call's misses are its most recent entries);
 //   * distinct misses, in order of first occurrence, take the lowest free
 //     slots first, then evict least-recently-touched slots not hit in this call.
+//
+// ARC (policy 1; adaptive replacement, Megiddo & Modha, applied per call to a
+// batch of demands).  Why: exact LRU ranks a one-off miss above an entry that
+// is selected again and again; when the indexer's focus drifts through the
+// context over a uniform background, that evicts the focus rows for
+// background rows that never return (`bench sparse`, drift trace).
+// ARC keeps rows seen once (T1) apart from rows seen again (T2) and sizes T1
+// by what evicting recently cost: positions evicted from T1 / T2 are
+// remembered, without slots, in ghost lists B1 / B2.  Per call, after the
+// steps above up to the misses:
+//   * resident entries are T1 then T2, each least recent first (inspect lists
+//     them in that order); ghosts at or beyond `stable` are dropped too;
+//   * a miss found in B1 or B2 is a ghost miss (taken out of its list); the
+//     other misses are fresh.  With b1, b2 the ghost list sizes before that
+//     and g1, g2 the ghost misses found in each, the target size of T1 becomes
+//     p = clamp(p + g1 * max(1, b2 / b1) - g2 * max(1, b1 / b2), 0, H)
+//     (integer division; a term is 0 when its g is 0);
+//   * v = victims needed (misses beyond the free slots), k1 / k2 = T1 / T2
+//     entries not hit, f = fresh misses:
+//     e1 = min(k1, max(v - k2, min(v, max(0, k1 + f - p)))) victims are the
+//     least recent of T1, e2 = v - e1 the least recent of T2; misses take the
+//     lowest free slots, then the T1 victims' slots, then the T2 victims';
+//   * new T1 = kept T1, fresh misses; new T2 = kept T2, hits in top-k order,
+//     ghost misses in top-k order (hits from T1 move to T2);
+//     B1 += T1 victims, B2 += T2 victims (least recent first);
+//   * then the least recent ghosts are dropped until |T1| + |B1| <= H and
+//     |B1| + |B2| <= H (ARC's |T1|+|T2|+|B1|+|B2| <= 2H whenever the table is
+//     full, which it is whenever anything was evicted);
+//   * a new request (tag) starts with p = 0 and no ghosts.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -50,7 +81,8 @@
 
 namespace {
 
-constexpr int32_t kAbiVersion = 8;  // 8: the ordered copy queue (copyqueue.cpp)
+constexpr int32_t kAbiVersion = 9;  // 8: the ordered copy queue (copyqueue.cpp); 9: residency
+                                    // policies (ao_res_create_policy, ao_res_policy_state)
 constexpr int32_t kSpare = 16;  // vector stores write whole groups past a count
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
@@ -63,21 +95,28 @@ enum : int64_t {
   kErrCapacity = 6,   // len beyond the positions a packed entry can hold
 };
 
+enum Policy : int32_t { kLru = 0, kArc = 1 };
+
 struct Row {
   int64_t tag = 0;
   bool active = false;
   bool allocated = false;
-  int32_t n = 0;                    // live entries, LRU first
+  int32_t n = 0;                    // live entries, LRU first (ARC: T1)
   int32_t free_count = 0;
   int32_t free_hint = 0;            // lowest word of free_bits that may be non-zero
   std::vector<uint32_t> ent;        // H + kSpare: position << slot_bits | slot
   std::vector<uint64_t> free_bits;  // ceil(H / 64)
+  // ARC only (allocated for policy 1): T2 entries, ghost positions, T1 target.
+  int32_t n2 = 0, ng1 = 0, ng2 = 0, p = 0;
+  std::vector<uint32_t> ent2;       // H + kSpare, like ent
+  std::vector<uint32_t> g1, g2;     // H + kSpare positions each, least recent first
 };
 
 struct Table {
   int32_t layers = 0;
   int32_t rows = 0;
   int32_t H = 0;
+  int32_t policy = kLru;
   int32_t slot_bits = 1;     // bits of the largest slot index (H - 1)
   uint32_t slot_mask = 1;
   int64_t max_positions = 0;  // 2^(32 - slot_bits): positions an entry can hold
@@ -89,13 +128,18 @@ void reset_row(const Table& t, Row& r) {
   if (!r.allocated) {
     r.ent.assign(size_t(H) + kSpare, 0);
     r.free_bits.assign(size_t(H + 63) / 64, 0);
+    if (t.policy == kArc) {
+      r.ent2.assign(size_t(H) + kSpare, 0);
+      r.g1.assign(size_t(H) + kSpare, 0);
+      r.g2.assign(size_t(H) + kSpare, 0);
+    }
     r.allocated = true;
   }
   std::fill(r.free_bits.begin(), r.free_bits.end(), 0);
   for (int32_t s = 0; s < H; ++s) r.free_bits[s >> 6] |= uint64_t(1) << (s & 63);
   r.free_count = H;
   r.free_hint = 0;
-  r.n = 0;
+  r.n = r.n2 = r.ng1 = r.ng2 = r.p = 0;
 }
 
 inline void give_free(Row& r, int32_t s) {
@@ -414,6 +458,94 @@ __attribute__((target("avx512f,avx512vl"))) int32_t append_hits_avx512(
   *i_out = i;
   return n;
 }
+
+// ARC's ghost lists (positions): ghosts at or beyond `stable` are dropped, those
+// in the top-k are listed at hit_p, the rest kept, compacted in place; returns
+// the kept count, *nh_out the listed ones, *j_out where the scalar tail starts.
+// 3-4x faster than the scalar loop (a ghost list is up to H entries a call).
+__attribute__((target("avx512f,avx512vl"))) int32_t ghosts_avx512(
+    uint32_t* g, int32_t n, const uint32_t* bits, int32_t wmax, int32_t stable, uint32_t* hit_p,
+    int32_t* nh_out, int32_t* j_out) {
+  const __m512i v31 = _mm512_set1_epi32(31), one = _mm512_set1_epi32(1);
+  const __m512i vstable = _mm512_set1_epi32(stable), vmax = _mm512_set1_epi32(wmax);
+  int32_t nk = 0, nh = 0, j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i q = _mm512_loadu_si512(g + j);
+    const __m512i w = _mm512_i32gather_epi32(_mm512_min_epi32(_mm512_srli_epi32(q, 5), vmax), bits, 4);
+    const __mmask16 live = _mm512_cmplt_epi32_mask(q, vstable);
+    const __mmask16 in = _mm512_test_epi32_mask(_mm512_srlv_epi32(w, _mm512_and_si512(q, v31)), one);
+    const __mmask16 hm = live & in, km = live & ~in;
+    _mm512_storeu_si512(hit_p + nh, _mm512_maskz_compress_epi32(hm, q));
+    nh += __builtin_popcount(hm);
+    _mm512_storeu_si512(g + nk, _mm512_maskz_compress_epi32(km, q));
+    nk += __builtin_popcount(km);
+  }
+  *nh_out = nh;
+  *j_out = j;
+  return nk;
+}
+
+// ARC's misses, 16 at a time (power-of-two block sizes): descriptors in top-k
+// order as misses_avx512, the new entries of fresh misses to t1 and of ghost
+// misses (output -3) to t2.  *m1 / *m2 advance; returns how many it did.
+__attribute__((target("avx512f,avx512vl"))) int32_t misses_arc_avx512(
+    const int32_t* miss_i, const int32_t* topk, const int32_t* dest, int32_t nd, int32_t base,
+    int32_t slot_bits, int32_t shift, const int32_t* bt, int32_t* out, int32_t* msrc, int32_t* mdst,
+    uint32_t* t1, int32_t* m1, uint32_t* t2, int32_t* m2) {
+  const __m512i vbase = _mm512_set1_epi32(base), low = _mm512_set1_epi32((1 << shift) - 1);
+  const __m512i neg3 = _mm512_set1_epi32(-3);
+  const __m128i vsb = _mm_cvtsi32_si128(slot_bits), vsh = _mm_cvtsi32_si128(shift);
+  int32_t k = 0, n1 = *m1, n2 = *m2;
+  for (; k + 16 <= nd; k += 16) {
+    const __m512i iv = _mm512_loadu_si512(miss_i + k);
+    const __m512i p = _mm512_i32gather_epi32(iv, topk, 4);
+    const __mmask16 gm = _mm512_cmpeq_epi32_mask(_mm512_i32gather_epi32(iv, out, 4), neg3);
+    const __m512i sv = _mm512_loadu_si512(dest + k);
+    const __m512i blk = _mm512_i32gather_epi32(_mm512_srl_epi32(p, vsh), bt, 4);
+    _mm512_storeu_si512(msrc + k, _mm512_or_si512(_mm512_sll_epi32(blk, vsh), _mm512_and_si512(p, low)));
+    _mm512_storeu_si512(mdst + k, _mm512_add_epi32(sv, vbase));
+    const __m512i e = _mm512_or_si512(_mm512_sll_epi32(p, vsb), sv);
+    _mm512_storeu_si512(t1 + n1, _mm512_maskz_compress_epi32(__mmask16(~gm), e));
+    n1 += 16 - __builtin_popcount(gm);
+    _mm512_storeu_si512(t2 + n2, _mm512_maskz_compress_epi32(gm, e));
+    n2 += __builtin_popcount(gm);
+  }
+  for (int32_t q = 0; q < k; ++q) out[miss_i[q]] = mdst[q];
+  *m1 = n1;
+  *m2 = n2;
+  return k;
+}
+
+// ghosts_avx512 with 8 lanes, scalar word loads and the left-pack table.
+__attribute__((target("avx2"))) int32_t ghosts_avx2(
+    uint32_t* g, int32_t n, const uint32_t* bits, int32_t wmax, int32_t stable, uint32_t* hit_p,
+    int32_t* nh_out, int32_t* j_out) {
+  const __m256i v31 = _mm256_set1_epi32(31), one = _mm256_set1_epi32(1);
+  const __m256i vstable1 = _mm256_set1_epi32(stable - 1);
+  const int* words = reinterpret_cast<const int*>(bits);
+  int32_t nk = 0, nh = 0, j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j));
+    alignas(32) int32_t qs[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qs), q);
+    const __m256i w = _mm256_setr_epi32(
+        words[std::min(qs[0] >> 5, wmax)], words[std::min(qs[1] >> 5, wmax)],
+        words[std::min(qs[2] >> 5, wmax)], words[std::min(qs[3] >> 5, wmax)],
+        words[std::min(qs[4] >> 5, wmax)], words[std::min(qs[5] >> 5, wmax)],
+        words[std::min(qs[6] >> 5, wmax)], words[std::min(qs[7] >> 5, wmax)]);
+    const __m256i in = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_and_si256(q, v31)), one);
+    const uint32_t sm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(q, vstable1))));
+    const uint32_t tm = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(in, one))));
+    const uint32_t hm = tm & ~sm, km = ~(tm | sm) & 0xFFu;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_p + nh), _mm256_permutevar8x32_epi32(q, pack_idx(hm)));
+    nh += __builtin_popcount(hm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + nk), _mm256_permutevar8x32_epi32(q, pack_idx(km)));
+    nk += __builtin_popcount(km);
+  }
+  *nh_out = nh;
+  *j_out = j;
+  return nk;
+}
 #endif
 
 // ---------------------------------------------------------------- one row
@@ -431,27 +563,32 @@ void clear_bits(uint32_t* bits, int32_t wmax, const int32_t* topk, int32_t K) {
   }
 }
 
-// Returns the number of misses (>= 0) or -error (inputs already validated).
-int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid) {
-  if (!r.active || r.tag != a.tag) {
-    reset_row(t, r);
-    r.tag = a.tag;
-    r.active = true;
-  }
-  const int32_t K = a.K, base = a.base, stable = a.stable;
-  sc.fit(K, a.len);
-  const int32_t* __restrict topk = a.topk;
-  int32_t* __restrict out = a.out;
-  uint32_t* __restrict bits = sc.bits.data();
-  uint16_t* __restrict first = sc.first.data();
-  const int32_t wmax = a.len / 32;  // positions are < len, so words [0, wmax]
-  uint32_t* __restrict ent = r.ent.data();
-  const int32_t sb = t.slot_bits;
-  const uint32_t smask = t.slot_mask;
+// Which vector paths a call takes (the CPU checks are cached statics).
+struct Simd {
+  bool avx512 = false, avx2 = false;
+  Simd() {
 #ifdef AO_X86_AVX2
-  const bool avx512 = use_avx512();
-  const bool avx2 = !avx512 && use_avx2();
+    avx512 = use_avx512();
+    avx2 = !avx512 && use_avx2();
 #endif
+  }
+};
+
+// The steps both policies share; each is one pass over the top-k or the live
+// entries, always inlined so the LRU call compiles as one function (as before).
+struct RowCall {
+  const RowArgs& a;
+  Scratch& sc;
+  Simd simd;
+  const int32_t K, base, stable, wmax, sb;
+  const uint32_t smask;
+  uint32_t* __restrict bits;
+  uint16_t* __restrict first;
+  int32_t valid = 0, ndup = 0;
+  RowCall(const Table& t, const RowArgs& args, Scratch& scratch)
+      : a(args), sc((scratch.fit(args.K, args.len), scratch)), K(args.K), base(args.base),
+        stable(args.stable), wmax(args.len / 32), sb(t.slot_bits), smask(t.slot_mask),
+        bits(scratch.bits.data()), first(scratch.first.data()) {}
 
   // 1: set the membership bit of every top-k position and note its first
   // index; outputs start unresolved (-1).  A position whose bit is already
@@ -461,64 +598,139 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   // its L2 misses (a write prefetch 24 positions ahead made the call ~10 %
   // slower; the loop is bound by its instructions, so the -1 fill is a
   // separate vector pass: ~2 % faster).
-  int32_t* __restrict dup_i = sc.dup_i.data();
-  int32_t valid = 0, ndup = 0;
-  std::fill(out, out + K, -1);
-  for (int32_t i = 0; i < K; ++i) {
-    const int32_t p = topk[i];
-    if (p < 0) continue;
-    ++valid;
-    const uint32_t bit = uint32_t(1) << (p & 31);
-    if (__builtin_expect((bits[p >> 5] & bit) != 0, 0)) {
-      out[i] = -2;
-      dup_i[ndup++] = i;
-      continue;
+  __attribute__((always_inline)) inline void mark() {
+    const int32_t* __restrict topk = a.topk;
+    int32_t* __restrict out = a.out;
+    int32_t* __restrict dup_i = sc.dup_i.data();
+    std::fill(out, out + K, -1);
+    for (int32_t i = 0; i < K; ++i) {
+      const int32_t p = topk[i];
+      if (p < 0) continue;
+      ++valid;
+      const uint32_t bit = uint32_t(1) << (p & 31);
+      if (__builtin_expect((bits[p >> 5] & bit) != 0, 0)) {
+        out[i] = -2;
+        dup_i[ndup++] = i;
+        continue;
+      }
+      bits[p >> 5] |= bit;
+      first[p] = uint16_t(i);
     }
-    bits[p >> 5] |= bit;
-    first[p] = uint16_t(i);
   }
 
-  // 2: one pass over the live entries in LRU order: hits are listed,
+  // 2: one pass over live entries ent[0, n): hits are listed at hit_e[nh...],
   // speculative entries are freed, the rest stay (compacted in place).
-  int32_t nk = 0, j = 0, nh = 0;
-  uint32_t* __restrict hit_e = sc.hit_e.data();
+  // Returns the kept count.
+  __attribute__((always_inline)) inline int32_t scan(Row& r, uint32_t* __restrict ent, int32_t n,
+                                                     int32_t* nh_io) {
+    uint32_t* __restrict hit_e = sc.hit_e.data() + *nh_io;
+    int32_t nk = 0, j = 0, nh = 0;
 #ifdef AO_X86_AVX2
-  if (avx512) nk = scan_avx512(ent, r.n, sb, smask, bits, wmax, stable, hit_e, &nh, r, &j);
-  if (avx2) nk = scan_avx2(ent, r.n, sb, smask, bits, wmax, stable, hit_e, &nh, r, &j);
+    if (simd.avx512) nk = scan_avx512(ent, n, sb, smask, bits, wmax, stable, hit_e, &nh, r, &j);
+    if (simd.avx2) nk = scan_avx2(ent, n, sb, smask, bits, wmax, stable, hit_e, &nh, r, &j);
 #endif
-  // Scalar path (aarch64, the tail, ASCEND_OFFLOAD_NATIVE_SIMD=0): branch-free
-  // on hit / keep, which is a coin toss per entry (a branch mispredicts a third
-  // of the time); both candidate slots are written and the counters decide.
-  for (; j < r.n; ++j) {
-    const uint32_t e = ent[j];
-    const int32_t p = int32_t(e >> sb);
-    const int32_t s = int32_t(e & smask);
-    if (p >= stable) {
-      give_free(r, s);
-      continue;
+    // Scalar path (aarch64, the tail, ASCEND_OFFLOAD_NATIVE_SIMD=0): branch-free
+    // on hit / keep, which is a coin toss per entry (a branch mispredicts a third
+    // of the time); both candidate slots are written and the counters decide.
+    for (; j < n; ++j) {
+      const uint32_t e = ent[j];
+      const int32_t p = int32_t(e >> sb);
+      const int32_t s = int32_t(e & smask);
+      if (p >= stable) {
+        give_free(r, s);
+        continue;
+      }
+      const int32_t hit = int32_t((bits[p >> 5] >> (p & 31)) & 1u);
+      hit_e[nh] = e;
+      nh += hit;
+      ent[nk] = e;
+      nk += 1 - hit;
     }
-    const int32_t hit = int32_t((bits[p >> 5] >> (p & 31)) & 1u);
-    hit_e[nh] = e;
-    nh += hit;
-    ent[nk] = e;
-    nk += 1 - hit;
+    *nh_io += nh;
+    return nk;
   }
-  for (int32_t k = 0; k < nh; ++k) {
-    const uint32_t e = hit_e[k];
-    out[first[e >> sb]] = base + int32_t(e & smask);
+
+  // The hits' outputs (first occurrences), from the entries the scans listed.
+  __attribute__((always_inline)) inline void hit_outputs(int32_t nh) {
+    const uint32_t* __restrict hit_e = sc.hit_e.data();
+    const uint16_t* __restrict fst = first;
+    int32_t* __restrict out = a.out;
+    const int32_t b = base, shift = sb;
+    const uint32_t mask = smask;
+    for (int32_t k = 0; k < nh; ++k) {
+      const uint32_t e = hit_e[k];
+      out[fst[e >> shift]] = b + int32_t(e & mask);
+    }
   }
 
   // 3: the distinct misses: valid first occurrences still unresolved (-1).
-  int32_t* __restrict miss_i = sc.miss_i.data();
-  int32_t nd = 0, i0 = 0;
+  __attribute__((always_inline)) inline int32_t misses() {
+    const int32_t* __restrict topk = a.topk;
+    const int32_t* __restrict out = a.out;
+    int32_t* __restrict miss_i = sc.miss_i.data();
+    int32_t nd = 0, i0 = 0;
 #ifdef AO_X86_AVX2
-  if (avx512) nd = unresolved_avx512(topk, out, K, miss_i, &i0);
-  if (avx2) nd = unresolved_avx2(topk, out, K, miss_i, &i0);
+    if (simd.avx512) nd = unresolved_avx512(topk, out, K, miss_i, &i0);
+    if (simd.avx2) nd = unresolved_avx2(topk, out, K, miss_i, &i0);
 #endif
-  for (int32_t i = i0; i < K; ++i) {
-    miss_i[nd] = i;
-    nd += int32_t((topk[i] >= 0) & (out[i] == -1));
+    for (int32_t i = i0; i < K; ++i) {
+      miss_i[nd] = i;
+      nd += int32_t((topk[i] >= 0) & (out[i] == -1));
+    }
+    return nd;
   }
+
+  // The hits (outputs >= 0 before the misses are written: first occurrences
+  // only) in top-k order as packed entries at ent[n...].  Returns the new n.
+  __attribute__((always_inline)) inline int32_t append_hits(uint32_t* __restrict ent, int32_t n) {
+    const int32_t* __restrict topk = a.topk;
+    const int32_t* __restrict out = a.out;
+    int32_t i0 = 0;
+#ifdef AO_X86_AVX2
+    if (simd.avx512) n = append_hits_avx512(topk, out, K, base, sb, ent, n, &i0);
+    if (simd.avx2) n = append_hits_avx2(topk, out, K, base, sb, ent, n, &i0);
+#endif
+    for (int32_t i = i0; i < K; ++i) {  // branch-free, as in the scan
+      ent[n] = (uint32_t(topk[i]) << sb) | uint32_t(out[i] - base);
+      n += int32_t(out[i] >= 0);
+    }
+    return n;
+  }
+
+  // 6: duplicates share their first occurrence's slot; the bitmap is cleared.
+  __attribute__((always_inline)) inline void finish() {
+    const int32_t* __restrict dup_i = sc.dup_i.data();
+    const int32_t* __restrict topk = a.topk;
+    int32_t* __restrict out = a.out;
+    for (int32_t d = 0; d < ndup; ++d) {
+      const int32_t i = dup_i[d];
+      out[i] = out[first[topk[i]]];
+    }
+    clear_bits(bits, wmax, topk, K);
+  }
+
+  void abort() { clear_bits(bits, wmax, a.topk, K); }
+};
+
+void begin_row(const Table& t, Row& r, const RowArgs& a) {
+  if (!r.active || r.tag != a.tag) {
+    reset_row(t, r);
+    r.tag = a.tag;
+    r.active = true;
+  }
+}
+
+// Exact LRU.  Returns the number of misses (>= 0) or -error (inputs already
+// validated).
+int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid) {
+  begin_row(t, r, a);
+  RowCall c(t, a, sc);
+  c.mark();
+  uint32_t* __restrict ent = r.ent.data();
+  int32_t nh = 0;
+  const int32_t nk = c.scan(r, ent, r.n, &nh);
+  c.hit_outputs(nh);
+  const int32_t nd = c.misses();
 
   // 4: slots for the distinct misses: lowest free slots first, then the
   // least recently used kept entries (never one hit in this call).
@@ -527,32 +739,27 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
   while (nf < nd && r.free_count > 0) dest[nf++] = take_free(r);
   const int32_t nv = nd - nf;
   if (nv > nk) {
-    clear_bits(bits, wmax, topk, K);
+    c.abort();
     return -kErrInternal;
   }
-  for (int32_t k = 0; k < nv; ++k) dest[nf + k] = int32_t(ent[k] & smask);
+  for (int32_t k = 0; k < nv; ++k) dest[nf + k] = int32_t(ent[k] & c.smask);
 
   // 5: the new LRU order: surviving kept entries, then hits, then misses.
   int32_t n = nk - nv;
   if (nv > 0 && n > 0) std::memmove(ent, ent + nv, size_t(n) * sizeof(uint32_t));
-  i0 = 0;
-#ifdef AO_X86_AVX2
-  if (avx512) n = append_hits_avx512(topk, out, K, base, sb, ent, n, &i0);
-  if (avx2) n = append_hits_avx2(topk, out, K, base, sb, ent, n, &i0);
-#endif
-  for (int32_t i = i0; i < K; ++i) {  // branch-free, as in the scan
-    ent[n] = (uint32_t(topk[i]) << sb) | uint32_t(out[i] - base);
-    n += int32_t(out[i] >= 0);
-  }
-  const int32_t bs = a.block_size;
-  const int32_t* __restrict bt = a.bt;
+  n = c.append_hits(ent, n);
+  const int32_t* __restrict topk = a.topk;
+  const int32_t* __restrict miss_i = sc.miss_i.data();
+  int32_t* __restrict out = a.out;
   int32_t* __restrict msrc = a.msrc;
   int32_t* __restrict mdst = a.mdst;
+  const int32_t bs = a.block_size, base = a.base, sb = c.sb;
+  const int32_t* __restrict bt = a.bt;
   const bool pow2 = (bs & (bs - 1)) == 0;
   const int32_t shift = pow2 ? __builtin_ctz(uint32_t(bs)) : 0;
   int32_t k0 = 0;
 #ifdef AO_X86_AVX2
-  if (avx512 && pow2) k0 = misses_avx512(miss_i, topk, dest, nd, base, sb, shift, bt, out, msrc, mdst, ent + n);
+  if (c.simd.avx512 && pow2) k0 = misses_avx512(miss_i, topk, dest, nd, base, sb, shift, bt, out, msrc, mdst, ent + n);
 #endif
   for (int32_t k = k0; k < nd; ++k) {
     const int32_t i = miss_i[k];
@@ -564,13 +771,132 @@ int64_t resolve_row(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32
     ent[n + k] = (uint32_t(p) << sb) | uint32_t(s);
   }
   r.n = n + nd;
-  // 6: duplicates share their first occurrence's slot.
-  for (int32_t d = 0; d < ndup; ++d) {
-    const int32_t i = dup_i[d];
-    out[i] = out[first[topk[i]]];
+  c.finish();
+  *nvalid = c.valid;
+  return nd;
+}
+
+// One pass over ghost positions g[0, n): those at or beyond `stable` are
+// dropped, those in the top-k are ghost misses (their first top-k output is
+// set to -3 and they leave the list), the rest stay, compacted in place.
+// Returns the kept count; *found gets the ghost misses.  The scalar loop
+// branches: unlike the entry scan's hits, ghost misses are rare per ghost.
+int32_t scan_ghosts(uint32_t* __restrict g, int32_t n, const RowCall& c, int32_t* found) {
+  int32_t nk = 0, nf = 0, j = 0;
+  uint32_t* __restrict hit_p = c.sc.hit_e.data();  // free again once the hit outputs are written
+#ifdef AO_X86_AVX2
+  if (c.simd.avx512) nk = ghosts_avx512(g, n, c.bits, c.wmax, c.stable, hit_p, &nf, &j);
+  if (c.simd.avx2) nk = ghosts_avx2(g, n, c.bits, c.wmax, c.stable, hit_p, &nf, &j);
+#endif
+  for (; j < n; ++j) {
+    const uint32_t q = g[j];
+    if (__builtin_expect(int64_t(q) >= c.stable, 0)) continue;
+    if (__builtin_expect((c.bits[q >> 5] >> (q & 31)) & 1u, 0)) {
+      hit_p[nf++] = q;
+      continue;
+    }
+    g[nk++] = q;
   }
-  clear_bits(bits, wmax, topk, K);
-  *nvalid = valid;
+  for (int32_t k = 0; k < nf; ++k) c.a.out[c.first[hit_p[k]]] = -3;
+  *found = nf;
+  return nk;
+}
+
+// Appends the positions of entries src[0, e) to ghost list g[0, kept) and
+// drops the least recent ghosts beyond `limit`.  Returns the new size.
+int32_t push_ghosts(uint32_t* __restrict g, int32_t kept, const uint32_t* __restrict src,
+                    int32_t e, int32_t limit, int32_t sb) {
+  const int32_t drop = std::max(0, kept + e - std::max(limit, 0));
+  int32_t m = 0, from = 0;
+  if (drop < kept) {
+    if (drop > 0) std::memmove(g, g + drop, size_t(kept - drop) * sizeof(uint32_t));
+    m = kept - drop;
+  } else {
+    from = drop - kept;
+  }
+  for (int32_t k = from; k < e; ++k) g[m++] = src[k] >> sb;
+  return m;
+}
+
+// ARC (see the top of the file).  Same contract as resolve_row; T1 lives in
+// ent, T2 in ent2, ghosts in g1 / g2.
+int64_t resolve_row_arc(const Table& t, Row& r, const RowArgs& a, Scratch& sc, int32_t* nvalid) {
+  begin_row(t, r, a);
+  RowCall c(t, a, sc);
+  c.mark();
+  uint32_t* __restrict t1 = r.ent.data();
+  uint32_t* __restrict t2 = r.ent2.data();
+  int32_t nh = 0;
+  const int32_t k1 = c.scan(r, t1, r.n, &nh);
+  const int32_t k2 = c.scan(r, t2, r.n2, &nh);
+  c.hit_outputs(nh);
+  const int32_t nd = c.misses();
+  int32_t gh1 = 0, gh2 = 0;
+  const int32_t kb1 = scan_ghosts(r.g1.data(), r.ng1, c, &gh1);
+  const int32_t kb2 = scan_ghosts(r.g2.data(), r.ng2, c, &gh2);
+  const int64_t b1 = kb1 + gh1, b2 = kb2 + gh2, H = t.H;
+  int64_t p = r.p;
+  if (gh1 > 0) p += gh1 * std::max<int64_t>(1, b2 / b1);
+  if (gh2 > 0) p -= gh2 * std::max<int64_t>(1, b1 / b2);
+  r.p = int32_t(std::clamp<int64_t>(p, 0, H));
+
+  int32_t* __restrict dest = sc.dest.data();
+  int32_t nf = 0;
+  while (nf < nd && r.free_count > 0) dest[nf++] = take_free(r);
+  const int32_t nv = nd - nf, fresh = nd - gh1 - gh2;
+  if (nv > k1 + k2) {
+    c.abort();
+    return -kErrInternal;
+  }
+  const int32_t want1 = std::max(0, k1 + fresh - r.p);
+  const int32_t e1 = std::min(k1, std::max(nv - k2, std::min(nv, want1))), e2 = nv - e1;
+  const uint32_t smask = c.smask;
+  for (int32_t k = 0; k < e1; ++k) dest[nf + k] = int32_t(t1[k] & smask);
+  for (int32_t k = 0; k < e2; ++k) dest[nf + e1 + k] = int32_t(t2[k] & smask);
+  const int32_t n1 = k1 - e1 + fresh;
+  r.ng1 = push_ghosts(r.g1.data(), kb1, t1, e1, t.H - n1, c.sb);
+  r.ng2 = push_ghosts(r.g2.data(), kb2, t2, e2, t.H - r.ng1, c.sb);
+  int32_t m1 = k1 - e1, m2 = k2 - e2;
+  if (e1 > 0 && m1 > 0) std::memmove(t1, t1 + e1, size_t(m1) * sizeof(uint32_t));
+  if (e2 > 0 && m2 > 0) std::memmove(t2, t2 + e2, size_t(m2) * sizeof(uint32_t));
+  m2 = c.append_hits(t2, m2);
+
+  // Misses in top-k order: descriptors in that order; fresh ones to T1, ghost
+  // misses (-3) to T2; both arrays are written, the counters decide.
+  const int32_t* __restrict topk = a.topk;
+  const int32_t* __restrict miss_i = sc.miss_i.data();
+  const int32_t* __restrict bt = a.bt;
+  int32_t* __restrict out = a.out;
+  int32_t* __restrict msrc = a.msrc;
+  int32_t* __restrict mdst = a.mdst;
+  const int32_t base = a.base, sb = c.sb, bs = a.block_size;
+  const bool pow2 = (bs & (bs - 1)) == 0;
+  const int32_t shift = pow2 ? __builtin_ctz(uint32_t(bs)) : 0;
+  int32_t k0 = 0;
+#ifdef AO_X86_AVX2
+  if (c.simd.avx512 && pow2) {
+    k0 = misses_arc_avx512(miss_i, topk, dest, nd, base, sb, shift, bt, out, msrc, mdst, t1, &m1,
+                           t2, &m2);
+  }
+#endif
+  for (int32_t k = k0; k < nd; ++k) {
+    const int32_t i = miss_i[k];
+    const int32_t q = topk[i];
+    const int32_t s = dest[k];
+    const int32_t ghost = int32_t(out[i] == -3);
+    out[i] = base + s;
+    msrc[k] = pow2 ? (bt[q >> shift] << shift) | (q & (bs - 1)) : bt[q / bs] * bs + q % bs;
+    mdst[k] = base + s;
+    const uint32_t e = (uint32_t(q) << sb) | uint32_t(s);
+    t1[m1] = e;
+    t2[m2] = e;
+    m1 += 1 - ghost;
+    m2 += ghost;
+  }
+  r.n = m1;
+  r.n2 = m2;
+  c.finish();
+  *nvalid = c.valid;
   return nd;
 }
 
@@ -588,17 +914,25 @@ int32_t ao_res_has_openmp() {
 #endif
 }
 
-void* ao_res_create(int32_t layers, int32_t rows, int32_t H) {
+// A table of `layers` x `rows` rows of H slots with replacement policy
+// `policy` (0 exact LRU, 1 ARC); nullptr for bad arguments.
+void* ao_res_create_policy(int32_t layers, int32_t rows, int32_t H, int32_t policy) {
   if (layers <= 0 || rows <= 0 || H <= 0 || H > 65534) return nullptr;
+  if (policy != kLru && policy != kArc) return nullptr;
   Table* t = new Table();
   t->layers = layers;
   t->rows = rows;
   t->H = H;
+  t->policy = policy;
   t->slot_bits = H > 1 ? 32 - __builtin_clz(uint32_t(H - 1)) : 1;
   t->slot_mask = (uint32_t(1) << t->slot_bits) - 1;
   t->max_positions = int64_t(1) << (32 - t->slot_bits);
   t->state.resize(size_t(layers) * size_t(rows));
   return t;
+}
+
+void* ao_res_create(int32_t layers, int32_t rows, int32_t H) {
+  return ao_res_create_policy(layers, rows, H, kLru);
 }
 
 void ao_res_destroy(void* h) { delete static_cast<Table*>(h); }
@@ -678,10 +1012,12 @@ int64_t ao_res_resolve(void* h, int32_t layer, int32_t B, const int32_t* rows,
   // resolve to each worker's own (empty) vectors.
   int64_t* const res = result.data();
   const RowArgs* const argv = args.data();
+  const bool arc = t->policy == kArc;
   auto run_rows = [&](Scratch& sc, int32_t lo, int32_t hi) {
     for (int32_t b = lo; b < hi; ++b) {
       int32_t nvalid = 0;
-      res[b] = resolve_row(*t, layer_rows[rows[b]], argv[b], sc, &nvalid);
+      res[b] = arc ? resolve_row_arc(*t, layer_rows[rows[b]], argv[b], sc, &nvalid)
+                   : resolve_row(*t, layer_rows[rows[b]], argv[b], sc, &nvalid);
       counts[2 * b] = nvalid;
       counts[2 * b + 1] = res[b] >= 0 ? int32_t(res[b]) : 0;
     }
@@ -760,12 +1096,33 @@ int32_t ao_res_inspect(void* h, int32_t layer, int32_t row, int32_t* slot_pos, i
   Row& r = t->state[size_t(layer) * t->rows + row];
   for (int32_t s = 0; s < t->H; ++s) slot_pos[s] = -1;
   if (!r.allocated || !r.active) return 0;
-  for (int32_t j = 0; j < r.n; ++j) {
-    const int32_t s = int32_t(r.ent[j] & t->slot_mask);
-    slot_pos[s] = int32_t(r.ent[j] >> t->slot_bits);
+  for (int32_t j = 0; j < r.n + r.n2; ++j) {  // ARC: T1, then T2
+    const uint32_t e = j < r.n ? r.ent[j] : r.ent2[j - r.n];
+    const int32_t s = int32_t(e & t->slot_mask);
+    slot_pos[s] = int32_t(e >> t->slot_bits);
     lru_order[j] = s;
   }
-  return r.n;
+  return r.n + r.n2;
+}
+
+// Test/debug view of a row's policy state: info = (policy, |T1|, |T2|, |B1|,
+// |B2|, p); b1 / b2 (H entries each) get the ghost positions, least recent
+// first.  LRU rows report |T1| = live entries and no ghosts.
+int32_t ao_res_policy_state(void* h, int32_t layer, int32_t row, int32_t* info, int32_t* b1,
+                            int32_t* b2) {
+  Table* t = static_cast<Table*>(h);
+  if (layer < 0 || layer >= t->layers || row < 0 || row >= t->rows) return -kErrArgs;
+  const Row& r = t->state[size_t(layer) * t->rows + row];
+  const bool live = r.allocated && r.active;
+  info[0] = t->policy;
+  info[1] = live ? r.n : 0;
+  info[2] = live ? r.n2 : 0;
+  info[3] = live ? r.ng1 : 0;
+  info[4] = live ? r.ng2 : 0;
+  info[5] = live ? r.p : 0;
+  for (int32_t j = 0; j < info[3]; ++j) b1[j] = int32_t(r.g1[j]);
+  for (int32_t j = 0; j < info[4]; ++j) b2[j] = int32_t(r.g2[j]);
+  return 0;
 }
 
 }  // extern "C"

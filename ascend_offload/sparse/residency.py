@@ -1,9 +1,17 @@
 """Hot-buffer residency: which logical token sits in which hot-buffer slot.
 
-One table per (layer, request row) of ``hot_size`` slots, exact LRU. One call
-per layer resolves the whole batch: for every top-k position it returns the
-global hot-buffer row (``row * hot_size + slot``), the list of misses (host
-pool row -> hot-buffer row) to copy, and it updates recency.
+One table per (layer, request row) of ``hot_size`` slots. One call per layer
+resolves the whole batch: for every top-k position it returns the global
+hot-buffer row (``row * hot_size + slot``), the list of misses (host pool row
+-> hot-buffer row) to copy, and it updates the replacement state.
+
+Replacement policies (:data:`POLICIES`): ``lru`` (exact LRU, the default) and
+``arc`` (adaptive replacement: rows selected again are kept apart from rows
+seen once, ghost lists of evicted positions size the two). ARC keeps a drifting
+focus region that LRU trades for one-off background rows, is level with LRU on
+uniform or sink + window top-k traces, and trails it slightly where a row's only
+reuse comes a fixed two steps later, hence LRU stays the default (``bench
+sparse`` prints every policy's hit rate per trace kind).
 
 Two implementations with identical outputs, checked against each other on
 random traces: :class:`NativeResidency` (``csrc_npu/residency.cpp`` through
@@ -35,6 +43,7 @@ from ascend_offload.native import (
 logger = logging.getLogger(__name__)
 
 MAX_HOT_SIZE = 65534  # a slot takes at most 16 bits of a native entry; the mark index is 16 bits
+POLICIES = ("lru", "arc")  # the native table's policy ids are the indices
 
 
 class ResidencyError(ValueError):
@@ -68,11 +77,25 @@ class Resolved:
         return self.dst_rows[: self.num_misses]
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyState:
+    """A row's replacement state beyond its slots (tests and debugging): the sizes
+    of ARC's T1 / T2 (LRU: every entry is in T1), its ghost positions, least
+    recent first, and its target size for T1."""
+
+    t1: int
+    t2: int
+    b1: list[int]
+    b2: list[int]
+    p: int
+
+
 class Residency(Protocol):
     num_layers: int
     num_rows: int
     hot_size: int
     kind: str
+    policy: str  # one of POLICIES
     max_positions: int  # positions (tokens) one request may reach in this table
 
     def bind_step(self, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
@@ -91,12 +114,16 @@ class Residency(Protocol):
 
     def inspect(self, layer: int, row: int) -> tuple[list[int], list[int]]: ...
 
+    def policy_state(self, layer: int, row: int) -> PolicyState: ...
 
-def _check_dims(num_layers: int, num_rows: int, hot_size: int) -> None:
+
+def _check_dims(num_layers: int, num_rows: int, hot_size: int, policy: str = "lru") -> None:
     if num_layers <= 0 or num_rows <= 0:
         raise ResidencyError(f"num_layers={num_layers}, num_rows={num_rows}: must be > 0")
     if not 0 < hot_size <= MAX_HOT_SIZE:
         raise ResidencyError(f"topk_buffer_size={hot_size}: must be in [1, {MAX_HOT_SIZE}]")
+    if policy not in POLICIES:
+        raise ResidencyError(f"key 'residency_policy'={policy!r}: accepted {', '.join(POLICIES)}")
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -148,21 +175,23 @@ class NativeResidency:
 
     kind = "native"
 
-    def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, nthreads: int = 1):
-        _check_dims(num_layers, num_rows, hot_size)
+    def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, nthreads: int = 1,
+                 policy: str = "lru"):
+        _check_dims(num_layers, num_rows, hot_size, policy)
         lib = native.load()
         if lib is None:
             raise RuntimeError("native residency library unavailable")
         self._lib = lib
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
+        self.policy = policy
         self.nthreads = max(1, nthreads)
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._calls: dict[tuple[int, int, int], _LayerCall] = {}
         self._step: _Step | None = None
         self._serial = 0
-        self._h = lib.ao_res_create(num_layers, num_rows, hot_size)
+        self._h = lib.ao_res_create_policy(num_layers, num_rows, hot_size, POLICIES.index(policy))
         if not self._h:
-            raise RuntimeError("ao_res_create failed")
+            raise RuntimeError("ao_res_create_policy failed")
         # An entry packs position and slot in 32 bits (2^20 positions at H = 4096).
         self.max_positions = int(lib.ao_res_max_positions(self._h))
         # The per-layer call through the CPython trampoline when it builds (~0.25 us
@@ -272,6 +301,16 @@ class NativeResidency:
             raise ResidencyError(f"layer={layer}, row={row}: out of range")
         return pos.tolist(), order[:n].tolist()
 
+    def policy_state(self, layer: int, row: int) -> PolicyState:
+        info = torch.empty(6, dtype=torch.int32)
+        b1 = torch.empty(self.hot_size, dtype=torch.int32)
+        b2 = torch.empty(self.hot_size, dtype=torch.int32)
+        if self._lib.ao_res_policy_state(self._h, layer, row, info.data_ptr(), b1.data_ptr(),
+                                         b2.data_ptr()) < 0:
+            raise ResidencyError(f"layer={layer}, row={row}: out of range")
+        _, n1, n2, g1, g2, p = info.tolist()
+        return PolicyState(n1, n2, b1[:g1].tolist(), b2[:g2].tolist(), p)
+
 
 def _raise_native(code: int, err: list[int], layer: int, rows: torch.Tensor, stable: torch.Tensor,
                   lens: torch.Tensor, topk: torch.Tensor, K: int, hot_size: int,
@@ -304,7 +343,12 @@ class _TwinRow:
     slot_pos: torch.Tensor  # [H] int64, -1 = free
     stamp: torch.Tensor  # [H] int64, recency (larger = newer), 0 for free slots
     map: torch.Tensor  # [capacity] int64 position -> slot, -1 = absent
+    seg: torch.Tensor  # [H] int64: ARC's T1 (0) or T2 (1); always 0 under LRU
+    ghost: torch.Tensor  # [capacity] int64 position -> 0, or the ghost list B1 (1) / B2 (2)
+    gstamp: torch.Tensor  # [capacity] int64: order within a ghost list (larger = newer)
     clock: int = 1
+    gclock: int = 1
+    p: int = 0  # ARC's target size of T1
 
 
 class TorchResidency:
@@ -312,18 +356,20 @@ class TorchResidency:
 
     kind = "torch"
 
-    def __init__(self, num_layers: int, num_rows: int, hot_size: int):
-        _check_dims(num_layers, num_rows, hot_size)
+    def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, policy: str = "lru"):
+        _check_dims(num_layers, num_rows, hot_size, policy)
         self.num_layers, self.num_rows, self.hot_size = num_layers, num_rows, hot_size
+        self.policy = policy
         self.max_positions = 2**62  # int64 tensors: no practical limit
         self._rows: dict[tuple[int, int], _TwinRow] = {}
         self._step: tuple | None = None
 
     def _fresh(self, tag: int, cap: int) -> _TwinRow:
-        H = self.hot_size
+        H, cap = self.hot_size, max(cap, 1)
         return _TwinRow(tag, torch.full((H,), -1, dtype=torch.int64),
-                        torch.zeros(H, dtype=torch.int64),
-                        torch.full((max(cap, 1),), -1, dtype=torch.int64))
+                        torch.zeros(H, dtype=torch.int64), torch.full((cap,), -1, dtype=torch.int64),
+                        torch.zeros(H, dtype=torch.int64), torch.zeros(cap, dtype=torch.int64),
+                        torch.zeros(cap, dtype=torch.int64))
 
     def bind_step(self, rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor,
                   lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
@@ -397,15 +443,19 @@ class TorchResidency:
             st = self._fresh(tag, length)
             self._rows[key] = st
         if st.map.numel() < length:
-            grown = torch.full((max(length, 2 * st.map.numel()),), -1, dtype=torch.int64)
-            grown[: st.map.numel()] = st.map
-            st.map = grown
+            n = st.map.numel()
+            cap = max(length, 2 * n)
+            st.map = torch.cat([st.map, torch.full((cap - n,), -1, dtype=torch.int64)])
+            st.ghost = torch.cat([st.ghost, torch.zeros(cap - n, dtype=torch.int64)])
+            st.gstamp = torch.cat([st.gstamp, torch.zeros(cap - n, dtype=torch.int64)])
         # Forget speculative positions (they may be rolled back).
         inval = st.slot_pos >= stable
         if bool(inval.any()):
             st.map[st.slot_pos[inval]] = -1
             st.slot_pos[inval] = -1
             st.stamp[inval] = 0
+            st.seg[inval] = 0
+        st.ghost[stable:] = 0
         valid = topk >= 0
         slot = torch.where(valid, st.map[topk.clamp(min=0)], -1)
         hit = slot >= 0
@@ -421,14 +471,17 @@ class TorchResidency:
         free = (st.slot_pos < 0).nonzero().flatten()
         nf = min(m, free.numel())
         new_slots = free[:nf]
-        if m > nf:
-            cand = st.slot_pos >= 0
-            cand[slot[hit_idx]] = False
+        cand = st.slot_pos >= 0
+        cand[slot[hit_idx]] = False
+        if m - nf > int(cand.sum()):
+            raise RuntimeError("torch residency: not enough evictable slots (K > hot size?)")
+        if self.policy == "arc":
+            new_slots, to_t2 = self._arc_victims(st, cand, miss_pos, new_slots, m - nf)
+            st.seg[slot[hit_idx]] = 1
+            st.seg[new_slots] = to_t2
+        elif m > nf:
             cand_idx = cand.nonzero().flatten()
-            need = m - nf
-            if cand_idx.numel() < need:
-                raise RuntimeError("torch residency: not enough evictable slots (K > hot size?)")
-            victims = cand_idx[st.stamp[cand_idx].argsort()[:need]]
+            victims = cand_idx[st.stamp[cand_idx].argsort()[: m - nf]]
             st.map[st.slot_pos[victims]] = -1
             new_slots = torch.cat([new_slots, victims])
         st.slot_pos[new_slots] = miss_pos
@@ -449,6 +502,42 @@ class TorchResidency:
         msrc = blk * block_size + miss_pos % block_size
         return res.to(torch.int32), msrc, base + new_slots, int(valid.sum())
 
+    def _arc_victims(self, st: _TwinRow, cand: torch.Tensor, miss_pos: torch.Tensor,
+                     free: torch.Tensor, nv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ARC's part of a row's call (semantics at the top of residency.cpp): adapt
+        the T1 target from the ghost misses, pick the victims of T1 and T2, move their
+        positions to the ghost lists and trim those. Returns the misses' slots and
+        whether each goes to T2 (a ghost miss)."""
+        H = self.hot_size
+        gcls = st.ghost[miss_pos]
+        g1, g2 = int((gcls == 1).sum()), int((gcls == 2).sum())
+        b1, b2 = int((st.ghost == 1).sum()), int((st.ghost == 2).sum())
+        p = st.p + (g1 * max(1, b2 // b1) if g1 else 0) - (g2 * max(1, b1 // b2) if g2 else 0)
+        st.p = min(max(p, 0), H)
+        st.ghost[miss_pos] = 0
+        c1 = (cand & (st.seg == 0)).nonzero().flatten()
+        c2 = (cand & (st.seg == 1)).nonzero().flatten()
+        c1, c2 = c1[st.stamp[c1].argsort()], c2[st.stamp[c2].argsort()]  # least recent first
+        k1, k2, fresh = c1.numel(), c2.numel(), miss_pos.numel() - g1 - g2
+        e1 = min(k1, max(nv - k2, min(nv, max(0, k1 + fresh - st.p))))
+        victims = (c1[:e1], c2[: nv - e1])
+        for lst, v in ((1, victims[0]), (2, victims[1])):
+            vpos = st.slot_pos[v]
+            st.map[vpos] = -1
+            st.ghost[vpos] = lst
+            st.gstamp[vpos] = st.gclock + torch.arange(vpos.numel())
+            st.gclock += vpos.numel()
+        # Least recent ghosts go first: |T1| + |B1| <= H, then |B1| + |B2| <= H.
+        self._trim_ghosts(st, 1, k1 - e1 + fresh + int((st.ghost == 1).sum()) - H)
+        self._trim_ghosts(st, 2, int((st.ghost != 0).sum()) - H)
+        return torch.cat([free, *victims]), (gcls != 0).to(torch.int64)
+
+    @staticmethod
+    def _trim_ghosts(st: _TwinRow, lst: int, over: int) -> None:
+        if over > 0:
+            g = (st.ghost == lst).nonzero().flatten()
+            st.ghost[g[st.gstamp[g].argsort()[:over]]] = 0
+
     def release(self, row: int) -> None:
         if not 0 <= row < self.num_rows:
             raise ResidencyError(f"row={row}: out of range [0, {self.num_rows})")
@@ -460,20 +549,34 @@ class TorchResidency:
         if st is None:
             return [-1] * self.hot_size, []
         live = (st.slot_pos >= 0).nonzero().flatten()
-        order = live[st.stamp[live].argsort()]
+        order = live[(st.seg[live] * (st.clock + 1) + st.stamp[live]).argsort()]  # T1, then T2
         return st.slot_pos.tolist(), order.tolist()
+
+    def policy_state(self, layer: int, row: int) -> PolicyState:
+        st = self._rows.get((layer, row))
+        if st is None:
+            return PolicyState(0, 0, [], [], 0)
+        live = st.slot_pos >= 0
+        n2 = int((live & (st.seg == 1)).sum())
+
+        def ghosts(lst: int) -> list[int]:
+            g = (st.ghost == lst).nonzero().flatten()
+            return g[st.gstamp[g].argsort()].tolist()
+
+        return PolicyState(int(live.sum()) - n2, n2, ghosts(1), ghosts(2), st.p)
 
 
 def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native: str = "auto",
-                   nthreads: int = 1) -> NativeResidency | TorchResidency:
+                   nthreads: int = 1, policy: str = "lru") -> NativeResidency | TorchResidency:
     """``use_native``: ``auto`` (native if it builds, else the twin, logged once),
-    ``on`` (native or raise), ``off`` (the twin)."""
+    ``on`` (native or raise), ``off`` (the twin). ``policy``: one of :data:`POLICIES`."""
     if use_native not in ("auto", "on", "off"):
         raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
+    _check_dims(num_layers, num_rows, hot_size, policy)
     if use_native != "off":
         if native.available():
-            return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads)
+            return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads, policy=policy)
         if use_native == "on":
             raise RuntimeError("use_native='on' but the native residency library could not be "
                                "built or loaded (see the log for the compiler output)")
-    return TorchResidency(num_layers, num_rows, hot_size)
+    return TorchResidency(num_layers, num_rows, hot_size, policy=policy)

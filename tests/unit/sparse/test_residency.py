@@ -1,4 +1,5 @@
-"""Native residency, its torch twin and a naive oracle agree on random traces."""
+"""Native residency, its torch twin and a naive oracle agree on random traces, for
+every replacement policy."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from sparse_oracle import Oracle
 
 from ascend_offload import native
 from ascend_offload.sparse.residency import (
+    POLICIES,
     NativeResidency,
+    PolicyState,
     ResidencyError,
     TorchResidency,
     make_residency,
@@ -78,43 +81,51 @@ def _replay(impls: list, oracle: Oracle, tr: dict) -> None:
             assert res.counts[:, 0].tolist() == [sum(p >= 0 for p in e[4]) for e in entries]
             assert res.num_valid == sum(res.counts[:, 0].tolist())
         for r in rows:
-            views = [impl.inspect(layer, r) for impl in impls]
-            assert all(v == views[0] for v in views), f"state differs after call {n}"
+            pos, order, b1, b2, n1, p = oracle.view(layer, r)
+            want_state = PolicyState(n1, len(order) - n1, b1, b2, p)
+            for impl in impls:
+                assert impl.inspect(layer, r) == (pos, order), f"{impl.kind}: slots after call {n}"
+                assert impl.policy_state(layer, r) == want_state, f"{impl.kind}: call {n}"
 
 
+def _pair(tr: dict, policy: str) -> list:
+    return [NativeResidency(tr["layers"], tr["rows"], tr["hot"], policy=policy),
+            TorchResidency(tr["layers"], tr["rows"], tr["hot"], policy=policy)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
-def test_twin_matches_oracle(tr: dict) -> None:
-    impls = [TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
-    _replay(impls, Oracle(tr["hot"]), tr)
+def test_twin_matches_oracle(policy: str, tr: dict) -> None:
+    impls = [TorchResidency(tr["layers"], tr["rows"], tr["hot"], policy=policy)]
+    _replay(impls, Oracle(tr["hot"], policy), tr)
 
 
 @needs_native
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
-def test_native_matches_twin_and_oracle(tr: dict) -> None:
-    impls = [NativeResidency(tr["layers"], tr["rows"], tr["hot"]),
-             TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
-    _replay(impls, Oracle(tr["hot"]), tr)
+def test_native_matches_twin_and_oracle(policy: str, tr: dict) -> None:
+    _replay(_pair(tr, policy), Oracle(tr["hot"], policy), tr)
 
 
 @needs_native
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(max_hot=48, max_len_cap=160))
-def test_native_matches_twin_and_oracle_wide(tr: dict) -> None:
+def test_native_matches_twin_and_oracle_wide(policy: str, tr: dict) -> None:
     """Top-k of 8 and more: exercises the 8-lane (AVX2) lookup and eviction paths,
     including groups that hold padding, duplicates and speculative entries."""
-    impls = [NativeResidency(tr["layers"], tr["rows"], tr["hot"]),
-             TorchResidency(tr["layers"], tr["rows"], tr["hot"])]
-    _replay(impls, Oracle(tr["hot"]), tr)
+    _replay(_pair(tr, policy), Oracle(tr["hot"], policy), tr)
 
 
 @needs_native
-def test_native_matches_twin_on_long_trace() -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_native_matches_twin_on_long_trace(policy: str) -> None:
     """Hundreds of calls on two rows with 90 % overlap and rolling speculative tails."""
     g = torch.Generator().manual_seed(3)
     H, K, L = 64, 32, 600
-    nat, tw = NativeResidency(1, 2, H), TorchResidency(1, 2, H)
+    nat, tw = NativeResidency(1, 2, H, policy=policy), TorchResidency(1, 2, H, policy=policy)
     bt = torch.arange(2 * (L // BLOCK), dtype=torch.int32).view(2, -1)
     cur = torch.randperm(L, generator=g)[:K]
     for step in range(500):
@@ -129,15 +140,18 @@ def test_native_matches_twin_on_long_trace() -> None:
         assert torch.equal(a.slots, b.slots) and torch.equal(a.miss_src, b.miss_src)
         assert torch.equal(a.miss_dst, b.miss_dst)
     assert nat.inspect(0, 0) == tw.inspect(0, 0) and nat.inspect(0, 1) == tw.inspect(0, 1)
+    assert nat.policy_state(0, 1) == tw.policy_state(0, 1)
 
 
 @needs_native
-def test_bound_step_layers_match_per_call_resolve() -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bound_step_layers_match_per_call_resolve(policy: str) -> None:
     """bind_step once per step + resolve_layer per layer (what the manager does) gives
     what a full resolve per layer gives, over steps whose batch and lengths change."""
     g = torch.Generator().manual_seed(5)
     H, K, L, layers = 32, 16, 240, 3
-    bound, per_call = NativeResidency(layers, 3, H), TorchResidency(layers, 3, H)
+    bound = NativeResidency(layers, 3, H, policy=policy)
+    per_call = TorchResidency(layers, 3, H, policy=policy)
     for step in range(40):
         B = 1 + step % 3
         rows = torch.randperm(3, generator=g)[:B].to(torch.int32)
@@ -156,11 +170,12 @@ def test_bound_step_layers_match_per_call_resolve() -> None:
 
 
 @needs_native
-def test_fast_call_and_ctypes_paths_agree() -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fast_call_and_ctypes_paths_agree(policy: str) -> None:
     """resolve_layer through the CPython trampoline (when it builds) and through ctypes
     give identical results and states; batches > 1 take the GIL-releasing variant."""
-    fast = NativeResidency(2, 3, 32)
-    slow = NativeResidency(2, 3, 32)
+    fast = NativeResidency(2, 3, 32, policy=policy)
+    slow = NativeResidency(2, 3, 32, policy=policy)
     slow._call3 = None
     if fast._call3 is None:
         pytest.skip("fast-call module unavailable (no Python headers)")
@@ -274,15 +289,20 @@ def test_bad_arguments() -> None:
         TorchResidency(1, 1, 70000)
     with pytest.raises(ResidencyError, match="use_native"):
         make_residency(1, 1, 4, use_native="maybe")
+    with pytest.raises(ResidencyError, match="'residency_policy'='lfu': accepted lru, arc"):
+        make_residency(1, 1, 4, policy="lfu")
     assert make_residency(1, 1, 4, use_native="off").kind == "torch"
+    assert make_residency(1, 1, 4, use_native="off", policy="arc").policy == "arc"
 
 
 @needs_native
-def test_native_parallel_rows_match_single_thread() -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_native_parallel_rows_match_single_thread(policy: str) -> None:
     """The OpenMP path (several threads over the requests of a batch) gives the same results."""
     g = torch.Generator().manual_seed(11)
     B, H, K, L = 6, 32, 16, 200
-    one, par = NativeResidency(2, B, H, nthreads=1), NativeResidency(2, B, H, nthreads=3)
+    one = NativeResidency(2, B, H, nthreads=1, policy=policy)
+    par = NativeResidency(2, B, H, nthreads=3, policy=policy)
     bt = torch.arange(B * (L // BLOCK), dtype=torch.int32).view(B, -1)
     for step in range(120):
         layer = step % 2
@@ -296,8 +316,9 @@ def test_native_parallel_rows_match_single_thread() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("L", [64, 4096])  # bitmap cleared by memset / per top-k position
-def test_membership_bits_never_leak_into_the_next_call(L: int) -> None:
+def test_membership_bits_never_leak_into_the_next_call(L: int, policy: str) -> None:
     """The per-thread top-k membership bitmap is shared by every table and row a
     thread resolves. A position marked by one call must not look resident-and-hit
     to a later call on another table (the bits are cleared before a call returns,
@@ -310,7 +331,7 @@ def test_membership_bits_never_leak_into_the_next_call(L: int) -> None:
         return impl.resolve(0, torch.tensor([0]), torch.tensor([1]), torch.tensor([L]),
                             torch.tensor([L]), torch.tensor([topk]), bt, BLOCK)
 
-    nat, tw = NativeResidency(1, 1, H), TorchResidency(1, 1, H)
+    nat, tw = NativeResidency(1, 1, H, policy=policy), TorchResidency(1, 1, H, policy=policy)
 
     def both(topk: list[int]) -> None:
         a, b = call(nat, topk), call(tw, topk)
@@ -319,7 +340,7 @@ def test_membership_bits_never_leak_into_the_next_call(L: int) -> None:
         assert lib.ao_res_debug_dirty_words() == 0
 
     both([0, 1, 2, 3])  # 0..3 resident in `nat`
-    call(NativeResidency(1, 1, H), [3, 2, 1, 0, 40, 41])  # marks 0..3 on another table
+    call(NativeResidency(1, 1, H, policy=policy), [3, 2, 1, 0, 40, 41])  # marks 0..3 elsewhere
     assert lib.ao_res_debug_dirty_words() == 0
     both([4, 5, 6, 7])  # a leaked bit would make 0..3 look hit and change the LRU order
     with pytest.raises(ResidencyError):
@@ -327,6 +348,7 @@ def test_membership_bits_never_leak_into_the_next_call(L: int) -> None:
     assert lib.ao_res_debug_dirty_words() == 0
     both([12, 13, 2, 20, 13])
     assert nat.inspect(0, 0) == tw.inspect(0, 0)
+    assert nat.policy_state(0, 0) == tw.policy_state(0, 0)
 
 
 @needs_native
