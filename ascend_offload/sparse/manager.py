@@ -99,7 +99,8 @@ class SparseOffloadManager:
         self.hot = HotBuffers(num_layers, max_requests, self.hot_size, pool.row_shape, dtype,
                               device)
         self.residency = residency if residency is not None else make_residency(
-            num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads)
+            num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads,
+            policy=cfg.residency_policy)
         self._hot_on_host = self.hot.device.type == "cpu"  # the resolver's slots are host tensors
         self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()

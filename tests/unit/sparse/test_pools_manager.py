@@ -203,3 +203,14 @@ def test_new_kv_rows_same_through_small_and_bulk_paths(chunk: int) -> None:
     bad[-1] = torch.tensor([2, 0])
     with pytest.raises(IndexError, match="batch index outside the step batch"):
         m.offload_new_kv(0, kv[: bad.shape[0]], bad)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_manager_builds_the_configured_policy(policy: str) -> None:
+    """``residency_policy`` reaches the residency table the manager resolves with."""
+    for use_native in ("auto", "off"):
+        cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=8, index_topk=4,
+                                  use_native=use_native, residency_policy=policy)
+        m = SparseOffloadManager(cfg, num_layers=2, row_shape=(3,), dtype=torch.float32,
+                                 block_size=4, max_requests=2, pool_rows=32)
+        assert m.residency.policy == policy
