@@ -12,15 +12,10 @@ import torch
 
 from ascend_offload import native
 from ascend_offload.layerwise.gate import GateTimeout, ReuseGate
-from ascend_offload.layerwise.pipeline import (
-    BlockRef,
-    LayerwisePipeline,
-    LoadTimeout,
-    PipelineError,
-    StepBuilder,
-    StepIO,
-)
+from ascend_offload.layerwise.layer_io import JobLayerIO
+from ascend_offload.layerwise.pipeline import LayerwisePipeline
 from ascend_offload.layerwise.plan import LayerSpec, plan_layers, plan_uniform
+from ascend_offload.layerwise.steps import BlockRef, LoadTimeout, PipelineError, StepBuilder, StepIO
 from ascend_offload.store.local import LocalStore
 from tests.unit.layerwise.dict_store import DictStore
 
@@ -52,6 +47,13 @@ def assert_queue(sim: Sim, kind: str) -> None:
     """The path under test really ran: native jobs exactly when the store has rows."""
     st = sim.pipe.stats()
     assert (st.native_jobs > 0) if kind == "local" else (st.native_jobs == 0)
+
+
+class StagedIO(JobLayerIO):
+    """The Python copy path with host staging forced on CPU tensors (as for accelerator KV)."""
+
+    def direct(self, kv: torch.Tensor) -> bool:
+        return False
 
 
 def value(key: str, layer: str) -> float:
@@ -457,8 +459,7 @@ def test_step_builder_drives_the_pipeline_to_exact_kv(kind: str) -> None:
 def test_staging_path_moves_exact_kv(b: int) -> None:
     """The accelerator path (host staging buffer, one scatter / gather per layer) run on CPU."""
     store = DictStore()
-    sim = Sim(plan_uniform(5, b, [0]), store, prefetch_layers=1)
-    sim.pipe._direct_host_io = False
+    sim = Sim(plan_uniform(5, b, [0]), store, prefetch_layers=1, layer_io=StagedIO)
     keys = [f"x{i}" for i in range(5)]
     chunked_prefill(sim, keys, blocks=[0, 2, 4, 6, 8], chunk=2)
     chunked_prefill(sim, [*keys[:3], "y3"], blocks=[9, 7, 5, 3], chunk=1, hits=3)
