@@ -101,16 +101,16 @@ def open_layer_io(
     kv: Mapping[str, torch.Tensor],
     rows_of: Mapping[str, torch.Tensor | None],
     page_bytes: Mapping[str, int],
+    *,
+    block_dim: int,
     **kw: Any,
 ) -> LayerIO:
     """The layer I/O for these tensors and this store (the arguments of :class:`LayerIO`):
     native row jobs when every layer's KV is host memory with contiguous block rows (then
     a job's bytes are two row lists) and the store hands out rows, else Python jobs."""
-    dim = kw["block_dim"]
-    rows = all(rows_of[n] is not None and host_direct(t, dim) for n, t in kv.items())
-    if rows and store.row_addressable and NativeRowQueue.available():
-        return RowLayerIO(store, kv, rows_of, page_bytes, **kw)
-    return JobLayerIO(store, kv, rows_of, page_bytes, **kw)
+    rows = all(rows_of[n] is not None and host_direct(t, block_dim) for n, t in kv.items())
+    cls = RowLayerIO if rows and store.row_addressable and NativeRowQueue.available() else JobLayerIO
+    return cls(store, kv, rows_of, page_bytes, block_dim=block_dim, **kw)
 
 
 @dataclasses.dataclass

@@ -102,7 +102,8 @@ class RowLayerIO(LayerIO):
                 plan.nothing_to_save.discard(layer)
                 return 0
             if planned is not None:
-                planned.job.delay_s = delay_s
+                if delay_s:  # packed with none
+                    planned.job.delay_s = delay_s
                 try:
                     ticket = self.queue.submit(planned.job)
                 except BaseException:
@@ -136,7 +137,8 @@ class RowLayerIO(LayerIO):
                 copy_error = exc
             self._finish_save(SaveJob(0, layer, handles, False, errors), copy_error)
             return None
-        rc.job.delay_s = delay_s
+        if delay_s:  # packed with none
+            rc.job.delay_s = delay_s
         return SaveJob(self.queue.submit(rc.job), layer, handles, True, errors)
 
     def _build_plan(self, loads: LayerRefs, saves: LayerRefs) -> _StepPlan:
