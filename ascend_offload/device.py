@@ -61,6 +61,12 @@ def is_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+def host_addressable_pages(kv: torch.Tensor, dim: int) -> bool:
+    """Each page ``kv.select(dim, b)`` is contiguous memory the host can address: stores
+    and native copies move it in place, with no staging through a host buffer."""
+    return not is_accelerator(kv) and kv.select(dim, 0).is_contiguous()
+
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h, same value on x86-64 and aarch64
 

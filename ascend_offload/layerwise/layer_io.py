@@ -54,11 +54,6 @@ def block_rows(kv: torch.Tensor, block_dim: int) -> torch.Tensor | None:
     return kv.view(kv.shape[0], -1)
 
 
-def host_direct(kv: torch.Tensor, block_dim: int) -> bool:
-    """Host KV with contiguous block pages: the store copies straight into / out of it."""
-    return not device.is_accelerator(kv) and kv.select(block_dim, 0).is_contiguous()
-
-
 @dataclasses.dataclass
 class LoadJob:
     """A queued load: unpinned and counted when reaped."""
@@ -250,7 +245,7 @@ class LayerIO:
 
     def direct(self, kv: torch.Tensor) -> bool:
         """The store copies straight between its objects and ``kv`` (else: host staging)."""
-        return host_direct(kv, self.block_dim)
+        return device.host_addressable_pages(kv, self.block_dim)
 
     # ------------------------------------------------------------------ submitting
 

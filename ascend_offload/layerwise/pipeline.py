@@ -72,13 +72,13 @@ from typing import Any
 
 import torch
 
+from ascend_offload import device
 from ascend_offload.layerwise.gate import ConsumerToken, ReuseGate, WriteLease
 from ascend_offload.layerwise.layer_io import (
     JobLayerIO,
     LayerIO,
     LayerIOFactory,
     block_rows,
-    host_direct,
 )
 from ascend_offload.layerwise.plan import LayerwisePlan
 from ascend_offload.layerwise.row_io import RowLayerIO
@@ -108,7 +108,8 @@ def open_layer_io(
     """The layer I/O for these tensors and this store (the arguments of :class:`LayerIO`):
     native row jobs when every layer's KV is host memory with contiguous block rows (then
     a job's bytes are two row lists) and the store hands out rows, else Python jobs."""
-    rows = all(rows_of[n] is not None and host_direct(t, block_dim) for n, t in kv.items())
+    rows = all(rows_of[n] is not None and device.host_addressable_pages(t, block_dim)
+               for n, t in kv.items())
     cls = RowLayerIO if rows and store.row_addressable and NativeRowQueue.available() else JobLayerIO
     return cls(store, kv, rows_of, page_bytes, block_dim=block_dim, **kw)
 

@@ -49,6 +49,15 @@ def test_block_staging_round_trip(dim: int) -> None:
         assert torch.equal(kv.select(dim, b), before.select(dim, b))
 
 
+def test_host_addressable_pages() -> None:
+    """Host pages are addressable in place only when each block's page is contiguous."""
+    kv = torch.zeros(2, 6, 3, 4)
+    assert device.host_addressable_pages(kv.view(6, 2, 3, 4), 0)  # block-first
+    assert not device.host_addressable_pages(kv, 1)  # K/V stack: a block's halves lie apart
+    assert not device.host_addressable_pages(kv.permute(1, 0, 2, 3), 0)  # the same, block-first view
+    assert device.host_addressable_pages(kv[0], 0)  # one half, blocks first
+
+
 def test_host_alloc_and_bytes() -> None:
     t = device.empty_host((4, 8), torch.float16)
     t.fill_(1.5)
