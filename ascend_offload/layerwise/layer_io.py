@@ -24,6 +24,7 @@ Python copies (the row path falls back to them for objects that are not rows).
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import functools
@@ -77,11 +78,12 @@ class SaveJob:
     token: ConsumerToken | None = None  # released after the unit's last job is reaped
 
 
-class LayerIO:
+class LayerIO(abc.ABC):
     """The shared part: job tracking and reaping, pinning, the per-block Python copies.
 
     ``stats`` and ``lock`` are the pipeline's (one set of counters); ``kv``, ``rows_of``
-    and ``page_bytes`` are its per-layer registry, read here and never changed.
+    and ``page_bytes`` are its per-layer registry (written by its ``register_kv_caches``,
+    only read here).
     """
 
     queue: CopyQueue[Any]
@@ -118,17 +120,20 @@ class LayerIO:
         self.queue = self._open_queue()
         log.debug("layerwise: copy queue %s", type(self.queue).__name__)
 
+    @abc.abstractmethod
     def _open_queue(self) -> CopyQueue[Any]:
-        raise NotImplementedError
+        """The copy queue this path submits to (made once, at construction)."""
 
     # ------------------------------------------------------------------ the interface
 
     def plan_step(self, loads: LayerRefs, saves: LayerRefs) -> None:
         """Do a step's store bookkeeping ahead where that pays (no-op here); ``loads`` and
         ``saves`` are only iterated by an implementation that plans."""
+        return None  # Python jobs do their bookkeeping per layer
 
     def end_plan(self) -> None:
         """Release what :meth:`plan_step` held and the step did not use (no-op here)."""
+        return None
 
     def queue_load(self, layer: str, refs: Sequence[BlockRef]) -> int:
         """Pin ``layer``'s objects and queue their copy into its blocks; the ticket, or 0
@@ -249,18 +254,18 @@ class LayerIO:
 
     # ------------------------------------------------------------------ submitting
 
+    @abc.abstractmethod
     def _submit_load(self, layer: str, pin: Pin, refs: list[BlockRef], keys: list[str]
                      ) -> LoadJob | None:
         """Submit the copy of pinned ``refs`` into ``layer``; None when it was done here
         (and ``pin`` released)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _submit_save(self, layer: str, pairs: list[tuple[BlockRef, WriteHandle]],
                      handles: list[WriteHandle], errors: list[BaseException], delay_s: float
                      ) -> SaveJob | None:
         """Submit the copy of ``layer``'s blocks into pending ``handles``; None when it
         was done (and finished) here."""
-        raise NotImplementedError
 
     def _enqueue(self, job: LoadJob | SaveJob) -> int:
         """Track a submitted job until it is reaped; its ticket."""
