@@ -56,6 +56,17 @@ def is_accelerator(t: torch.Tensor) -> bool:
     return t.device.type in ("npu", "cuda")
 
 
+def is_host(t: torch.Tensor) -> bool:
+    """``t`` is in host memory (addressable by native code and by stores)."""
+    return t.device.type == "cpu"
+
+
+def host_addressable_pages(kv: torch.Tensor, dim: int) -> bool:
+    """Each page ``kv.select(dim, b)`` is contiguous memory the host can address: stores
+    and native copies move it in place, with no staging through a host buffer."""
+    return not is_accelerator(kv) and kv.select(dim, 0).is_contiguous()
+
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h, same value on x86-64 and aarch64
 
@@ -165,6 +176,39 @@ def record_after_compute() -> Any:
     ev = new_event()
     ev.record(current_stream())
     return ev
+
+
+# ----------------------------------------------------------------- host <-> device staging
+
+
+def blocks_from_host(rows: torch.Tensor, kv: torch.Tensor, dim: int, block_ids: Sequence[int],
+                     stream: Any) -> None:
+    """``kv.select(dim, block_ids[i]) = rows[i]`` for host ``rows`` (staged pages): one
+    H2D copy and one scatter on ``stream``, finished when this returns.
+
+    Why: a layer's store objects are read into one host staging buffer, then moved to
+    the device KV tensor in one transfer instead of one small copy per block.
+    """
+    with stream_context(stream):
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        kv.index_copy_(dim, idx.to(kv.device), rows.to(kv.device, non_blocking=True).movedim(0, dim))
+        stream.synchronize()
+
+
+def blocks_to_host(kv: torch.Tensor, dim: int, block_ids: Sequence[int], stream: Any) -> torch.Tensor:
+    """The pages ``kv.select(dim, b)`` of ``block_ids`` as host rows (``[len, *page]``): one
+    gather and one D2H copy on ``stream`` into fresh host memory, finished when this returns.
+
+    Why: a layer's save reads all its blocks off the device in one transfer; the store
+    then writes each object from the host rows.
+    """
+    with stream_context(stream):
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        picked = kv.index_select(dim, idx.to(kv.device)).movedim(dim, 0)
+        host = empty_host(tuple(picked.shape), kv.dtype)
+        host.copy_(picked, non_blocking=True)
+        stream.synchronize()
+    return host
 
 
 # ----------------------------------------------------------------- batched copies

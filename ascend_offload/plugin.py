@@ -53,9 +53,9 @@ def register() -> None:
         return
     _registered = True
     register_connectors()
-    if importlib.util.find_spec("ascend_offload.layerwise.layout") is not None:
-        from ascend_offload.layerwise import layout
+    if importlib.util.find_spec("ascend_offload.connectors.kv_layout_hook") is not None:
+        from ascend_offload.connectors import kv_layout_hook
 
-        hook = getattr(layout, "install_layout_hook", None)
+        hook = getattr(kv_layout_hook, "install_layout_hook", None)
         if hook is not None:
             hook()

@@ -7,7 +7,8 @@ the submitting thread waiting for it. Why tickets: the model thread submits,
 carries on computing, and later waits for exactly the job it needs, with a
 deadline.
 
-Two implementations with one interface:
+Two implementations of one interface (:class:`CopyQueue`), each taking its own kind
+of job:
 
 * :class:`NativeRowQueue` - host row copies on a C++ worker thread
   (``csrc_npu/copyqueue.cpp``): no Python and no GIL on the worker; the model
@@ -16,6 +17,10 @@ Two implementations with one interface:
 * :class:`ThreadJobQueue` - Python callables on one Python thread: any store,
   accelerator staging copies. The fallback wherever the native queue cannot
   address the bytes.
+
+Callers pick the queue once and then only submit, wait and reap through the
+protocol; what a job *is* (a packed :class:`RowJob`, a callable) stays with the
+code that built it.
 
 Tickets are 1, 2, 3, ...; jobs finish in ticket order, so ``done()`` (the highest
 finished ticket) says which jobs are over.
@@ -29,7 +34,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -41,6 +46,58 @@ int32_array = native.int32_array
 
 class CopyQueueClosed(RuntimeError):
     """A job was submitted to a closed queue."""
+
+
+JobT_contra = TypeVar("JobT_contra", contravariant=True)
+
+
+class CopyQueue(Protocol[JobT_contra]):
+    """An ordered queue of copy jobs named by tickets (see module doc).
+
+    ``native``: the worker runs without Python (no GIL taken per job); counted in stats.
+    """
+
+    native: ClassVar[bool]
+
+    def submit(self, job: JobT_contra) -> int:
+        """Queue ``job``; its ticket."""
+        ...
+
+    def done(self) -> int:
+        """The highest finished ticket (every lower one is finished too)."""
+        ...
+
+    def wait(self, ticket: int, timeout_s: float) -> bool:
+        """True once ``ticket`` finished; False at the deadline."""
+        ...
+
+    def take_result(self, ticket: int) -> Any:
+        """The finished job's result; raises what made it fail."""
+        ...
+
+    def close(self) -> None:
+        """Finish what is queued, then stop (idempotent)."""
+        ...
+
+
+class RowJob(ctypes.c_int64 * 9):
+    """One packed row copy for :meth:`NativeRowQueue.submit` (the C ABI's job struct:
+    src, src rows, src index, dst, dst rows, dst index, count, row bytes, delay us).
+
+    Why a named type: a job is packed ahead (at a step's start) and only its delay is
+    set when it is submitted; the setter keeps the struct's layout in one place.
+    """
+
+    __slots__ = ()
+
+    @property
+    def delay_s(self) -> float:
+        """Seconds the worker sleeps before the copy (a test hook of slow saves)."""
+        return self[8] / 1e6
+
+    @delay_s.setter
+    def delay_s(self, seconds: float) -> None:
+        self[8] = int(seconds * 1e6)
 
 
 class NativeRowQueue:
@@ -55,6 +112,8 @@ class NativeRowQueue:
     ``wait_spin_us``: a waiter polls that long for its ticket (GIL released) before it
     sleeps. Both measured in bench layerwise (docs/bench-layerwise.md, session 6).
     """
+
+    native: ClassVar[bool] = True
 
     def __init__(self, spin_us: int = 200, wait_spin_us: int = 1000) -> None:
         lib = native.load()
@@ -81,24 +140,24 @@ class NativeRowQueue:
         return native.available()
 
     def prepare_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
-                     dst_idx: array.array, delay_s: float = 0.0) -> ctypes.Array:
+                     dst_idx: array.array, delay_s: float = 0.0) -> RowJob:
         """Check and pack one row copy between 2-D contiguous host tensors with equal row
-        bytes, for :meth:`submit_prepared` (pack ahead, submit in the hot path). The caller
+        bytes, for :meth:`submit` (pack ahead, submit in the hot path). The caller
         keeps ``src``/``dst`` and the index arrays alive until the job is submitted, and the
         tensors until it is done (the worker copies the indices at submit)."""
         row_bytes = src.stride(0) * src.element_size()
         if (dst.stride(0) * dst.element_size() != row_bytes or len(src_idx) != len(dst_idx)
                 or src.device.type != "cpu" or dst.device.type != "cpu"):
             raise ValueError("submit_rows: host tensors with equal row bytes and index counts")
-        return (ctypes.c_int64 * 9)(
+        return RowJob(
             src.data_ptr(), src.shape[0], src_idx.buffer_info()[0], dst.data_ptr(),
             dst.shape[0], dst_idx.buffer_info()[0], len(src_idx), row_bytes, int(delay_s * 1e6))
 
-    def submit_prepared(self, args: ctypes.Array) -> int:
+    def submit(self, job: RowJob) -> int:
         """Queue a job packed by :meth:`prepare_rows`; its ticket."""
         if self._closed:
             raise CopyQueueClosed("native copy queue is closed")
-        t = int(self._call("submit", self._h, ctypes.addressof(args), 0, False))
+        t = int(self._call("submit", self._h, ctypes.addressof(job), 0, False))
         if t < 0:
             raise MemoryError("native copy queue: no memory for a job's index lists")
         self._submitted = t
@@ -107,7 +166,7 @@ class NativeRowQueue:
     def submit_rows(self, src: torch.Tensor, src_idx: array.array, dst: torch.Tensor,
                     dst_idx: array.array, delay_s: float = 0.0) -> int:
         """Queue one row copy (see :meth:`prepare_rows`); its ticket."""
-        return self.submit_prepared(self.prepare_rows(src, src_idx, dst, dst_idx, delay_s))
+        return self.submit(self.prepare_rows(src, src_idx, dst, dst_idx, delay_s))
 
     def done(self) -> int:
         return self._submitted if self._closed else int(self._status[0])
@@ -136,6 +195,8 @@ class NativeRowQueue:
 
 class ThreadJobQueue:
     """Python callables run in submission order on one thread; results kept per ticket."""
+
+    native: ClassVar[bool] = False
 
     def __init__(self, name: str = "ao-copy") -> None:
         self._cv = threading.Condition()

@@ -64,6 +64,25 @@ def test_native_wait_is_bounded_and_bad_rows_fail_their_job(monkeypatch: pytest.
     q.close()
 
 
+def test_a_packed_jobs_delay_is_set_before_submit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job packed ahead gets its delay at submit through the named field; the worker
+    honours it (the wait times out first) and still copies."""
+    q = _native(monkeypatch, True)
+    src = torch.full((2, 16), 3.0)
+    dst = torch.zeros(2, 16)
+    rows, rev = int32_array([0, 1]), int32_array([1, 0])  # alive until submitted
+    job = q.prepare_rows(src, rows, dst, rev)
+    assert job.delay_s == 0.0
+    job.delay_s = 0.3
+    assert job.delay_s == pytest.approx(0.3)
+    t = q.submit(job)
+    assert q.wait(t, 0.02) is False
+    assert q.wait(t, 10.0)
+    q.take_result(t)
+    assert dst.eq(3.0).all()
+    q.close()
+
+
 def test_native_close_finishes_queued_work(monkeypatch: pytest.MonkeyPatch) -> None:
     q = _native(monkeypatch, True)
     src = torch.full((2, 32), 7.0)

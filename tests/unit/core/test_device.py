@@ -30,6 +30,34 @@ def test_row_copies() -> None:
     assert torch.equal(dst2[5], src[2]) and torch.equal(dst2[0], src[3])
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_block_staging_round_trip(dim: int) -> None:
+    """Pages of chosen blocks go out to host rows and back into other blocks, along the
+    KV tensor's block dimension (a K/V stack puts it at 1)."""
+    kv = torch.arange(2 * 6 * 3 * 4, dtype=torch.float32).view(2, 6, 3, 4)
+    if dim == 0:
+        kv = kv.view(6, 2, 3, 4)
+    stream = device.new_stream()
+    rows = device.blocks_to_host(kv, dim, [4, 1], stream)
+    assert rows.shape == (2, *kv.select(dim, 0).shape) and device.is_host(rows)
+    assert torch.equal(rows[0], kv.select(dim, 4)) and torch.equal(rows[1], kv.select(dim, 1))
+    before = kv.clone()
+    device.blocks_from_host(rows, kv, dim, [0, 5], stream)
+    assert torch.equal(kv.select(dim, 0), before.select(dim, 4))
+    assert torch.equal(kv.select(dim, 5), before.select(dim, 1))
+    for b in (1, 2, 3, 4):
+        assert torch.equal(kv.select(dim, b), before.select(dim, b))
+
+
+def test_host_addressable_pages() -> None:
+    """Host pages are addressable in place only when each block's page is contiguous."""
+    kv = torch.zeros(2, 6, 3, 4)
+    assert device.host_addressable_pages(kv.view(6, 2, 3, 4), 0)  # block-first
+    assert not device.host_addressable_pages(kv, 1)  # K/V stack: a block's halves lie apart
+    assert not device.host_addressable_pages(kv.permute(1, 0, 2, 3), 0)  # the same, block-first view
+    assert device.host_addressable_pages(kv[0], 0)  # one half, blocks first
+
+
 def test_host_alloc_and_bytes() -> None:
     t = device.empty_host((4, 8), torch.float16)
     t.fill_(1.5)

@@ -12,15 +12,10 @@ import torch
 
 from ascend_offload import native
 from ascend_offload.layerwise.gate import GateTimeout, ReuseGate
-from ascend_offload.layerwise.pipeline import (
-    BlockRef,
-    LayerwisePipeline,
-    LoadTimeout,
-    PipelineError,
-    StepBuilder,
-    StepIO,
-)
+from ascend_offload.layerwise.layer_io import JobLayerIO
+from ascend_offload.layerwise.pipeline import LayerwisePipeline
 from ascend_offload.layerwise.plan import LayerSpec, plan_layers, plan_uniform
+from ascend_offload.layerwise.steps import BlockRef, LoadTimeout, PipelineError, StepBuilder, StepIO
 from ascend_offload.store.local import LocalStore
 from tests.unit.layerwise.dict_store import DictStore
 
@@ -52,6 +47,13 @@ def assert_queue(sim: Sim, kind: str) -> None:
     """The path under test really ran: native jobs exactly when the store has rows."""
     st = sim.pipe.stats()
     assert (st.native_jobs > 0) if kind == "local" else (st.native_jobs == 0)
+
+
+class StagedIO(JobLayerIO):
+    """The Python copy path with host staging forced on CPU tensors (as for accelerator KV)."""
+
+    def direct(self, kv: torch.Tensor) -> bool:
+        return False
 
 
 def value(key: str, layer: str) -> float:
@@ -381,58 +383,7 @@ def test_save_listener_registers_consumers_before_the_slot_moves_on(kind: str) -
     assert gate.stats().consumers_released == gate.stats().consumers_added
 
 
-# ---------------------------------------------------------------- StepBuilder
-
-
-def _full(prefix: str, n_full: int):
-    return lambda i: f"{prefix}{i}" if i < n_full else None
-
-
-def test_step_builder_chunked_prefill_decode_and_hits() -> None:
-    sb = StepBuilder(block_size=4, partial_prefix="p")
-    # request A: 10 prompt tokens (2 full blocks + 2 tokens), chunks of 4 tokens, then decode
-    sb.begin("A", [7, 8, 9])
-    sb.schedule("A", 0, 4, _full("h", 2))
-    io = sb.build()
-    assert io == StepIO((), (), (BlockRef(7, "h0"),))
-    sb.schedule("A", 4, 4, _full("h", 2))
-    io = sb.build()
-    assert io.load_shared == (BlockRef(7, "h0"),) and io.save == (BlockRef(8, "h1"),)
-    sb.schedule("A", 8, 2, _full("h", 2))
-    assert sb.build().save == (BlockRef(9, "p/A/2/2"),)
-    sb.schedule("A", 10, 1, _full("h", 2))  # decode: the partial block grows
-    io = sb.build()
-    assert io.load_shared == (BlockRef(7, "h0"), BlockRef(8, "h1"), BlockRef(9, "p/A/2/2"))
-    assert io.save == (BlockRef(9, "p/A/2/3"),)
-    # request B shares two full blocks from the store; scheduled together with A
-    sb.begin("B", [20, 21, 22], hit_keys=["h0", "h1"])
-    sb.schedule("B", 8, 3, _full("g", 2))
-    sb.schedule("A", 11, 1, _full("h", 3))
-    io = sb.build()
-    assert io.load == (BlockRef(20, "h0"), BlockRef(21, "h1"))
-    assert BlockRef(22, "p/B/2/3") in io.save and BlockRef(9, "h2") in io.save
-    assert BlockRef(9, "p/A/2/3") in io.load_shared
-    sb.schedule("B", 11, 1, _full("g", 3))
-    io = sb.build()
-    assert io.load == () and BlockRef(20, "h0") in io.load_shared  # hits reload like own blocks
-    sb.end("A")
-    assert "A" not in sb and "B" in sb
-
-
-def test_step_builder_errors() -> None:
-    sb = StepBuilder(block_size=4)
-    with pytest.raises(PipelineError, match="unknown request"):
-        sb.schedule("x", 0, 1, _full("h", 0))
-    sb.begin("x", [1])
-    with pytest.raises(PipelineError, match="only 1 blocks"):
-        sb.schedule("x", 0, 5, _full("h", 0))
-    with pytest.raises(PipelineError, match="store hits"):
-        sb.begin("y", [1], hit_keys=["a", "b"])
-    sb.begin("z", [1, 2])
-    with pytest.raises(PipelineError, match="never saved"):
-        sb.schedule("z", 4, 1, _full("h", 0))  # 4 tokens computed that nobody saved
-    with pytest.raises(ValueError):
-        StepBuilder(0)
+# ---------------------------------------------------------------- StepBuilder + pipeline
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -457,8 +408,7 @@ def test_step_builder_drives_the_pipeline_to_exact_kv(kind: str) -> None:
 def test_staging_path_moves_exact_kv(b: int) -> None:
     """The accelerator path (host staging buffer, one scatter / gather per layer) run on CPU."""
     store = DictStore()
-    sim = Sim(plan_uniform(5, b, [0]), store, prefetch_layers=1)
-    sim.pipe._direct_host_io = False
+    sim = Sim(plan_uniform(5, b, [0]), store, prefetch_layers=1, layer_io=StagedIO)
     keys = [f"x{i}" for i in range(5)]
     chunked_prefill(sim, keys, blocks=[0, 2, 4, 6, 8], chunk=2)
     chunked_prefill(sim, [*keys[:3], "y3"], blocks=[9, 7, 5, 3], chunk=1, hits=3)

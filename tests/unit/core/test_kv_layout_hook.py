@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_offload.config import ConfigError
-from ascend_offload.layerwise import layout
-from ascend_offload.layerwise.layout import (
+from ascend_offload.connectors import kv_layout_hook as layout
+from ascend_offload.connectors.kv_layout_hook import (
     LayerwiseStartupError,
     check_engine_constraints,
     layer_specs_from_groups,
@@ -164,7 +164,7 @@ def test_plugin_entry_point_installs_the_hook() -> None:
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
         "import vllm.v1.engine.core as core\n"
-        "from ascend_offload.layerwise import layout\n"
+        "from ascend_offload.connectors import kv_layout_hook as layout\n"
         "print('HOOKED', getattr(core.get_kv_cache_configs, layout._MARK, None) is not None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -184,7 +184,7 @@ def test_rewrite_with_vllm_allocator_hybrid_groups(layout_name: str) -> None:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from ascend_offload.config import StoreConnectorConfig
-    from ascend_offload.layerwise.layout import rewrite_kv_cache_config
+    from ascend_offload.connectors.kv_layout_hook import rewrite_kv_cache_config
 
     lay = KVCacheLayout[layout_name]
     vcfg = SimpleNamespace(

@@ -13,7 +13,8 @@ stay vLLM's), which turns the freed bytes into more ``num_blocks``, and then giv
 every aliased layer its own single-layer ``KVCacheTensor`` at its
 representative's offset. Block tables and cache groups are untouched.
 
-This is the only module of ``layerwise`` that imports vLLM, lazily.
+It lives with the connectors because it imports vLLM (lazily) and knows the
+connector names; the planning it applies is ``layerwise.plan``'s, vLLM-free.
 ``install_layout_hook()`` wraps the name in ``vllm.v1.engine.core``; the wrapper
 is a no-op (vLLM's result returned unchanged, invariant I6) unless the
 kv_transfer_config selects ``AscendStoreConnector`` - directly or as a child of
@@ -29,11 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.kv_layout import layer_index
 from ascend_offload.layerwise.plan import LayerSpec, LayerwisePlan, plan_layers
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 STORE_CONNECTOR = "AscendStoreConnector"
 MULTI_CONNECTORS = ("AscendMultiConnector", "MultiConnector")
 _MARK = "_ascend_offload_layerwise_hook"
-_INT = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 class LayerwiseStartupError(ConfigError):
@@ -99,11 +99,6 @@ def check_engine_constraints(vllm_config: Any) -> None:
 # ------------------------------------------------------------------ planning
 
 
-def _layer_index(name: str) -> int:
-    m = _INT.search(name)
-    return int(m.group(1)) if m else -1
-
-
 def layer_specs_from_groups(
     groups: Sequence[Any], num_hidden_layers: int | None = None
 ) -> list[LayerSpec]:
@@ -115,7 +110,7 @@ def layer_specs_from_groups(
         sub = getattr(spec, "kv_cache_specs", None)
         for name in group.layer_names:
             s = sub[name] if isinstance(sub, Mapping) else spec
-            per_layer.append((gi, name, s, _layer_index(name)))
+            per_layer.append((gi, name, s, layer_index(name)))
     mains: dict[int, str] = {}
     for _, name, _, idx in per_layer:
         if "indexer" not in name and idx not in mains:
