@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ascend_offload.layerwise.pipeline import StepIO
+from ascend_offload.layerwise.steps import StepIO
 from ascend_offload.store.prefix_jobs import CopyJob
 
 __all__ = ["CopyJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]

@@ -27,7 +27,7 @@ from ascend_offload.connectors.store.metadata import (
     StoreWorkerMetadata,
 )
 from ascend_offload.connectors.store.settings import NAME, StoreSettings
-from ascend_offload.layerwise.pipeline import StepBuilder, StepIO
+from ascend_offload.layerwise.steps import StepBuilder, StepIO
 from ascend_offload.store.keys import block_keys
 from ascend_offload.store.layerwise_saves import LayerwiseSaves
 from ascend_offload.store.local import LocalStore

@@ -152,7 +152,7 @@ class LayerwiseWorker(StoreWorker):
         self._deltas = CounterDeltas()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from ascend_offload.layerwise.layout import plan_for_engine
+        from ascend_offload.connectors.kv_layout_hook import plan_for_engine
 
         plan = plan_for_engine(self._vllm_config, self._kv_cache_config)
         if plan is None:
