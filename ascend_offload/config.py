@@ -87,7 +87,7 @@ class StoreConnectorConfig(_Strict):
     layerwise_num_shared_buffers: int = Field(2, ge=1)
     layerwise_independent_layers: list[int] | Literal["all"] = Field(default_factory=lambda: [0])
     # 2: a load starts a layer earlier wherever a slot is free (B >= 3); with B = 2 the
-    # slots allow only 1 anyway (docs/bench-layerwise.md, session 3).
+    # slots allow only 1 anyway (docs/bench-layerwise.md).
     layerwise_prefetch_layers: int = Field(2, ge=0)
     # Deadlines (I5): a wait on a load, save or gate never blocks longer.
     load_timeout_s: float = Field(30.0, gt=0)

@@ -275,9 +275,10 @@ def copy_host_rows(src: torch.Tensor, src_rows: Sequence[int] | torch.Tensor, ds
     library is unavailable or disabled or the layout does not fit: use :func:`move_rows`.
     Raises ``IndexError`` naming the first out-of-range row (nothing is copied then).
 
-    Why: a store load or save of a layer's blocks on the CPU backend runs on an I/O
-    thread next to the model thread. The native copy holds the GIL for none of it (one
-    ctypes call) and streams the stores; the plan + index-kernel path spent ~20 us of
+    Why: a store load or save of a layer's blocks on the CPU backend runs next to the
+    model thread (whole-prefix mode calls it from the worker; layerwise runs the same
+    row copy on its native copy queue). The native copy holds the GIL for none of it
+    (one ctypes call) and streams the stores; the plan + index-kernel path spent ~20 us of
     GIL time per call on planning and moved 20 MiB layers in ~2.1 ms against ~1.4 ms
     (bench layerwise, same process, alternating: docs/bench-layerwise.md). Every 50 us
     of I/O-thread Python per layer slowed the model thread by ~4 % there, so this call
@@ -334,7 +335,7 @@ def runs(idx: list[int] | Any) -> list[tuple[int, int, int]]:
     import numpy as np
 
     if isinstance(idx, (list, tuple, range)) and len(idx) <= _SMALL_RUNS:
-        # Why: per-layer plans of a few blocks run on I/O threads; each numpy call
+        # Why: per-layer plans of a few blocks run next to the model thread; each numpy call
         # costs ~5-10 us of GIL time the model thread then waits for.
         out: list[tuple[int, int, int]] = []
         start = 0

@@ -273,7 +273,7 @@ def _compute_alone(compute: _Compute, bench: _Bench) -> dict[str, float]:
     KV write into that layer's own blocks (in layer order, so the physical buffers rotate
     as in the step) plus the compute stand-in.
 
-    Why the real blocks: session 2 wrote one scratch buffer over and over, which stays in
+    Why the real blocks: one scratch buffer written over and over stays in
     cache (4 MiB in ~0.15 ms here) while the step's writes rotate over the slots' buffers
     and run at memory speed (~0.5 ms): a baseline the step could never reach.
     """

@@ -110,7 +110,7 @@ class NativeRowQueue:
     ``spin_us``: the worker polls that long for new work before it sleeps (a submit
     wakes only a sleeping worker: ~40 us for the submitter on the test VM);
     ``wait_spin_us``: a waiter polls that long for its ticket (GIL released) before it
-    sleeps. Both measured in bench layerwise (docs/bench-layerwise.md, session 6).
+    sleeps. Both measured in bench layerwise (docs/bench-layerwise.md).
     """
 
     native: ClassVar[bool] = True
