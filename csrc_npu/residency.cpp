@@ -1,11 +1,12 @@
 // Hot-buffer residency for sparse decode offload: one exact-LRU table per
 // (layer, request row), resolved for a whole batch in one call.
 //
-// Plain C++17 with a C ABI (loaded by ascend_offload/native.py through
-// ctypes): no torch headers, so one build serves every torch / torch_npu
-// version, x86-64 and aarch64 alike.  AVX-512 and AVX2 paths are compiled
-// per function and chosen at run time (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces
-// scalar, =2 caps at AVX2); every path gives identical results.
+// Plain C++17 with a C ABI (built into the package at install by setup.py,
+// loaded by ascend_offload/native.py through ctypes): no torch headers, so one
+// build serves every torch / torch_npu version, x86-64 and aarch64 alike.
+// AVX-512 and AVX2 paths are compiled per function and chosen at run time
+// (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces scalar, =2 caps at AVX2); every path
+// gives identical results, and a generic build has them all.
 //
 // Layout (why): the state of a row is ONE packed array of its live entries in
 // LRU order, each entry one uint32 (position << slot_bits | slot: 16 KiB at
@@ -51,6 +52,7 @@
 namespace {
 
 constexpr int32_t kAbiVersion = 8;  // 8: the ordered copy queue (copyqueue.cpp)
+
 constexpr int32_t kSpare = 16;  // vector stores write whole groups past a count
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
