@@ -161,7 +161,10 @@ def compile_library(sources: list[Path], out: Path, *, flags: tuple[str, ...] = 
                 try:
                     res = subprocess.run(cmd, capture_output=True, text=True,
                                          timeout=timeout_s)
-                except (OSError, subprocess.SubprocessError) as exc:
+                except OSError as exc:  # the compiler cannot run at all: no use retrying
+                    os.unlink(tmp)
+                    return [*errors, f"cannot run the C++ compiler {cxx}: {exc}"]
+                except subprocess.SubprocessError as exc:
                     errors.append(f"{cxx}: {exc}")
                     os.unlink(tmp)
                     continue

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from ascend_offload import native_build
-
 REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -161,17 +159,3 @@ def test_in_place_build_is_loaded_and_never_stale(tmp_path) -> None:
     assert out["fastcall"] is True
     assert out["copied"] == [[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
     assert "is stale" in err and "on first use" in err
-
-
-def test_tuned_in_place_build_is_opt_in_and_honours_march_0(tmp_path) -> None:
-    if not native_build.tune_flags("native")[0]:
-        pytest.skip("no CPU tuning known for this machine")
-    src = _checkout(tmp_path / "src")
-    _build_in_place(src, ASCEND_OFFLOAD_NATIVE_MARCH="native")
-    info = native_build.read_build_info(src / "ascend_offload" / "_native" / "libao_sparse.so")
-    assert info is not None and info["march"] == "native"
-    assert info["cpu"] == native_build.digest(native_build.cpu_features())
-    out, err = _probe(tmp_path, _env(tmp_path, compiler=False, PYTHONPATH=str(src),
-                                     ASCEND_OFFLOAD_NATIVE_MARCH="0"))
-    assert out["loaded"] == {}
-    assert "ASCEND_OFFLOAD_NATIVE_MARCH=0 asks for a generic build" in err

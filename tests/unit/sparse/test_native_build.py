@@ -71,10 +71,11 @@ def test_cpu_tuned_build_is_opt_in_and_keyed_by_cpu_features(monkeypatch, tmp_pa
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_package_build_tuned_for_another_cpu_is_not_loaded(monkeypatch, tmp_path,
-                                                           caplog) -> None:
-    """A build tuned on one host (ASCEND_OFFLOAD_NATIVE_MARCH=native at install) in a venv
-    copied to a host whose CPU has other features is refused before it is loaded."""
+def test_tuned_package_build_is_refused_on_another_cpu_and_under_march_0(
+        monkeypatch, tmp_path, caplog) -> None:
+    """A package build tuned on one host (ASCEND_OFFLOAD_NATIVE_MARCH=native at install)
+    is refused, before it is loaded, in a venv copied to a host whose CPU has other
+    features, and under ASCEND_OFFLOAD_NATIVE_MARCH=0 at run time; loaded otherwise."""
     if not native_build.tune_flags("native")[0]:
         pytest.skip("no CPU tuning known for this machine")
     pkg = tmp_path / "_native"
@@ -84,7 +85,8 @@ def test_package_build_tuned_for_another_cpu_is_not_loaded(monkeypatch, tmp_path
     assert errors == []
     monkeypatch.setattr(native, "installed_dir", lambda: pkg)
     monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(tmp_path / "no-sources"))  # installed case
-    monkeypatch.delenv("ASCEND_OFFLOAD_DISABLE_NATIVE", raising=False)
+    for var in ("ASCEND_OFFLOAD_DISABLE_NATIVE", "ASCEND_OFFLOAD_NATIVE_MARCH"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(native, "_logged", set())
     monkeypatch.setattr(native, "_loaded", {})
     features = native_build.cpu_features()
@@ -93,7 +95,13 @@ def test_package_build_tuned_for_another_cpu_is_not_loaded(monkeypatch, tmp_path
         assert native.load.__wrapped__() is None  # the uncached loader; the cache stays
     assert "tuned for a CPU with other features" in caplog.text
     monkeypatch.setattr(native_build, "cpu_features", lambda: features)
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_MARCH", "0")
+    with caplog.at_level(logging.WARNING):
+        assert native.load.__wrapped__() is None
+    assert "ASCEND_OFFLOAD_NATIVE_MARCH=0 asks for a generic build" in caplog.text
+    monkeypatch.delenv("ASCEND_OFFLOAD_NATIVE_MARCH")
     assert native.load.__wrapped__() is not None
+    assert native.loaded_build()["march"] == "native"
 
 
 def test_disabled_native_falls_back_to_twin_in_a_fresh_process(tmp_path) -> None:
