@@ -143,9 +143,12 @@ def _unusable(path: Path, sources: tuple[str, ...]) -> str | None:
 
 
 def _package_build_or_fallback(file: str, sources: tuple[str, ...], name: str, *,
-                               quiet: bool = False, **kw: object) -> Path | None:
-    """The package's build of ``sources`` when usable, else (checkout only) the
-    development build into the cache, else ``None`` with the reason logged."""
+                               quiet: bool = False, can_build: bool = True,
+                               flags: tuple[str, ...] = (), openmp: bool = True,
+                               march: str | None = None) -> Path | None:
+    """The package's build of ``sources`` when usable, else (checkout only, and when
+    ``can_build``) the development build into the cache (:func:`build` with ``flags``,
+    ``openmp``, ``march``), else ``None`` with the reason logged."""
     path = installed_dir() / file
     why = _unusable(path, sources)
     if why is None:
@@ -155,6 +158,8 @@ def _package_build_or_fallback(file: str, sources: tuple[str, ...], name: str, *
                 "g++ on PATH" if not path.is_file() else "reinstall the package")
         _log_once(quiet, f"{why} ({hint})")
         return None
+    if not can_build:
+        return None
     if not quiet:
         # A missing in-place build is the normal state of a fresh checkout; a stale one
         # means an edit since `pip install -e .`: both cost one build on first use.
@@ -162,7 +167,7 @@ def _package_build_or_fallback(file: str, sources: tuple[str, ...], name: str, *
         logger.log(level, "ascend_offload.native: %s; building %s from %s on first use "
                    "(`pip install -e .` or `python setup.py build_ext --inplace` builds "
                    "it in place)", why, name, source_dir())
-    return build(sources, name, quiet=quiet, **kw)  # type: ignore[arg-type]
+    return build(sources, name, quiet=quiet, flags=flags, openmp=openmp, march=march)
 
 
 _loaded: dict[str, str] = {}
@@ -216,8 +221,8 @@ def fastcall() -> Call3 | None:
     # The define is unused by the source: it puts the interpreter ABI into the cache key.
     path = _package_build_or_fallback(
         f"{native_build.FASTCALL_MODULE}{abi}", native_build.FASTCALL_SOURCES, "ao_fastcall",
-        quiet=True, openmp=False, march=native_build.GENERIC,
-        flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
+        quiet=True, can_build=(Path(include) / "Python.h").is_file(), openmp=False,
+        march=native_build.GENERIC, flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
     if path is None:
         return None
     import importlib.machinery
