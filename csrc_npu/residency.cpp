@@ -52,7 +52,6 @@
 namespace {
 
 constexpr int32_t kAbiVersion = 8;  // 8: the ordered copy queue (copyqueue.cpp)
-
 constexpr int32_t kSpare = 16;  // vector stores write whole groups past a count
 
 // Error codes returned (negated) by ao_res_resolve; err_info gets (row, index).
