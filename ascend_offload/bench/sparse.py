@@ -13,7 +13,8 @@ recurring-rows trace (``sparse_traces.py``).
 
 Baselines measured in the same run: the reference Ascend design (scan all H
 slots per row against a hash map of the top-k, per-row linked LRU list) built
-from ``csrc_npu/ref_lru_baseline.cpp`` with the same compiler and flags; and,
+from ``csrc_npu/ref_lru_baseline.cpp`` of the checkout (not installed with the
+package) with the same compiler, flags and CPU tuning as the product library; and,
 for the copy, a contiguous copy of the same byte count.
 """
 
@@ -35,6 +36,37 @@ from ascend_offload import device, native
 from ascend_offload.bench.sparse_traces import TRACE_KINDS, belady_hits, overlap_trace
 from ascend_offload.sparse.residency import POLICIES, NativeResidency, TorchResidency
 
+BASELINE_SOURCE = "ref_lru_baseline.cpp"
+
+
+class BaselineUnavailable(RuntimeError):
+    """The reference baseline cannot be built here (says why)."""
+
+
+def load_baseline() -> ctypes.CDLL:
+    """The benchmark-only reference LRU, compiled on first use from the checkout's
+    ``csrc_npu/`` (``$ASCEND_OFFLOAD_CSRC`` elsewhere) into the native build cache, with
+    the product library's CPU tuning so the comparison stays fair."""
+    src = native.source_dir()
+    if not (src / BASELINE_SOURCE).is_file():
+        raise BaselineUnavailable(
+            f"the reference baseline {BASELINE_SOURCE} is not installed with the package and "
+            f"was not found in {src}: run the bench from a source checkout, or point "
+            "ASCEND_OFFLOAD_CSRC at its csrc_npu/")
+    march = native.loaded_build().get("march")
+    path = native.build((BASELINE_SOURCE,), "ao_sparse_bench", march=march)
+    if path is None:
+        raise BaselineUnavailable(f"could not compile {src / BASELINE_SOURCE} (needs g++ or $CXX)")
+    lib = ctypes.CDLL(str(path))
+    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.ao_base_create.restype = vp
+    lib.ao_base_create.argtypes = [i32, i32, i32, i32]
+    lib.ao_base_destroy.restype = None
+    lib.ao_base_destroy.argtypes = [vp]
+    lib.ao_base_resolve.restype = i64
+    lib.ao_base_resolve.argtypes = [vp, i32, i32, vp, vp, i32, vp, i32, i32, vp, vp, vp]
+    return lib
+
 
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
@@ -51,8 +83,8 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
       rotating): like an accelerator host, which does little else between layers.
     """
     lib = native.load()
-    base_lib = native.load_bench()
-    assert lib is not None and base_lib is not None
+    base_lib = load_baseline()
+    assert lib is not None
     K, H, L = args.k, args.hot, args.layers
     steps = args.steps
     ctx_max = args.ctx + steps + 1
@@ -391,8 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--policies-only", action="store_true",
                    help="only the policy hit rates (no timing, copy or manager runs)")
     args = p.parse_args(argv)
-    if native.load() is None or native.load_bench() is None:
-        print("bench sparse: the native library could not be built (needs g++); nothing to measure")
+    if native.load() is None:
+        print("bench sparse: the native library is unavailable (see the log above); "
+              "nothing to measure")
+        return 1
+    try:
+        load_baseline()
+    except BaselineUnavailable as exc:
+        print(f"bench sparse: {exc}; nothing to measure")
         return 1
     torch.set_num_threads(1)
     policies = bench_policies(args)
@@ -425,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
-                    "openmp": native.has_openmp()},
+                    "openmp": native.has_openmp(), "native_build": native.loaded_build()},
         "trace": {"measured_overlap": statistics.mean(overlaps), "generation_s": gen_s},
         "belady_hit_rate": bel_h / bel_n if bel_n else None,
         "targets": {"us_per_req_layer": 9.0, "hit_rate": 0.60, "copy_vs_contiguous": 0.5},

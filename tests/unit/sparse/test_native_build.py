@@ -1,4 +1,5 @@
-"""The native build is cached by source hash and falls back cleanly."""
+"""The development build of the native library is cached by source hash, tuned only on
+request, and falls back cleanly; a package build tuned for another CPU is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_offload import native
+from ascend_offload import native, native_build
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse.manager import SparseOffloadManager
 
@@ -48,20 +49,59 @@ def test_build_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_cpu_tuned_build_is_keyed_by_cpu_features(monkeypatch, tmp_path) -> None:
-    """The host-tuned build and the generic one (ASCEND_OFFLOAD_NATIVE_MARCH=0) live
-    under different cache keys; the tuned key includes the CPU's feature list."""
+def test_cpu_tuned_build_is_opt_in_and_keyed_by_cpu_features(monkeypatch, tmp_path) -> None:
+    """Generic by default; ASCEND_OFFLOAD_NATIVE_MARCH=native tunes for this CPU, under
+    another cache key that includes the CPU's feature list."""
     monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
-    tune, features = native._tune_flags()
-    tuned = native.build(("rowcopy.cpp",), "ao_tune_t")
-    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_MARCH", "0")
-    assert native._tune_flags() == ((), "")
+    monkeypatch.delenv("ASCEND_OFFLOAD_NATIVE_MARCH", raising=False)
+    assert native_build.tune_flags() == ((), "")
     generic = native.build(("rowcopy.cpp",), "ao_tune_t")
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_MARCH", "native")
+    tune, features = native_build.tune_flags()
+    tuned = native.build(("rowcopy.cpp",), "ao_tune_t")
     assert tuned is not None and generic is not None
+    assert native.build(("rowcopy.cpp",), "ao_tune_t", march="generic") == generic
+    info = native_build.read_build_info(tuned)
+    assert info is not None
     if tune:
         assert features and tuned != generic
+        assert info["march"] == "native" and info["cpu"] == native_build.digest(features)
     else:  # no tuning known for this machine: the same generic build
-        assert tuned == generic
+        assert tuned == generic and info["march"] == "generic"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_tuned_package_build_is_refused_on_another_cpu_and_under_march_0(
+        monkeypatch, tmp_path, caplog) -> None:
+    """A package build tuned on one host (ASCEND_OFFLOAD_NATIVE_MARCH=native at install)
+    is refused, before it is loaded, in a venv copied to a host whose CPU has other
+    features, and under ASCEND_OFFLOAD_NATIVE_MARCH=0 at run time; loaded otherwise."""
+    if not native_build.tune_flags("native")[0]:
+        pytest.skip("no CPU tuning known for this machine")
+    pkg = tmp_path / "_native"
+    errors = native_build.compile_library(
+        [native.source_dir() / s for s in native.LIB_SOURCES], pkg / native_build.LIB_FILE,
+        march="native")
+    assert errors == []
+    monkeypatch.setattr(native, "installed_dir", lambda: pkg)
+    monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(tmp_path / "no-sources"))  # installed case
+    for var in ("ASCEND_OFFLOAD_DISABLE_NATIVE", "ASCEND_OFFLOAD_NATIVE_MARCH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(native, "_logged", set())
+    monkeypatch.setattr(native, "_loaded", {})
+    features = native_build.cpu_features()
+    monkeypatch.setattr(native_build, "cpu_features", lambda: features + " feature_of_another_cpu")
+    with caplog.at_level(logging.WARNING):
+        assert native.load.__wrapped__() is None  # the uncached loader; the cache stays
+    assert "tuned for a CPU with other features" in caplog.text
+    monkeypatch.setattr(native_build, "cpu_features", lambda: features)
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_MARCH", "0")
+    with caplog.at_level(logging.WARNING):
+        assert native.load.__wrapped__() is None
+    assert "ASCEND_OFFLOAD_NATIVE_MARCH=0 asks for a generic build" in caplog.text
+    monkeypatch.delenv("ASCEND_OFFLOAD_NATIVE_MARCH")
+    assert native.load.__wrapped__() is not None
+    assert native.loaded_build()["march"] == "native"
 
 
 def test_disabled_native_falls_back_to_twin_in_a_fresh_process(tmp_path) -> None:

@@ -7,8 +7,8 @@
 // by the caller (an address ctypes looked up in the C-ABI library), so this
 // module knows nothing about the residency table and the C library itself
 // stays free of Python headers (one build for every interpreter).  Built per
-// interpreter ABI by ascend_offload/native.py; without Python headers the
-// callers keep using ctypes.
+// interpreter ABI as the extension module ascend_offload/_native/_ao_fastcall
+// when the package is built (setup.py); without it the callers keep using ctypes.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

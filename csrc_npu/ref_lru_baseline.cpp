@@ -4,8 +4,9 @@
 // move to the list front), then every miss takes the list tail.  Two top-k
 // lookups: a hash map (lookup_kind 0, the straightforward choice) and a
 // generation-tagged direct-address array (lookup_kind 1, the fastest honest
-// one), so the comparison is not only against a strawman.  Compiled with the
-// same compiler and flags as the product library.
+// one), so the comparison is not only against a strawman.  Not installed with
+// the package: `ascend-offload bench sparse` compiles it from the checkout with
+// the same compiler and flags as the product library.
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>

@@ -3,11 +3,12 @@
 // policies share the layout and the call: exact LRU (policy 0, the default)
 // and ARC (policy 1, see "ARC" below).
 //
-// Plain C++17 with a C ABI (loaded by ascend_offload/native.py through
-// ctypes): no torch headers, so one build serves every torch / torch_npu
-// version, x86-64 and aarch64 alike.  AVX-512 and AVX2 paths are compiled
-// per function and chosen at run time (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces
-// scalar, =2 caps at AVX2); every path gives identical results.
+// Plain C++17 with a C ABI (built into the package at install by setup.py,
+// loaded by ascend_offload/native.py through ctypes): no torch headers, so one
+// build serves every torch / torch_npu version, x86-64 and aarch64 alike.
+// AVX-512 and AVX2 paths are compiled per function and chosen at run time
+// (ASCEND_OFFLOAD_NATIVE_SIMD=0 forces scalar, =2 caps at AVX2); every path
+// gives identical results, and a generic build has them all.
 //
 // Layout (why): the state of a row is ONE packed array of its live entries in
 // LRU order, each entry one uint32 (position << slot_bits | slot: 16 KiB at
