@@ -53,6 +53,9 @@ def register() -> None:
         return
     _registered = True
     register_connectors()
+    from ascend_offload.models import register_models
+
+    register_models()
     if importlib.util.find_spec("ascend_offload.layerwise.layout") is not None:
         from ascend_offload.layerwise import layout
 
