@@ -49,14 +49,18 @@ def select_topk(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.T
     (int64, ascending, ``-1`` padded).
 
     ``scores`` ``[T, S]`` scores the positions ``0..S-1`` of one request,
-    ``q_pos`` ``[T]`` is each query's own position (causal). A context of at most
-    ``topk`` positions selects everything, exactly as :func:`causal_positions`.
+    ``q_pos`` ``[T]`` is each query's own position (causal). Equal scores go to
+    the earlier position. A context of at most ``topk`` positions selects
+    everything, exactly as :func:`causal_positions`.
     """
     s = scores.shape[1]
     if topk >= s:
         return causal_positions(q_pos, s)
     eligible = torch.arange(s, device=scores.device)[None, :] <= q_pos[:, None]
-    chosen = scores.masked_fill(~eligible, float("-inf")).topk(topk, dim=-1, sorted=False).indices
+    masked = scores.masked_fill(~eligible, float("-inf"))
+    # a stable sort, not topk: ReLU makes exact ties common (often at 0), and topk
+    # breaks ties differently as the other scores move by rounding noise
+    chosen = masked.sort(dim=-1, descending=True, stable=True).indices[:, :topk]
     # ascending positions; ineligible picks (queries with fewer than topk positions) last
     chosen = torch.where(chosen <= q_pos[:, None], chosen, s).sort(dim=-1).values
     return torch.where(chosen < s, chosen, -1)

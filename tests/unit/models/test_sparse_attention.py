@@ -127,3 +127,19 @@ def test_gather_and_attention_are_deterministic() -> None:
     a = sparse_attention(q, store, rows, scale=SCALE, v_dim=R)
     b = sparse_attention(q.clone(), store.clone(), rows.clone(), scale=SCALE, v_dim=R)
     assert torch.equal(a, b)
+
+
+def test_ties_go_to_the_earlier_position_whatever_the_other_scores() -> None:
+    """ReLU makes exact ties (often at 0) common; the choice among them must not
+    move when other scores change in their last bits (batch-shape rounding)."""
+    g = torch.Generator().manual_seed(8)
+    seq, k = 100, 16
+    scores = torch.randn(1, seq, generator=g).clamp(max=0.0)  # ~half the positions tie at 0
+    scores[0, 90:] = 1.0  # 10 clear winners, 6 picks left among the ties
+    q_pos = torch.tensor([seq - 1])
+    tied = [s for s in range(90) if scores[0, s] == 0.0]
+    want = sorted(tied[:6] + list(range(90, 100)))
+    assert select_topk(scores, q_pos, k)[0].tolist() == want
+    noisy = scores.clone()
+    noisy[scores < 0] *= 1 + 1e-6 * torch.rand(int((scores < 0).sum()), generator=g)
+    assert select_topk(noisy, q_pos, k)[0].tolist() == want
