@@ -2,8 +2,9 @@
 
 One tiny checkpoint (4 layers, index_topk=32), prompts of 20-400 tokens prefilled
 in chunks of 128, 12 greedy tokens each. Four engines:
-* sparse + a recording KV connector (prompts run twice) and sparse alone: identical
-  tokens (deterministic, the connector changes nothing), varied per prompt;
+* sparse + a recording KV connector (prompts run twice) and sparse alone with prefix
+  caching (run twice: the second run hits the cache): identical tokens (deterministic,
+  the connector and cache hits change nothing), varied per prompt;
 * dense (``use_sparse_attention=False``) and sparse with ``index_topk=4096``: identical
   (top-k covering the context is dense attention); sparse with 32 equals dense while
   the context stays <= 32 tokens and differs for every longer prompt;
@@ -57,7 +58,7 @@ def model_dir() -> str:
 
 
 def _run(model: str, *, overrides: dict[str, Any] | None = None, record: Path | None = None,
-         repeat: int = 1) -> dict[str, Any]:
+         repeat: int = 1, **engine: Any) -> dict[str, Any]:
     cfg = None
     if record is not None:
         cfg = {
@@ -66,10 +67,13 @@ def _run(model: str, *, overrides: dict[str, Any] | None = None, record: Path | 
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"record_path": str(record)},
         }
-    kwargs = dict(ENGINE_ARGS, hf_overrides=overrides or {})
+    kwargs = dict(ENGINE_ARGS, hf_overrides=overrides or {}, disable_log_stats=False, **engine)
     with make_engine(model=model, kv_transfer_config=cfg, core=0, **kwargs) as llm:
         runs = [tokens(generate(llm, PROMPTS, max_tokens=MAX_TOKENS)) for _ in range(repeat)]
-        return {"runs": runs, "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+        hits = sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                   if m.name == "vllm:prefix_cache_hits")
+        return {"runs": runs, "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+                "prefix_hits": hits}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,7 @@ def engines(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     record = tmp_path_factory.mktemp("sparse-hooks") / "events.jsonl"
     out = {
         "recorded": _run(model_dir, record=record, repeat=2),
-        "sparse": _run(model_dir),
+        "sparse": _run(model_dir, repeat=2, enable_prefix_caching=True),
         "dense": _run(model_dir, overrides={"use_sparse_attention": False}),
         "wide": _run(model_dir, overrides={"index_topk": 4096}),
     }
@@ -93,6 +97,15 @@ def test_greedy_output_is_deterministic_and_varied(engines: dict[str, Any]) -> N
         assert len(toks) == MAX_TOKENS
         assert len(set(toks)) >= MAX_TOKENS // 2, toks  # not one repeated token
     assert len({tuple(t) for t in first}) == len(PROMPTS)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(engines: dict[str, Any]) -> None:
+    """The second run reads the prompts' full blocks (main KV and indexer keys) from
+    vLLM's prefix cache instead of computing them."""
+    sparse = engines["sparse"]
+    # every full block but the one holding the last prompt token (always computed)
+    assert sparse["prefix_hits"] >= sum((n - 1) // BLOCK * BLOCK for n in LENGTHS)
+    assert sparse["runs"][1] == engines["recorded"]["runs"][0]
 
 
 def test_topk_covering_the_context_equals_dense(engines: dict[str, Any]) -> None:
