@@ -6,8 +6,8 @@ exactly one of them:
 1. :func:`indexer_scores` — the lightning indexer scores every past position:
    ``sum_h w[t, h] * relu(q[t, h] . k[s])``.
 2. :func:`select_topk` — the ``index_topk`` best *logical positions* ``<=`` the
-   query's own position, ascending, ``-1`` padded (everything when the context
-   is not longer than ``index_topk``).
+   query's own position (ties to the earlier one), ascending, ``-1`` padded
+   (everything when the context is not longer than ``index_topk``).
 3. :func:`sparse_attention` — **the seam**: gather the selected rows of a
    main-KV row store (``cache``, one row per token) by row index and attend over
    them. Without offload ``cache`` is the paged main-KV cache viewed as rows and
