@@ -53,6 +53,9 @@ def register() -> None:
         return
     _registered = True
     register_connectors()
+    from ascend_offload.models import register_models
+
+    register_models()
     if importlib.util.find_spec("ascend_offload.connectors.kv_layout_hook") is not None:
         from ascend_offload.connectors import kv_layout_hook
 

@@ -1,0 +1,223 @@
+"""vLLM plumbing of the sparse-MLA model: two KV-cache layers per decoder layer,
+an attention backend whose metadata is plain per-request slot lists, and the
+per-layer op that runs inside vLLM's KV-connector hooks.
+
+* :class:`SparseMLACache` (``model.layers.N.self_attn.attn``) owns the main KV:
+  one row of ``kv_lora_rank + qk_rope_head_dim`` values per token
+  (``MLAAttentionSpec``, role SPARSE).
+* :class:`IndexerCache` (``model.layers.N.self_attn.indexer.k_cache``) owns the
+  indexer keys: one row of ``index_head_dim`` values per token (role INDEXER).
+  Same block size, so vLLM puts both in one cache group: one block table.
+* :func:`sparse_mla_attention` is wrapped by vLLM's ``maybe_transfer_kv_layer``:
+  ``wait_for_layer_load(attn)`` runs before the layer touches either cache and
+  ``save_kv_layer(attn, ...)`` after both were written and attended. The indexer
+  has no hooks of its own: it follows its main layer, so a layerwise connector
+  moving both caches of layer N in the main layer's hooks sees them consistent.
+
+Why not vLLM's own MLA/sparse classes: vLLM refuses sparse MLA on CPU and its
+CPU MLA kernel is dense, fixed to head 576 and block 16 (see docs/models.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec, SparseCacheRole
+
+from ascend_offload.models.sparse_attention import (
+    causal_positions,
+    indexer_scores,
+    positions_to_slots,
+    select_topk,
+    sparse_attention,
+)
+
+
+@dataclasses.dataclass
+class RequestSlots:
+    """One request of the step: its query tokens and the cache row of every position."""
+
+    start: int  # first query token in the batch
+    end: int
+    q_pos: torch.Tensor  # [end - start] positions of the query tokens
+    slots: torch.Tensor  # [seq_len] cache row of positions 0..seq_len-1
+
+
+@dataclasses.dataclass
+class SparseMLAMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_actual_tokens] row of each new token, -1 = skip
+    requests: list[RequestSlots]
+
+
+class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
+    """Per-request slot lists from the block table: the model reads any position's
+    row directly, whatever the step is (prefill chunk, prefix-cache hit, decode)."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> SparseMLAMetadata:
+        cm = common_attn_metadata
+        n = cm.num_actual_tokens
+        starts = cm.query_start_loc_cpu.tolist()
+        seq_lens = cm.seq_lens.cpu().tolist()
+        table = cm.block_table_tensor.cpu().long()
+        bs = self.block_size
+        requests = []
+        for r in range(cm.num_reqs):
+            start, end, seq = starts[r], starts[r + 1], seq_lens[r]
+            if end <= start:
+                continue
+            pos = torch.arange(seq)
+            slots = table[r, pos // bs] * bs + pos % bs
+            requests.append(RequestSlots(start, end, torch.arange(seq - (end - start), seq), slots))
+        return SparseMLAMetadata(n, cm.slot_mapping[:n].long(), requests)
+
+
+class SparseMLABackend(AttentionBackend):
+    """Backend of both cache layers; it only describes caches and metadata (the
+    arithmetic is in :mod:`ascend_offload.models.sparse_attention`)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "ASCEND_OFFLOAD_SPARSE_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[Any]:
+        raise NotImplementedError("the sparse-MLA layers compute attention themselves")
+
+    @staticmethod
+    def get_builder_cls() -> type[SparseMLAMetadataBuilder]:
+        return SparseMLAMetadataBuilder
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+
+def as_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A paged cache ``[num_blocks, (1,) block, D]`` as rows ``[num_blocks * block, D]``
+    without a copy (the model writes through it)."""
+    try:
+        return cache.view(-1, cache.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(f"KV cache shape={tuple(cache.shape)} stride={cache.stride()} is not "
+                         "row-addressable; use a layer-outermost KV cache layout") from e
+
+
+class _CacheLayer(nn.Module, AttentionLayerBase):
+    """A layer vLLM allocates a one-row-per-token cache for (bound to ``kv_cache``)."""
+
+    role: ClassVar[SparseCacheRole]
+
+    def __init__(self, prefix: str, head_size: int, dtype: torch.dtype,
+                 cache_config: CacheConfig) -> None:
+        super().__init__()
+        if cache_config.cache_dtype != "auto":
+            raise ValueError(f"{prefix}: kv_cache_dtype={cache_config.cache_dtype!r} is not "
+                             "supported by the sparse-MLA model (use 'auto')")
+        self.layer_name = prefix
+        self.head_size = head_size
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.kv_cache = torch.tensor([])
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, max_tp_shards=1,
+                                head_size=self.head_size, dtype=self.dtype, cache_role=self.role)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return SparseMLABackend
+
+
+class IndexerCache(_CacheLayer):
+    """The lightning indexer's key cache of one layer (``index_head_dim`` per token)."""
+
+    role = SparseCacheRole.INDEXER
+
+
+class SparseMLACache(_CacheLayer):
+    """The main-KV cache of one layer and the sparse attention over it."""
+
+    role = SparseCacheRole.SPARSE
+
+    def __init__(self, prefix: str, *, num_heads: int, kv_lora_rank: int, rope_dim: int,
+                 scale: float, index_topk: int | None, indexer: IndexerCache,
+                 dtype: torch.dtype, cache_config: CacheConfig) -> None:
+        super().__init__(prefix, kv_lora_rank + rope_dim, dtype, cache_config)
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.scale = scale
+        self.index_topk = index_topk  # None: dense attention over every position
+        self.indexer = indexer
+
+    def forward(self, q: torch.Tensor, new_kv: torch.Tensor, index_q: torch.Tensor,
+                index_k: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[T, H, r + rope]`` (absorbed), ``new_kv`` ``[T, r + rope]``,
+        indexer ``q`` ``[T, H_idx, D_idx]``, ``k`` ``[T, D_idx]``, ``w`` ``[T, H_idx]``;
+        returns the latent output ``[T, H, r]``."""
+        out = torch.zeros(q.shape[0], q.shape[1], self.kv_lora_rank, dtype=q.dtype, device=q.device)
+        sparse_mla_attention(q, new_kv, index_q, index_k, index_w, out, self.layer_name)
+        return out
+
+    def run(self, meta: SparseMLAMetadata | None, q: torch.Tensor, new_kv: torch.Tensor,
+            index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor,
+            out: torch.Tensor) -> None:
+        if meta is None:  # profiling / dummy run: no caches, no work
+            return
+        n = meta.num_actual_tokens
+        kv_rows = as_rows(self.kv_cache)
+        key_rows = as_rows(self.indexer.kv_cache)
+        slots = meta.slot_mapping
+        ok = slots >= 0
+        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
+        key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        for req in meta.requests:
+            sl = slice(req.start, req.end)
+            seq = req.slots.shape[0]
+            if self.index_topk is None or self.index_topk >= seq:
+                positions = causal_positions(req.q_pos, seq)
+            else:
+                scores = indexer_scores(index_q[sl], index_w[sl], key_rows[req.slots])
+                positions = select_topk(scores, req.q_pos, self.index_topk)
+            rows = positions_to_slots(positions, req.slots)
+            out[sl] = sparse_attention(q[sl], kv_rows, rows, scale=self.scale,
+                                       v_dim=self.kv_lora_rank)
+
+
+@maybe_transfer_kv_layer
+def sparse_mla_attention(q: torch.Tensor, new_kv: torch.Tensor, index_q: torch.Tensor,
+                         index_k: torch.Tensor, index_w: torch.Tensor, output: torch.Tensor,
+                         layer_name: str) -> None:
+    """One layer's cache writes, indexer top-k and attention, between the
+    connector's ``wait_for_layer_load`` and ``save_kv_layer`` for ``layer_name``."""
+    meta, layer, _, _ = get_attention_context(layer_name)
+    layer.run(meta, q, new_kv, index_q, index_k, index_w, output)
