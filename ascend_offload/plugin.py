@@ -1,7 +1,9 @@
 """vLLM general-plugin entry point (runs in every vLLM process).
 
-It only registers names and installs the KV-layout hook; with none of our
-connectors selected nothing of ours runs (invariant I6).
+It only registers names (our connectors; our sparse-attention model's config type
+and architecture, imported only when an engine loads that architecture) and
+installs the KV-layout hook; with none of our connectors or models selected
+nothing of ours runs (invariant I6).
 """
 
 from __future__ import annotations
