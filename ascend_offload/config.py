@@ -19,6 +19,17 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names key and accepted values."""
 
 
+# The longest wait any deadline key accepts (one day). Why a cap: ``Infinity`` or
+# ``1e300`` would pass ``gt=0`` and then overflow in the first contended wait
+# (``threading`` turns the timeout into a C ``timespec``).
+MAX_TIMEOUT_S = 86400.0
+
+
+def _timeout(default: float) -> Any:
+    """A deadline key: seconds, > 0 and at most :data:`MAX_TIMEOUT_S`."""
+    return Field(default, gt=0, le=MAX_TIMEOUT_S)
+
+
 class _Strict(BaseModel):
     """Unknown keys are errors: a typo must not silently fall back to a default."""
 
@@ -90,14 +101,14 @@ class StoreConnectorConfig(_Strict):
     # slots allow only 1 anyway (docs/bench-layerwise.md).
     layerwise_prefetch_layers: int = Field(2, ge=0)
     # Deadlines (I5): a wait on a load, save or gate never blocks longer.
-    load_timeout_s: float = Field(30.0, gt=0)
-    save_timeout_s: float = Field(30.0, gt=0)
+    load_timeout_s: float = _timeout(30.0)
+    save_timeout_s: float = _timeout(30.0)
     # Only prefixes of at least this many blocks are worth a store round trip.
     min_load_blocks: int = Field(1, ge=1)
     # Shared between instances that may exchange store objects: part of every key.
     model_tag: str = ""
     # Test hook: artificial delay per layer save, to prove the reuse gate holds.
-    debug_save_delay_s: float = Field(0.0, ge=0)
+    debug_save_delay_s: float = Field(0.0, ge=0, le=MAX_TIMEOUT_S)
 
     @field_validator("layerwise_independent_layers")
     @classmethod
@@ -151,10 +162,10 @@ class RemoteD2HConfig(_Strict):
     # IP this instance advertises to its peers; empty = vLLM's get_ip() / VLLM_HOST_IP.
     host: str = ""
     # Deadlines (I5).
-    read_timeout_s: float = Field(30.0, gt=0)
-    ack_timeout_s: float = Field(30.0, gt=0)
-    request_timeout_s: float = Field(120.0, gt=0)
-    registration_timeout_s: float = Field(30.0, gt=0)
+    read_timeout_s: float = _timeout(30.0)
+    ack_timeout_s: float = _timeout(30.0)
+    request_timeout_s: float = _timeout(120.0)
+    registration_timeout_s: float = _timeout(30.0)
     registration_retries: int = Field(5, ge=0)
     read_retries: int = Field(1, ge=0)
     # Unequal TP: the prefill TP size as seen by decode (None = same as decode).

@@ -35,3 +35,36 @@ def test_bench_help_runs_nothing(capsys: pytest.CaptureFixture[str],
     assert cli.main(["bench", "all", "--help"]) == 0
     assert "bench all" in capsys.readouterr().out
     assert ran == []
+
+
+def test_check_config_refuses_non_objects_and_missing_files(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    assert cli.main(["check-config", "[1,2,3]"]) == 2
+    err = capsys.readouterr().err
+    assert "expected a JSON object" in err and "Traceback" not in err
+    missing = tmp_path / "nope.json"
+    assert cli.main(["check-config", str(missing)]) == 2
+    assert f"no such file: {missing}" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert cli.main(["check-config", str(bad)]) == 2
+    assert f"{bad}: not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("multi", ["AscendMultiConnector", "MultiConnector"])
+def test_check_config_validates_multi_children(capsys: pytest.CaptureFixture[str],
+                                               multi: str) -> None:
+    """A bad key inside a child of a multi connector is named, as at engine start."""
+    child_ok = {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer"}
+    child_bad = {"kv_connector": "AscendStoreConnector",
+                 "kv_connector_extra_config": {"use_layerwise": True, "bogus": 1}}
+    raw = {"kv_connector": multi,
+           "kv_connector_extra_config": {"connectors": [child_ok, child_bad]}}
+    assert cli.main(["check-config", json.dumps(raw)]) == 2
+    err = capsys.readouterr().err
+    assert "connectors[1]" in err and "'bogus'" in err
+    child_bad["kv_connector_extra_config"].pop("bogus")
+    assert cli.main(["check-config", json.dumps(raw)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    store = out["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert store["use_layerwise"] is True and store["backend"] == "local"

@@ -48,3 +48,19 @@ def test_sparse_cross_checks() -> None:
         cfg.check_against(block_size=128, index_topk=8192)
     with pytest.raises(ConfigError, match="multiple of block_size=96"):
         cfg.check_against(block_size=96)
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e300, float("nan"), 86400.5])
+@pytest.mark.parametrize(("connector", "key"), [
+    ("AscendStoreConnector", "load_timeout_s"),
+    ("AscendStoreConnector", "save_timeout_s"),
+    ("SfaRemoteD2HConnector", "read_timeout_s"),
+    ("SfaRemoteD2HConnector", "ack_timeout_s"),
+    ("SfaRemoteD2HConnector", "request_timeout_s"),
+    ("SfaRemoteD2HConnector", "registration_timeout_s"),
+])
+def test_timeouts_are_capped(connector: str, key: str, value: float) -> None:
+    """A deadline that would overflow a wait is refused at parse time, naming the cap."""
+    with pytest.raises(ConfigError, match=rf"'{key}'.*less than or equal to 86400"):
+        parse_extra_config(connector, {key: value})
+    assert getattr(parse_extra_config(connector, {key: 86400}), key) == 86400
