@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 
 bootstrap: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.h)
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \

@@ -91,11 +91,15 @@ class BuildNative(build_ext):
             raise CompileError(msg)
 
 
+def _extension(name: str, sources: tuple[str, ...]) -> Extension:
+    # depends: the headers the sources include, so an sdist ships them (setuptools adds
+    # an extension's depends to it) and `pip install` from one still builds.
+    headers = nb.source_files(ROOT / "csrc_npu", sources)[len(sources):]
+    return Extension(name, sources=[f"csrc_npu/{s}" for s in sources],
+                     depends=[f"csrc_npu/{h}" for h in headers], optional=True)
+
+
 setup(
-    ext_modules=[
-        Extension(LIB, sources=[f"csrc_npu/{s}" for s in nb.LIB_SOURCES], optional=True),
-        Extension(FASTCALL, sources=[f"csrc_npu/{s}" for s in nb.FASTCALL_SOURCES],
-                  optional=True),
-    ],
+    ext_modules=[_extension(LIB, nb.LIB_SOURCES), _extension(FASTCALL, nb.FASTCALL_SOURCES)],
     cmdclass={"build_ext": BuildNative},
 )

@@ -77,9 +77,9 @@ def build(sources: tuple[str, ...], name: str, *, quiet: bool = False,
           march: str | None = None) -> Path | None:
     """Compile ``sources`` from :func:`source_dir` into the per-user cache (the
     development fallback, and the bench's baseline): ``lib<name>.so`` under a key
-    hashing the sources, flags, compiler, machine and CPU tuning, so an edit or an
-    upgrade rebuilds and a cache shared by different CPUs never hands one of them
-    instructions it lacks. ``march``: ``native`` or ``generic`` (default:
+    hashing the sources and the headers they include, flags, compiler, machine and CPU
+    tuning, so an edit or an upgrade rebuilds and a cache shared by different CPUs never
+    hands one of them instructions it lacks. ``march``: ``native`` or ``generic`` (default:
     ``$ASCEND_OFFLOAD_NATIVE_MARCH``, see :func:`native_build.wanted_march`);
     ``flags`` are extra compiler flags. Returns the library path or ``None``."""
     cxx = native_build.compiler()
@@ -93,9 +93,9 @@ def build(sources: tuple[str, ...], name: str, *, quiet: bool = False,
         return None
     tune, features = native_build.tune_flags(march)
     digest = hashlib.sha256()
-    for p in paths:
-        digest.update(p.name.encode())
-        digest.update(p.read_bytes())
+    for file in native_build.source_files(src_dir, sources):  # the headers too
+        digest.update(file.encode())
+        digest.update((src_dir / file).read_bytes())
     for part in (" ".join((*BASE_FLAGS, *flags)), native_build.compiler_id(cxx),
                  platform.machine(), " ".join(tune), features, str(openmp)):
         digest.update(part.encode() + b"\0")

@@ -36,6 +36,7 @@ TUNED = "native"
 
 _INFO_MARK = "ascend_offload-native-build:"
 _INFO_RE = re.compile(rb"ascend_offload-native-build:([0-9A-Za-z=;_-]{1,200})")
+_INCLUDE_RE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 def compiler() -> str | None:
@@ -94,10 +95,32 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def source_files(src_dir: Path, names: Iterable[str]) -> list[str]:
+    """``names`` followed by the headers they include from ``src_dir``: every
+    ``#include "x.h"`` naming a file there, transitively, each once, in the order first
+    seen. Everything a build of ``names`` reads from ``src_dir``: what :func:`source_digest`
+    covers and the package build lists as the sources' dependencies (so an sdist ships
+    them). A quoted include that names no file there is left to the compiler."""
+    files = list(dict.fromkeys(names))
+    seen = set(files)
+    for name in files:  # grows while it is walked: the includes of includes
+        path = src_dir / name
+        if not path.is_file():
+            continue
+        for m in _INCLUDE_RE.finditer(path.read_bytes()):
+            inc = m.group(1).decode()
+            if inc not in seen and (src_dir / inc).is_file():
+                seen.add(inc)
+                files.append(inc)
+    return files
+
+
 def source_digest(src_dir: Path, names: Iterable[str]) -> str:
-    """Digest of the named sources' names and bytes (the ``src`` of :func:`build_info`)."""
+    """Digest of the named sources' and their headers' names and bytes
+    (:func:`source_files`; the ``src`` of :func:`build_info`): editing a header makes a
+    build stale like editing a source."""
     h = hashlib.sha256()
-    for name in names:
+    for name in source_files(src_dir, names):
         h.update(name.encode() + b"\0")
         h.update((src_dir / name).read_bytes())
     return h.hexdigest()[:16]

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -100,7 +101,7 @@ def test_wheel_ships_the_built_library_and_loads_it_without_a_compiler(tmp_path)
     assert "ascend_offload/_native/libao_sparse.so" in names
     assert any(n.startswith("ascend_offload/_native/_ao_fastcall.") and n.endswith(".so")
                for n in names)
-    assert not [n for n in names if n.endswith(".cpp")]  # no sources, no bench baseline
+    assert not [n for n in names if n.endswith((".cpp", ".h"))]  # no sources, no bench baseline
     assert not whl.name.endswith("-none-any.whl")  # a platform wheel: it carries binaries
 
     site = _install(whl, tmp_path / "site")
@@ -127,6 +128,34 @@ def test_package_built_without_a_compiler_installs_and_falls_back(tmp_path) -> N
     assert out["loaded"] == {} and out["fastcall"] is False and "copied" not in out
     assert "built without a working C++ compiler" in err
     assert "pure-torch fallbacks" in err
+
+
+def test_sdist_carries_the_headers_the_sources_include(tmp_path) -> None:
+    """An install from an sdist compiles csrc_npu/ there: the sdist must carry the
+    headers the sources include (setup.py lists them as the extensions' depends), not
+    only the sources; the library's sources compile from the unpacked sdist."""
+    from ascend_offload import native_build
+
+    src = _checkout(tmp_path / "src")
+    dist = tmp_path / "dist"
+    res = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(dist)],
+                         cwd=str(src), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (sdist,) = dist.glob("ascend_offload-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    (root,) = (tmp_path / "unpacked").iterdir()
+    csrc = root / "csrc_npu"
+    for names in (native_build.LIB_SOURCES, native_build.FASTCALL_SOURCES):
+        files = native_build.source_files(src / "csrc_npu", names)
+        missing = [n for n in files if not (csrc / n).is_file()]
+        assert not missing, f"{sdist.name} lacks {missing}"
+    headers = native_build.source_files(csrc, native_build.LIB_SOURCES)[
+        len(native_build.LIB_SOURCES):]
+    assert headers  # residency.cpp's parts
+    subprocess.run(["g++", "-std=c++17", "-fsyntax-only",
+                    *(str(csrc / n) for n in native_build.LIB_SOURCES)],
+                   check=True, timeout=300, capture_output=True)
 
 
 def _build_in_place(src: Path, **env: str) -> None:

@@ -48,6 +48,60 @@ def test_build_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
     assert second is not None and second != first  # an edit rebuilds into a new key
 
 
+def test_digest_and_cache_key_cover_the_included_headers(monkeypatch, tmp_path) -> None:
+    """residency.cpp is one translation unit over the residency_*.h it includes: the
+    headers are part of the digest a build embeds (and the loader compares) and of the
+    development cache key, so a header edit makes a build stale like a source edit."""
+    src = tmp_path / "src"
+    shutil.copytree(native.source_dir(), src)
+    names = native.LIB_SOURCES
+    files = native_build.source_files(src, names)
+    assert files[:len(names)] == list(names)
+    headers = sorted(p.name for p in src.glob("*.h"))
+    assert headers and set(headers) <= set(files)  # every header, also those included by one
+    # only what a build reads: fastcall.cpp includes none of them
+    assert native_build.source_files(src, native_build.FASTCALL_SOURCES) == ["fastcall.cpp"]
+
+    built: list[Path] = []
+
+    def fake_compile(sources, out, **kw):  # the key, not the compiler, is under test
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"")
+        built.append(out)
+        return []
+
+    monkeypatch.setattr(native_build, "compile_library", fake_compile)
+    monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(src))
+    monkeypatch.setenv("ASCEND_OFFLOAD_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "g++")
+    digests = {native_build.source_digest(src, names)}
+    keys = {native.build(names, "ao_sparse_t", quiet=True)}
+    for h in headers:
+        with open(src / h, "a") as f:
+            f.write(f"\n// {h} edited\n")
+        digests.add(native_build.source_digest(src, names))
+        keys.add(native.build(names, "ao_sparse_t", quiet=True))
+    assert len(digests) == len(keys) == len(headers) + 1 == len(built)
+    assert {p.name for p in built} == {"libao_sparse_t.so"}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_build_is_stale_after_a_header_edit(monkeypatch, tmp_path) -> None:
+    """A build of residency.cpp embeds a digest covering its headers: after an edit of
+    one of them the loader refuses that build as stale (then rebuilds, in a checkout)."""
+    src = tmp_path / "src"
+    shutil.copytree(native.source_dir(), src)
+    monkeypatch.setenv("ASCEND_OFFLOAD_CSRC", str(src))
+    lib = tmp_path / "_native" / native_build.LIB_FILE
+    assert native_build.compile_library([src / "residency.cpp"], lib, march="generic",
+                                        openmp=False) == []
+    assert native._unusable(lib, ("residency.cpp",)) is None
+    with open(src / "residency_arc.h", "a") as f:
+        f.write("\n// edited\n")
+    why = native._unusable(lib, ("residency.cpp",))
+    assert why is not None and "is stale" in why
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_cpu_tuned_build_is_opt_in_and_keyed_by_cpu_features(monkeypatch, tmp_path) -> None:
     """Generic by default; ASCEND_OFFLOAD_NATIVE_MARCH=native tunes for this CPU, under
