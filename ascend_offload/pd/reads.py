@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,19 +41,37 @@ def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst
 class PeerReader:
     """Serial reads from one prefill endpoint on their own thread.
 
-    A stalled prefill (alive, not answering) blocks a Mooncake read without
-    bound; with one thread per peer it stalls only its own requests, while the
-    I/O thread keeps answering, expiring deadlines and reading from others.
+    A stalled prefill (alive, not answering) blocks a read until the transfer
+    engine's deadline; with one thread per peer it stalls only its own
+    requests, while the I/O thread keeps answering, expiring deadlines and
+    reading from others. ``run`` must post a result for every job whatever
+    happens (the consumer's reader does, in a ``finally``). The owner retires
+    an idle reader (:attr:`idle_since`), so advertised endpoints cannot pile
+    up threads.
     """
 
-    def __init__(self, endpoint: str, run: Callable[[Any], None]) -> None:
+    def __init__(self, endpoint: str, run: Callable[[Any], None], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = endpoint
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._run = run
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle_since: float | None = clock()
         self._thread = threading.Thread(target=self._loop, name=f"pd-read-{endpoint}", daemon=True)
         self._thread.start()
 
+    @property
+    def idle_since(self) -> float | None:
+        """When the last job ended (None while a job is queued or running)."""
+        with self._lock:
+            return self._idle_since
+
     def submit(self, job: Any) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle_since = None
         self._q.put(job)
 
     def _loop(self) -> None:
@@ -64,7 +83,16 @@ class PeerReader:
                 self._run(job)
             except Exception:  # a bug in one read must not kill the peer's reader
                 log.exception("reader for %s failed on a job", self.endpoint)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle_since = self._clock()
 
-    def stop(self) -> None:
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, *, wait: bool = True) -> None:
         self._q.put(None)
-        self._thread.join(timeout=2)
+        if wait:
+            self._thread.join(timeout=2)

@@ -75,6 +75,7 @@ class PrefillWorker:
                             topology=Topology(self.settings.tp_size, d_tp), transfer=self._region.engine,
                             layers=self._region.layers, ack_timeout_s=cfg.ack_timeout_s,
                             request_timeout_s=cfg.request_timeout_s, register_memory=False,
+                            keys=self.settings.keys,
                             faults=os.environ.get(FAULTS_ENV) or None,
                             listener=gate_listener(self._gate) if self._gate is not None else None)
             self._producers[d_tp] = prod
