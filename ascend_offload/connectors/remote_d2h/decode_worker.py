@@ -229,6 +229,14 @@ class DecodeWorker:
                 log.exception("%s: sparse hook request_finished(%s) failed", NAME, rid)
         self.pool.release(rid)
 
+    def totals(self) -> dict[str, int]:
+        """Monotonic counters of this rank's pulls (connector metrics)."""
+        if self.consumer is None:
+            return {}
+        st = self.consumer.stats
+        return {"layers_pulled": st.reads, "bytes_pulled": st.bytes_read, "read_descriptors": st.descriptors,
+                "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected}
+
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
