@@ -90,8 +90,11 @@ def test_items_before_expect_are_parked(pair_factory):
     pr = pair_factory()
     pr.producer.add_request("r1", [1, 2], pr.target)
     pr.producer.publish_layer(0)
-    time.sleep(0.2)
-    assert pr.consumer.finished() == []
+    end = time.monotonic() + WAIT
+    while pr.consumer.stats.parked < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pr.consumer.stats.parked == 1  # received and held, not refused
+    assert pr.consumer.finished() == [] and pr.producer.pending_slots() == {0: 1}
     pr.consumer.expect("r1", [5, 6])
     pr.producer.publish_layer(1)
     pr.producer.publish_layer(2)
