@@ -327,3 +327,24 @@ def test_secret_file_errors_are_named(tmp_path, content: bytes | None, why: str)
     with pytest.raises(AuthError, match=why):
         load_keys(str(path))
     assert load_keys("") is None
+
+
+def test_connector_refuses_an_unreadable_secret_naming_the_key(tmp_path) -> None:
+    pytest.importorskip("vllm")
+    from ascend_offload.config import ConfigError, RemoteD2HConfig
+    from ascend_offload.connectors.remote_d2h.settings import build_settings
+
+    def vcfg() -> Any:
+        tc = SimpleNamespace(is_kv_producer=True, is_kv_consumer=False, engine_id="P", kv_port=1)
+        return SimpleNamespace(kv_transfer_config=tc, cache_config=SimpleNamespace(block_size=16),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
+                               model_config=SimpleNamespace(use_mla=False))
+
+    missing = str(tmp_path / "absent")
+    with pytest.raises(ConfigError, match=r"key 'control_secret_file'.*absent"):
+        build_settings(vcfg(), RemoteD2HConfig(host="127.0.0.1", control_secret_file=missing))
+    good = tmp_path / "secret"
+    good.write_bytes(b"0123456789abcdef")
+    s = build_settings(vcfg(), RemoteD2HConfig(host="127.0.0.1", control_secret_file=str(good)))
+    assert s.keys == derive_keys(b"0123456789abcdef")
+    assert build_settings(vcfg(), RemoteD2HConfig(host="127.0.0.1")).keys is None
