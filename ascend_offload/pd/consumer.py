@@ -34,8 +34,8 @@ import zmq
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.auth import ControlKeys, secure_server
-from ascend_offload.pd.layout import block_capacity, extents, incompatibility, out_of_range
-from ascend_offload.pd.reads import PeerReader, build_ops
+from ascend_offload.pd.layout import block_capacity, extents, out_of_range
+from ascend_offload.pd.reads import PeerReader, affected_blocks, build_ops, item_error
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 
@@ -375,25 +375,6 @@ class Consumer:
             code=code, reason=reason[:4000],
         ))
 
-    def _affected(self, req: _Request, p_rank: int, layer: int) -> set[int]:
-        """Decode blocks that one contributor's item of one layer would have filled."""
-        desc = self.layers[layer]
-        n = len(req.dst_blocks)
-        out: set[int] = set()
-        if self.topology.sends_main(p_rank) and desc.main:
-            out.update(req.dst_blocks)
-        if desc.indexer is not None and req.index_blocks is None:
-            lo, hi = self.topology.index_range(p_rank, n)
-            out.update(req.dst_blocks[lo:hi])
-        return out
-
-    def _affected_index(self, req: _Request, p_rank: int, layer: int) -> set[int]:
-        """Indexer blocks one item would have filled, when they have their own destination."""
-        if req.index_blocks is None or self.layers[layer].indexer is None:
-            return set()
-        lo, hi = self.topology.index_range(p_rank, len(req.index_blocks))
-        return set(req.index_blocks[lo:hi])
-
     def _terminal(self, req: _Request, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
         """Record one (layer, contributor) result; finish the request when all are in."""
         key = (layer, p_rank)
@@ -401,8 +382,10 @@ class Consumer:
             return
         req.done[key] = ok
         if not ok:
-            req.failed |= self._affected(req, p_rank, layer)
-            req.failed_index |= self._affected_index(req, p_rank, layer)
+            main, index = affected_blocks(self.topology, self.layers[layer], p_rank, req.dst_blocks,
+                                          req.index_blocks)
+            req.failed |= main
+            req.failed_index |= index
             req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
         self._maybe_finish(req)
 
@@ -420,36 +403,6 @@ class Consumer:
         self._finished.append(RecvOutcome(req.request_id, not req.reasons, tuple(sorted(req.failed)),
                                           tuple(req.reasons), tuple(sorted(req.failed_index))))
         self._finished_cv.notify_all()
-
-    def _validate(self, meta: P.MfMeta | None, p_rank: int, req: _Request,
-                  it: P.ReadReady) -> tuple[str, str] | None:
-        if meta is None:
-            return P.FAIL_NO_META, f"no mf_meta from prefill rank {p_rank}"
-        if p_rank not in self.topology.contributors(self.d_rank):
-            return P.FAIL_INVALID, (f"prefill rank {p_rank} does not feed decode rank {self.d_rank} "
-                                    f"(prefill tp={self.topology.p_tp}, decode tp={self.topology.d_tp})")
-        if meta.p_tp != self.topology.p_tp:
-            return P.FAIL_INVALID, f"prefill tp={meta.p_tp} but decode expects prefill tp={self.topology.p_tp}"
-        if it.layer >= req.num_layers or it.layer >= len(meta.layers):
-            return P.FAIL_INVALID, (f"layer {it.layer} outside request's {req.num_layers} layers / "
-                                    f"prefill's {len(meta.layers)}")
-        n = len(req.dst_blocks)
-        if len(it.src_blocks) != n:
-            return P.FAIL_INVALID, f"{len(it.src_blocks)} source blocks for {n} destination blocks"
-        if it.main != self.topology.sends_main(p_rank):
-            return P.FAIL_INVALID, f"main={it.main} from member {self.topology.member_of(p_rank)}"
-        if (it.index_lo, it.index_hi) != self.topology.index_range(p_rank, n):
-            return P.FAIL_INVALID, (f"indexer range [{it.index_lo}, {it.index_hi}) != expected "
-                                    f"{self.topology.index_range(p_rank, n)}")
-        src, dst = meta.layers[it.layer], self.layers[it.layer]
-        why = incompatibility(src, dst, pool_block_size=self.pool_block_size)
-        if why:
-            return P.FAIL_INVALID, f"layer {it.layer}: {why}"
-        cap = block_capacity([src])
-        bad = out_of_range(it.src_blocks, cap)
-        if bad:
-            return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {cap}"
-        return None
 
     def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
         return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
@@ -471,7 +424,8 @@ class Consumer:
             self._fail(p.ident, p.p_rank, it, P.FAIL_INVALID,
                        f"duplicate item for layer {it.layer} from prefill rank {p.p_rank}")
             return
-        bad = self._validate(meta, p.p_rank, req, it)
+        bad = item_error(self.topology, self.d_rank, self.layers, meta, p.p_rank, it, num_layers=req.num_layers,
+                         num_blocks=len(req.dst_blocks), pool_block_size=self.pool_block_size)
         if bad is not None:
             self._fail(p.ident, p.p_rank, it, *bad)
             if it.layer < req.num_layers and p.p_rank in self.topology.contributors(self.d_rank):

@@ -1,6 +1,6 @@
-"""How decode reads one ready layer: the read descriptors of a contributor's share
-(:func:`build_ops`) and one serial reader thread per prefill peer
-(:class:`PeerReader`). Used by :class:`~ascend_offload.pd.consumer.Consumer`.
+"""How decode reads one ready layer: the checks before it (:func:`item_error`), the read
+descriptors of a contributor's share (:func:`build_ops`) and one serial reader thread
+per prefill peer (:class:`PeerReader`). Used by :class:`~ascend_offload.pd.consumer.Consumer`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,65 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ascend_offload.pd import protocol as P
+from ascend_offload.pd.layout import block_capacity, incompatibility, out_of_range
+from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp
 
 log = logging.getLogger(__name__)
+
+
+def item_error(topology: Topology, d_rank: int, layers: Sequence[P.LayerDesc], meta: P.MfMeta | None,
+               p_rank: int, it: P.ReadReady, *, num_layers: int, num_blocks: int,
+               pool_block_size: int | None = None) -> tuple[str, str] | None:
+    """Why decode rank ``d_rank`` must not read item ``it`` from prefill rank ``p_rank``
+    (failure code, reason), or None. ``layers`` is decode's layout; ``num_layers`` and
+    ``num_blocks`` are the request's. Everything the item claims is checked against both
+    sides' layouts before a byte is read."""
+    if meta is None:
+        return P.FAIL_NO_META, f"no mf_meta from prefill rank {p_rank}"
+    if p_rank not in topology.contributors(d_rank):
+        return P.FAIL_INVALID, (f"prefill rank {p_rank} does not feed decode rank {d_rank} "
+                                f"(prefill tp={topology.p_tp}, decode tp={topology.d_tp})")
+    if meta.p_tp != topology.p_tp:
+        return P.FAIL_INVALID, f"prefill tp={meta.p_tp} but decode expects prefill tp={topology.p_tp}"
+    if it.layer >= num_layers or it.layer >= len(meta.layers):
+        return P.FAIL_INVALID, (f"layer {it.layer} outside request's {num_layers} layers / "
+                                f"prefill's {len(meta.layers)}")
+    n = num_blocks
+    if len(it.src_blocks) != n:
+        return P.FAIL_INVALID, f"{len(it.src_blocks)} source blocks for {n} destination blocks"
+    if it.main != topology.sends_main(p_rank):
+        return P.FAIL_INVALID, f"main={it.main} from member {topology.member_of(p_rank)}"
+    if (it.index_lo, it.index_hi) != topology.index_range(p_rank, n):
+        return P.FAIL_INVALID, (f"indexer range [{it.index_lo}, {it.index_hi}) != expected "
+                                f"{topology.index_range(p_rank, n)}")
+    src, dst = meta.layers[it.layer], layers[it.layer]
+    why = incompatibility(src, dst, pool_block_size=pool_block_size)
+    if why:
+        return P.FAIL_INVALID, f"layer {it.layer}: {why}"
+    cap = block_capacity([src])
+    bad = out_of_range(it.src_blocks, cap)
+    if bad:
+        return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {cap}"
+    return None
+
+
+def affected_blocks(topology: Topology, desc: P.LayerDesc, p_rank: int, dst_blocks: Sequence[int],
+                    index_blocks: Sequence[int] | None) -> tuple[set[int], set[int]]:
+    """Blocks one contributor's item of one layer would have filled: (destination blocks,
+    indexer blocks when the indexer has its own destination). A failed item makes exactly
+    these load errors."""
+    main: set[int] = set()
+    if topology.sends_main(p_rank) and desc.main:
+        main.update(dst_blocks)
+    if desc.indexer is None:
+        return main, set()
+    if index_blocks is None:
+        lo, hi = topology.index_range(p_rank, len(dst_blocks))
+        main.update(dst_blocks[lo:hi])
+        return main, set()
+    lo, hi = topology.index_range(p_rank, len(index_blocks))
+    return main, set(index_blocks[lo:hi])
 
 
 def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
