@@ -288,7 +288,10 @@ def test_consumer_fail_ends_request_and_unknown_gets_outcome(pair_factory):
     pr.consumer.expect("r1", [1, 2, 3])
     pr.producer.add_request("r1", [4, 5, 6], pr.target)
     pr.producer.publish_layer(0)
-    time.sleep(0.2)
+    end = time.monotonic() + WAIT
+    while pr.consumer.stats.reads < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pr.consumer.stats.reads == 1  # layer 0 landed before the abort
     pr.consumer.fail("r1", "aborted on decode")
     pr.consumer.fail("never", "registration failed")
     outs = {o.request_id: o for o in pr.consumer.wait_finished(2, WAIT)}
@@ -406,7 +409,10 @@ def test_request_not_reported_while_a_read_into_it_is_in_flight(port, kv):
         prod.add_request("r", [2], DecodeTarget("127.0.0.1", port, 1))
         prod.publish_layer(0)
         assert de.entered.wait(WAIT)
-        time.sleep(0.8)  # well past the 0.3 s request deadline
+        end = time.monotonic() + WAIT
+        while time.monotonic() < end and cons._requests["r"].deadline != float("inf"):
+            time.sleep(0.01)  # until the consumer handled the 0.3 s request deadline
+        assert cons._requests["r"].deadline == float("inf") and cons.inflight() == 1
         assert cons.finished() == [] and cons.active() == ["r"]
         de.gate.set()
         outs = cons.wait_finished(1, WAIT)
