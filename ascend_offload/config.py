@@ -168,6 +168,14 @@ class RemoteD2HConfig(_Strict):
     registration_timeout_s: float = _timeout(30.0)
     registration_retries: int = Field(5, ge=0)
     read_retries: int = Field(1, ge=0)
+    # Control plane (decode's ZMQ ROUTER). A file holding a shared secret: peers without it
+    # cannot connect (CURVE keys derived from it); empty = no authentication (loopback/trusted net).
+    control_secret_file: str = ""
+    # Bounds on what peers can make decode hold: prefill metadata entries and reader threads
+    # (idle ones retired after reader_idle_s), and the largest control message accepted.
+    max_prefill_peers: int = Field(256, ge=1, le=65536)
+    reader_idle_s: float = Field(60.0, gt=0, le=86400)
+    max_message_mib: int = Field(64, ge=1, le=4096)
     # Unequal TP: the prefill TP size as seen by decode (None = same as decode).
     prefill_tp_size: int | None = Field(None, ge=1)
     sparse_offload: SparseOffloadConfig = SparseOffloadConfig()

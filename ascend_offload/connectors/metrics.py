@@ -1,9 +1,12 @@
-"""Store-tier counters exported through vLLM's connector stats and Prometheus.
+"""Connector counters exported through vLLM's connector stats and Prometheus.
 
-The scheduler-side connector hands vLLM the counter *deltas* since its last
-report; vLLM sums them across workers/intervals (``aggregate``), prints them in
-its periodic log line and feeds ``StorePromMetrics.observe``, which increments
-``vllm:ascend_offload_store_*`` counters (the ``vllm:`` prefix is what vLLM's own metric readers, e.g. ``LLM.get_metrics``, pick up) on the OpenAI server's ``/metrics``.
+A connector hands vLLM the counter *deltas* since its last report; vLLM sums
+them across workers/intervals (``aggregate``), prints them in its periodic log
+line and feeds the connector's ``observe``, which increments counters on the
+OpenAI server's ``/metrics`` (the ``vllm:`` prefix is what vLLM's own metric
+readers, e.g. ``LLM.get_metrics``, pick up): ``vllm:ascend_offload_store_*``
+for the store tier (:class:`StorePromMetrics`), ``vllm:ascend_offload_rd2h_*``
+for the P/D pull (:class:`RD2HPromMetrics`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,25 @@ COUNTERS: dict[str, str] = {
 }
 
 
+# counter name -> help text (SfaRemoteD2HConnector workers: decode pulls, prefill publishes)
+RD2H_COUNTERS: dict[str, str] = {
+    "layers_pulled": "decode: (request, layer, prefill rank) reads completed",
+    "bytes_pulled": "decode: KV bytes read from prefill",
+    "read_descriptors": "decode: transfer descriptors issued (after coalescing)",
+    "read_failures": "decode: readiness items answered read_failed (invalid, read error, late, ...)",
+    "read_retries": "decode: reads retried after a transfer error",
+    "rejected_messages": "control messages rejected as undecodable or inconsistent (both sides)",
+    "layers_published": "prefill: (request, layer) readiness items published to decode",
+    "acks": "prefill: readiness items decode answered read_done",
+    "acks_late": "prefill: answers that arrived after their slot use ended (stale, ignored)",
+    "ack_timeouts": "prefill: readiness items unanswered at the ack deadline",
+    "failed_answers": "prefill: readiness items decode answered read_failed",
+    "send_errors": "prefill: readiness items that could not be sent (endpoint unreachable, queue full)",
+    "gate_holds": "prefill, layer sharing: reuse-gate slots held for decode's reads",
+    "gate_hold_failures": "prefill, layer sharing: gate holds released with a failed or unanswered read",
+}
+
+
 @dataclasses.dataclass
 class StoreConnectorStats(KVConnectorStats):
     """Counter deltas; sums under aggregation."""
@@ -59,20 +81,32 @@ class StoreConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+@dataclasses.dataclass
+class RD2HConnectorStats(StoreConnectorStats):
+    """The P/D pull's counter deltas (its own class: vLLM keys stats by connector)."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return RD2HConnectorStats(data=StoreConnectorStats.aggregate(self, other).data)
+
+
 class CounterDeltas:
     """Turns monotonically growing totals into per-report deltas."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats_cls: type[StoreConnectorStats] = StoreConnectorStats) -> None:
         self._last: dict[str, int] = {}
+        self._cls = stats_cls
 
     def take(self, totals: dict[str, int]) -> StoreConnectorStats | None:
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         delta = {k: v for k, v in delta.items() if v}
-        return StoreConnectorStats(data=delta) if delta else None
+        return self._cls(data=delta) if delta else None
 
 
 class StorePromMetrics(KVConnectorPromMetrics):
+    PREFIX = "vllm:ascend_offload_store_"
+    COUNTERS = COUNTERS
+
     def __init__(
         self,
         vllm_config: Any,
@@ -83,12 +117,10 @@ class StorePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"vllm:ascend_offload_store_{name}", documentation=doc, labelnames=labelnames
-                ),
+                self._counter_cls(name=f"{self.PREFIX}{name}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
             )
-            for name, doc in COUNTERS.items()
+            for name, doc in self.COUNTERS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -96,3 +128,10 @@ class StorePromMetrics(KVConnectorPromMetrics):
             per_engine = self._counters.get(name)
             if per_engine is not None and value > 0:
                 per_engine[engine_idx].inc(value)
+
+
+class RD2HPromMetrics(StorePromMetrics):
+    """``vllm:ascend_offload_rd2h_*`` counters of the P/D pull."""
+
+    PREFIX = "vllm:ascend_offload_rd2h_"
+    COUNTERS = RD2H_COUNTERS

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,10 +33,14 @@ import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
-from ascend_offload.pd.layout import block_capacity, extents, incompatibility, out_of_range
-from ascend_offload.pd.reads import PeerReader, build_ops
+from ascend_offload.pd.auth import ControlKeys, secure_server
+from ascend_offload.pd.layout import block_capacity, extents, out_of_range
+from ascend_offload.pd.reads import PeerReader, affected_blocks, build_ops, item_error
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+
+# Largest control message accepted (ZMQ_MAXMSGSIZE): a peer sending more is disconnected.
+DEFAULT_MAX_MSG_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,8 @@ class ConsumerStats:
     rejected: int = 0
     parked: int = 0
     acked_empty: int = 0
+    metas_evicted: int = 0
+    readers_retired: int = 0
 
 
 @dataclass
@@ -130,14 +137,31 @@ class Consumer:
         request_timeout_s: float = 120.0,
         read_retries: int = 1,
         max_parked: int = 100_000,
+        max_peers: int = 256,
+        reader_idle_s: float = 60.0,
+        max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        keys: ControlKeys | None = None,
         register_memory: bool = True,
         pool_block_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``pool_block_size``: set when ``layers`` describe a host KV pool
         (:func:`~ascend_offload.pd.layout.pool_layer_descs`); size mismatches are
-        then reported in pool row bytes."""
+        then reported in pool row bytes.
+
+        Peers choose their engine ids and endpoints, so what they can make us
+        hold is bounded: at most ``max_peers`` prefill metadata entries (least
+        recently used evicted; an evicted sender is asked to resend) and reader
+        threads (one per endpoint, retired after ``reader_idle_s`` idle), and no
+        message over ``max_msg_bytes``. ``keys`` (see :mod:`~ascend_offload.pd.auth`)
+        admits only peers holding the shared secret.
+        """
         topology.contributors(d_rank)  # validates d_rank
+        if max_peers < 1 or reader_idle_s <= 0 or max_msg_bytes < 1:
+            raise ValueError(f"max_peers={max_peers}, reader_idle_s={reader_idle_s}, "
+                             f"max_msg_bytes={max_msg_bytes}: all must be > 0")
+        self.max_peers = max_peers
+        self.reader_idle_s = reader_idle_s
         self.max_parked = max_parked
         self.engine_id = engine_id
         self.d_rank = d_rank
@@ -158,7 +182,7 @@ class Consumer:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._parked: dict[str, list[_Parked]] = {}
-        self._metas: dict[tuple[str, int], P.MfMeta] = {}
+        self._metas: OrderedDict[tuple[str, int], P.MfMeta] = OrderedDict()  # LRU, <= max_peers
         self._commands: list[tuple[str, str]] = []
         self._readers: dict[str, PeerReader] = {}
         self._results: list[_ReadResult] = []
@@ -167,8 +191,12 @@ class Consumer:
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        # Handover lets a reconnecting prefill keep its identity; without authentication it would
+        # let any peer take a prefill's identity (and its replies), so only with keys.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, int(keys is not None))
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self._router, keys)
         self._router.bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
         self._loop = IoLoop(f"pd-consumer-{d_rank}", self._tick, self._next_wait)
@@ -278,11 +306,22 @@ class Consumer:
         with self._lock:
             return sorted(self._requests)
 
+    def peers(self) -> tuple[int, int]:
+        """(prefill metadata entries held, reader threads alive): both bounded by ``max_peers``."""
+        with self._lock:
+            return len(self._metas), len(self._readers)
+
+    def inflight(self) -> int:
+        """Reads submitted to reader threads and not answered yet (for leak checks)."""
+        with self._lock:
+            return sum(r.inflight for r in self._requests.values())
+
     def close(self) -> None:
         self._loop.stop()
         self._router.close(linger=0)
         for r in self._readers.values():
             r.stop()
+        self._readers.clear()
         for addr in self._registered:
             try:
                 self.transfer.unregister(addr)
@@ -291,6 +330,27 @@ class Consumer:
         self._registered.clear()
 
     # ------------------------------------------------------------ I/O thread
+
+    def _remember(self, meta: P.MfMeta) -> None:
+        """Keep a sender's metadata; the least recently used beyond ``max_peers`` is dropped."""
+        with self._lock:
+            key = (meta.engine_id, meta.p_rank)
+            self._metas[key] = meta
+            self._metas.move_to_end(key)
+            while len(self._metas) > self.max_peers:
+                old, _ = self._metas.popitem(last=False)
+                self.stats.metas_evicted += 1
+                log.warning("forgot mf_meta of prefill %s rank %d (%d peers held); it is asked again "
+                            "on its next item", old[0], old[1], self.max_peers)
+
+    def _retire_readers(self, now: float, *, keep: int) -> None:
+        """Stop reader threads idle for ``reader_idle_s`` (all idle ones while above ``keep``)."""
+        idle = sorted((r.idle_since, ep) for ep, r in self._readers.items() if r.idle_since is not None)
+        for since, ep in idle:
+            if now - since < self.reader_idle_s and len(self._readers) <= keep:
+                continue
+            self._readers.pop(ep).stop(wait=False)
+            self.stats.readers_retired += 1
 
     def _next_wait(self) -> float:
         now = self._clock()
@@ -315,25 +375,6 @@ class Consumer:
             code=code, reason=reason[:4000],
         ))
 
-    def _affected(self, req: _Request, p_rank: int, layer: int) -> set[int]:
-        """Decode blocks that one contributor's item of one layer would have filled."""
-        desc = self.layers[layer]
-        n = len(req.dst_blocks)
-        out: set[int] = set()
-        if self.topology.sends_main(p_rank) and desc.main:
-            out.update(req.dst_blocks)
-        if desc.indexer is not None and req.index_blocks is None:
-            lo, hi = self.topology.index_range(p_rank, n)
-            out.update(req.dst_blocks[lo:hi])
-        return out
-
-    def _affected_index(self, req: _Request, p_rank: int, layer: int) -> set[int]:
-        """Indexer blocks one item would have filled, when they have their own destination."""
-        if req.index_blocks is None or self.layers[layer].indexer is None:
-            return set()
-        lo, hi = self.topology.index_range(p_rank, len(req.index_blocks))
-        return set(req.index_blocks[lo:hi])
-
     def _terminal(self, req: _Request, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
         """Record one (layer, contributor) result; finish the request when all are in."""
         key = (layer, p_rank)
@@ -341,8 +382,10 @@ class Consumer:
             return
         req.done[key] = ok
         if not ok:
-            req.failed |= self._affected(req, p_rank, layer)
-            req.failed_index |= self._affected_index(req, p_rank, layer)
+            main, index = affected_blocks(self.topology, self.layers[layer], p_rank, req.dst_blocks,
+                                          req.index_blocks)
+            req.failed |= main
+            req.failed_index |= index
             req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
         self._maybe_finish(req)
 
@@ -361,36 +404,6 @@ class Consumer:
                                           tuple(req.reasons), tuple(sorted(req.failed_index))))
         self._finished_cv.notify_all()
 
-    def _validate(self, meta: P.MfMeta | None, p_rank: int, req: _Request,
-                  it: P.ReadReady) -> tuple[str, str] | None:
-        if meta is None:
-            return P.FAIL_NO_META, f"no mf_meta from prefill rank {p_rank}"
-        if p_rank not in self.topology.contributors(self.d_rank):
-            return P.FAIL_INVALID, (f"prefill rank {p_rank} does not feed decode rank {self.d_rank} "
-                                    f"(prefill tp={self.topology.p_tp}, decode tp={self.topology.d_tp})")
-        if meta.p_tp != self.topology.p_tp:
-            return P.FAIL_INVALID, f"prefill tp={meta.p_tp} but decode expects prefill tp={self.topology.p_tp}"
-        if it.layer >= req.num_layers or it.layer >= len(meta.layers):
-            return P.FAIL_INVALID, (f"layer {it.layer} outside request's {req.num_layers} layers / "
-                                    f"prefill's {len(meta.layers)}")
-        n = len(req.dst_blocks)
-        if len(it.src_blocks) != n:
-            return P.FAIL_INVALID, f"{len(it.src_blocks)} source blocks for {n} destination blocks"
-        if it.main != self.topology.sends_main(p_rank):
-            return P.FAIL_INVALID, f"main={it.main} from member {self.topology.member_of(p_rank)}"
-        if (it.index_lo, it.index_hi) != self.topology.index_range(p_rank, n):
-            return P.FAIL_INVALID, (f"indexer range [{it.index_lo}, {it.index_hi}) != expected "
-                                    f"{self.topology.index_range(p_rank, n)}")
-        src, dst = meta.layers[it.layer], self.layers[it.layer]
-        why = incompatibility(src, dst, pool_block_size=self.pool_block_size)
-        if why:
-            return P.FAIL_INVALID, f"layer {it.layer}: {why}"
-        cap = block_capacity([src])
-        bad = out_of_range(it.src_blocks, cap)
-        if bad:
-            return P.FAIL_INVALID, f"source blocks {bad[:8]} >= prefill num_blocks {cap}"
-        return None
-
     def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
         return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
                          main=it.main, index_range=(it.index_lo, it.index_hi), index_blocks=req.index_blocks)
@@ -401,6 +414,8 @@ class Consumer:
         with self._lock:
             req = self._requests.get(it.request_id)
             meta = self._metas.get((p.engine_id, p.p_rank))
+            if meta is not None:
+                self._metas.move_to_end((p.engine_id, p.p_rank))
         if req is None:
             self._fail(p.ident, p.p_rank, it, P.FAIL_UNKNOWN_REQUEST,
                        f"request {it.request_id!r} is not (or no longer) expected here")
@@ -409,7 +424,8 @@ class Consumer:
             self._fail(p.ident, p.p_rank, it, P.FAIL_INVALID,
                        f"duplicate item for layer {it.layer} from prefill rank {p.p_rank}")
             return
-        bad = self._validate(meta, p.p_rank, req, it)
+        bad = item_error(self.topology, self.d_rank, self.layers, meta, p.p_rank, it, num_layers=req.num_layers,
+                         num_blocks=len(req.dst_blocks), pool_block_size=self.pool_block_size)
         if bad is not None:
             self._fail(p.ident, p.p_rank, it, *bad)
             if it.layer < req.num_layers and p.p_rank in self.topology.contributors(self.d_rank):
@@ -425,37 +441,52 @@ class Consumer:
             self._finish_item(_ReadResult(p, req, "", "", 0, 0, 0), counted=False)
             return
         budget_end = p.received + min(p.budget_s, self.read_timeout_s)
-        with self._lock:
-            req.inflight += 1
         reader = self._readers.get(meta.endpoint)
         if reader is None:
-            reader = self._readers[meta.endpoint] = PeerReader(meta.endpoint, self._read_job)
+            if len(self._readers) >= self.max_peers:
+                self._retire_readers(self._clock(), keep=self.max_peers - 1)
+            if len(self._readers) >= self.max_peers:
+                reason = f"{self.max_peers} prefill endpoints have reads in flight; refusing a new one"
+                self._fail(p.ident, p.p_rank, it, P.FAIL_READ, reason)
+                with self._lock:
+                    if self._requests.get(it.request_id) is req:
+                        self._terminal(req, p.p_rank, it.layer, False, f"{P.FAIL_READ}: {reason}")
+                return
+            reader = self._readers[meta.endpoint] = PeerReader(meta.endpoint, self._read_job, clock=self._clock)
+        with self._lock:
+            req.inflight += 1
         reader.submit((p, req, meta.endpoint, ops, budget_end))
 
     def _read_job(self, job: tuple[_Parked, _Request, str, list[ReadOp], float]) -> None:
         """Reader thread: one batched read with retries inside the budget; result to the I/O thread."""
         p, req, endpoint, ops, budget_end = job
-        err, ndesc, retries = "", 0, 0
-        for attempt in range(self.read_retries + 1):
-            try:
-                ndesc = self.transfer.read(endpoint, ops)
-                err = ""
-                break
-            except TransferError as exc:
-                err = str(exc)
-                if attempt < self.read_retries and self._clock() < budget_end:
-                    retries += 1
-                    log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
-                                attempt + 1, p.item.request_id, p.item.layer, exc)
-                    continue
-                break
-        code = P.FAIL_READ if err else ""
-        if not err and self._clock() > budget_end:
-            code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
-        res = _ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
-        with self._lock:
-            self._results.append(res)
-        self._loop.wake()
+        err, ndesc, retries = "unexpected error", 0, 0
+        try:
+            for attempt in range(self.read_retries + 1):
+                try:
+                    ndesc = self.transfer.read(endpoint, ops)
+                    err = ""
+                    break
+                except TransferError as exc:
+                    err = str(exc)
+                    if attempt < self.read_retries and self._clock() < budget_end:
+                        retries += 1
+                        log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
+                                    attempt + 1, p.item.request_id, p.item.layer, exc)
+                        continue
+                    break
+        except Exception as exc:  # anything else is not retried, but the item still gets its answer
+            err = f"{type(exc).__name__}: {exc}"
+            log.exception("read of request %r layer %d from %s failed", p.item.request_id, p.item.layer,
+                          endpoint)
+        finally:
+            code = P.FAIL_READ if err else ""
+            if not err and self._clock() > budget_end:
+                code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
+            res = _ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
+            with self._lock:
+                self._results.append(res)
+            self._loop.wake()
 
     def _finish_item(self, r: _ReadResult, *, counted: bool = True) -> None:
         """I/O thread: answer prefill and record one item's outcome."""
@@ -526,8 +557,7 @@ class Consumer:
                     continue
                 now = self._clock()
                 if isinstance(msg, P.MfMeta):
-                    with self._lock:
-                        self._metas[(msg.engine_id, msg.p_rank)] = msg
+                    self._remember(msg)
                     continue
                 assert isinstance(msg, P.ReadReadyBatch)
                 for it in msg.items:
@@ -571,6 +601,7 @@ class Consumer:
         self._drain_results()
         self._run_commands()
         now = self._clock()
+        self._retire_readers(now, keep=self.max_peers)
         with self._lock:
             for req in list(self._requests.values()):
                 if req.deadline <= now:

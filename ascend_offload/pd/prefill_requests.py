@@ -4,19 +4,34 @@ A request carrying decode's registration (``do_remote_decode``) is tracked
 from allocation; in the step where its prompt finishes computing, its blocks
 and decode target become a :class:`SendJob` for the workers. Its blocks are
 held after vLLM finished it until the workers report decode answered. The
-registration is parsed and validated here, at the boundary: a malformed one
-is logged and the request runs as a plain prefill (decode then times out and
-recovers by its own policy).
+registration is parsed and validated here, at the boundary — its schema, and
+what the wire and the socket layer will later need of it (a host ZMQ can
+connect to, a request id decode accepts, a block list the protocol carries) —
+so nothing a peer registered can raise later in the scheduler or the workers.
+A malformed one fails that request alone: it is logged once, runs as a plain
+prefill (its KV freed when it finishes, never held for a decode), and its
+error is returned in the request's ``kv_transfer_params``
+(``remote_d2h_error``); decode times out and recovers by its own policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from ascend_offload.pd.protocol import MAX_NAME
 from ascend_offload.pd.registration import DecodeRegistration, ParamsError
+
+# What a read_ready item can carry (protocol.ReadReady.src_blocks).
+MAX_BLOCKS = 1 << 20
+# Key of the error returned in a rejected request's kv_transfer_params.
+ERROR_KEY = "remote_d2h_error"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +60,32 @@ class PromptProgress(Protocol):
     def num_computed_tokens(self) -> int: ...
 
 
+def host_error(host: str) -> str | None:
+    """Why ``host`` is not an IP address or DNS name ZMQ can connect to (None if it is)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if len(host) > 253 or not _HOSTNAME.fullmatch(host):
+        return f"remote_host={host[:80]!r} is neither an IP address nor a host name"
+    return None
+
+
+def check_registration(reg: DecodeRegistration) -> None:
+    """Checks the schema cannot express: what the socket layer and the wire need later."""
+    why = host_error(reg.remote_host)
+    if why:
+        raise ParamsError(why)
+    if not 0 < len(reg.remote_request_id) <= MAX_NAME:
+        raise ParamsError(f"remote_request_id of {len(reg.remote_request_id)} characters "
+                          f"(accepted: 1..{MAX_NAME})")
+    if len(reg.remote_block_ids) > MAX_BLOCKS:
+        raise ParamsError(f"{len(reg.remote_block_ids)} remote_block_ids (accepted: <= {MAX_BLOCKS})")
+    if reg.remote_port == 0:
+        raise ParamsError("remote_port=0 (accepted: 1..65535)")
+
+
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     """The proxy dispatched this prefill on behalf of a registered decode."""
     return bool(params and params.get("do_remote_decode"))
@@ -56,6 +97,7 @@ class PrefillRequests:
     def __init__(self) -> None:
         self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
         self._sending: set[str] = set()
+        self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
 
     @property
     def sending(self) -> frozenset[str]:
@@ -66,9 +108,11 @@ class PrefillRequests:
         """Track ``request`` until its prompt is computed; False if its registration is invalid."""
         try:
             reg = DecodeRegistration.from_params(params)
+            check_registration(reg)
         except ParamsError as exc:
             log.error("remote-d2h: request %s has do_remote_decode but %s; decode will not get its KV",
                       request.request_id, exc)
+            self._errors[request.request_id] = f"invalid decode registration: {exc}"
             return False
         self._pending[request.request_id] = (request, reg)
         return True
@@ -84,7 +128,9 @@ class PrefillRequests:
                 continue
             del self._pending[rid]
             job = self._job(rid, reg, block_ids(rid))
-            if job is not None:
+            if job is None:
+                self._errors[rid] = "prefill could not send its KV to decode (see the prefill's log)"
+            else:
                 log.debug("remote-d2h: %s prefill completes this step; %d blocks -> decode %s:%d as %s",
                           rid, len(job.block_ids), job.host, job.kv_port, job.remote_request_id)
                 jobs.append(job)
@@ -109,6 +155,11 @@ class PrefillRequests:
         """vLLM finished the request; True: its blocks must wait (decode still reads them)."""
         self._pending.pop(request_id, None)
         return request_id in self._sending
+
+    def take_error(self, request_id: str) -> dict[str, str] | None:
+        """The ``kv_transfer_params`` to return for a finished request this side refused."""
+        err = self._errors.pop(request_id, None)
+        return {ERROR_KEY: err} if err is not None else None
 
     def workers_done(self, request_ids: Iterable[str]) -> None:
         """Workers reported decode answered for these requests (or gave up on it)."""

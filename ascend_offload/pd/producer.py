@@ -26,6 +26,7 @@ import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
+from ascend_offload.pd.auth import ControlKeys, secure_client
 from ascend_offload.pd.layout import block_capacity, extents, out_of_range
 from ascend_offload.pd.slot_sharing import ReadGate
 from ascend_offload.pd.topology import Topology, decode_port
@@ -79,6 +80,7 @@ class ProducerStats:
     stale: int = 0
     rejected: int = 0
     send_errors: int = 0
+    sockets_closed: int = 0
 
 
 # Test-only fault injection: (kind, layer, only for requests of this many blocks).
@@ -126,8 +128,12 @@ class Producer:
         request_timeout_s: float | None = None,
         faults: str | None = None,
         register_memory: bool = True,
+        keys: ControlKeys | None = None,
+        idle_socket_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``keys``: authenticate to decodes that require the shared secret (:mod:`~ascend_offload.pd.auth`).
+        ``idle_socket_s``: a decode endpoint no request uses for this long loses its socket."""
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s={ack_timeout_s}: must be > 0")
         topology.member_of(p_rank)  # validates p_rank
@@ -159,13 +165,17 @@ class Producer:
         self._gen: dict[int, int] = defaultdict(int)
         self._uses: dict[int, _SlotUse] = {}  # slot -> current (pending) use
         self._unique_slots = itertools.count(1 << 40)  # far above any physical slot index
-        self._outbox: list[tuple[tuple[str, int], bytes]] = []
+        # (endpoint, message, (request_id, slot, generation) of each item in it)
+        self._outbox: list[tuple[tuple[str, int], bytes, list[tuple[str, int, int]]]] = []
         self._finished: list[SendOutcome] = []
         self._releases: list[SlotRelease] = []
         self._need_meta: set[tuple[str, int]] = set()
         self._ctx = zmq.Context.instance()
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
         self._sock_ep: dict[zmq.Socket, tuple[str, int]] = {}
+        self._sock_used: dict[tuple[str, int], float] = {}
+        self._keys = keys
+        self.idle_socket_s = idle_socket_s
         self._loop = IoLoop(f"pd-producer-{p_rank}", self._tick, self._next_wait)
         self._loop.start()
 
@@ -189,6 +199,9 @@ class Producer:
         bad = out_of_range(blocks, cap)
         if bad:
             raise ValueError(f"request {request_id!r}: source blocks {bad[:8]} outside 0..{cap - 1}")
+        if not request_id or len(request_id) > P.MAX_NAME:
+            # Decode would reject the whole batch carrying it, failing other requests with it.
+            raise ValueError(f"request id of {len(request_id)} characters (accepted: 1..{P.MAX_NAME})")
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already added")
@@ -256,7 +269,7 @@ class Producer:
             for ep, items in per_ep.items():
                 msg = P.ReadReadyBatch(version=P.PROTOCOL_VERSION, engine_id=self.engine_id,
                                        p_rank=self.p_rank, read_budget_ms=budget_ms, items=items)
-                self._outbox.append((ep, P.encode(msg)))
+                self._outbox.append((ep, P.encode(msg), [(it.request_id, slot, gen) for it in items]))
                 self.stats.published_items += len(items)
             if pending:
                 self._uses[slot] = use
@@ -287,6 +300,11 @@ class Producer:
         with self._lock:
             out, self._finished = self._finished, []
         return out
+
+    def sockets(self) -> list[tuple[str, int]]:
+        """Decode endpoints with an open socket (bounded: failed and idle ones are closed)."""
+        with self._lock:
+            return sorted(self._socks)
 
     def pending_slots(self) -> dict[int, int]:
         """slot -> generation still waiting for readers."""
@@ -361,6 +379,19 @@ class Producer:
             del self._uses[msg.slot]
             self._release(use)
 
+    def _send_failed(self, items: list[tuple[str, int, int]], code: str) -> None:
+        """Items that never left: they fail now instead of waiting for the ack deadline."""
+        for rid, slot, gen in items:
+            use = self._uses.get(slot)
+            if use is None or use.generation != gen or rid not in use.pending:
+                continue
+            use.pending.discard(rid)
+            use.failures.append((rid, code))
+            self._mark(rid, use.layer, False)
+            if not use.pending:
+                del self._uses[slot]
+                self._release(use)
+
     def _deliver(self) -> None:
         """Run listener callbacks outside the lock (the gate may call back into us)."""
         with self._lock:
@@ -381,34 +412,85 @@ class Producer:
         return max(0.0, min(ds) - self._clock()) if ds else 0.2
 
     def _sock(self, ep: tuple[str, int]) -> zmq.Socket:
+        """The socket to decode endpoint ``ep``, connected on first use (raises ``zmq.ZMQError``)."""
         s = self._socks.get(ep)
         if s is None:
             s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.p_rank}".encode())
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 10000)
-            s.connect(f"tcp://{ep[0]}:{ep[1]}")
-            self._socks[ep] = s
+            try:
+                s.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.p_rank}".encode())
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 10000)
+                s.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # answers are small; a bigger one is not decode's
+                secure_client(s, self._keys)
+                host = f"[{ep[0]}]" if ":" in ep[0] else ep[0]
+                s.connect(f"tcp://{host}:{ep[1]}")
+            except zmq.ZMQError:
+                s.close(linger=0)
+                raise
+            with self._lock:
+                self._socks[ep] = s
+                self._need_meta.add(ep)
             self._sock_ep[s] = ep
             self._loop.add(s)
-            self._need_meta.add(ep)
         return s
+
+    def _drop_sock(self, ep: tuple[str, int]) -> None:
+        """Close and forget the socket to ``ep`` (a later send reconnects and resends mf_meta)."""
+        with self._lock:
+            s = self._socks.pop(ep, None)
+            self._need_meta.discard(ep)
+            self._sock_used.pop(ep, None)
+        if s is not None:
+            self._loop.remove(s)
+            self._sock_ep.pop(s, None)
+            s.close(linger=0)
+            self.stats.sockets_closed += 1
+
+    def _send_out(self, outbox: list[tuple[tuple[str, int], bytes, list[tuple[str, int, int]]]]) -> None:
+        """Send each message; a failing endpoint loses only its own messages."""
+        broken: set[tuple[str, int]] = set()
+        for ep, data, items in outbox:
+            code = "send_error"
+            try:
+                if ep in broken:
+                    raise zmq.ZMQError(msg="endpoint failed earlier in this pass")
+                s = self._sock(ep)
+                if ep in self._need_meta:
+                    s.send(self._meta, zmq.NOBLOCK)
+                    with self._lock:
+                        self._need_meta.discard(ep)
+                s.send(data, zmq.NOBLOCK)
+                self._sock_used[ep] = self._clock()
+                continue
+            except zmq.Again:
+                code = "queue_full"  # decode is not draining
+                log.error("send queue to decode %s:%d full; %d readiness items failed", ep[0], ep[1], len(items))
+            except zmq.ZMQError as exc:
+                if ep not in broken:
+                    log.error("decode %s:%d unreachable (%s); %d readiness items failed, socket closed",
+                              ep[0], ep[1], exc, len(items))
+                broken.add(ep)
+                self._drop_sock(ep)
+            with self._lock:
+                self.stats.send_errors += 1
+                self._send_failed(items, code)
+
+    def _prune_idle(self, now: float) -> None:
+        """Close sockets to endpoints no live request uses and that sent nothing for a while."""
+        with self._lock:
+            live = {r.endpoint for r in self._requests.values()}
+            idle = [ep for ep in self._socks if ep not in live
+                    and now - self._sock_used.get(ep, now) >= self.idle_socket_s]
+        for ep in idle:
+            self._drop_sock(ep)
 
     def _tick(self, ready: list[zmq.Socket]) -> None:
         with self._lock:
             outbox, self._outbox = self._outbox, []
-        for ep, data in outbox:
-            s = self._sock(ep)
-            try:
-                if ep in self._need_meta:
-                    s.send(self._meta, zmq.NOBLOCK)
-                    self._need_meta.discard(ep)
-                s.send(data, zmq.NOBLOCK)
-            except zmq.Again:
-                # Queue full: decode is not draining. The items' deadline fails them.
-                self.stats.send_errors += 1
-                log.error("send queue to decode %s:%d full; layer readiness dropped", *ep)
+        self._send_out(outbox)
         for s in ready:
+            if s not in self._sock_ep:
+                continue  # closed in this pass
             while True:
                 try:
                     data = s.recv(zmq.NOBLOCK)
@@ -424,6 +506,7 @@ class Producer:
                 with self._lock:
                     self._on_answer(msg, self._sock_ep[s])  # type: ignore[arg-type]
         now = self._clock()
+        self._prune_idle(now)
         with self._lock:
             for slot, use in list(self._uses.items()):
                 if use.deadline <= now:

@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 1
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(gt=0)]
 # Bounded so a garbled length cannot make us allocate or loop without limit.
-Name = Annotated[str, msgspec.Meta(max_length=512)]
+MAX_NAME = 512
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 
 class ProtocolError(ValueError):

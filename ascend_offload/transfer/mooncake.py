@@ -18,13 +18,35 @@ from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 
 
+def apply_read_deadline(timeout_s: float, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set Mooncake's transport deadlines (whole seconds) to ``timeout_s``; returns what was set.
+
+    Ours wins over a looser (or unparsable) setting already in the environment;
+    a tighter one is kept. So a read never outlives our deadline by more than
+    the rounding up to whole seconds, whatever the environment says.
+    """
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s={timeout_s}: must be > 0 and finite")
+    env = os.environ if env is None else env
+    ours = max(1, math.ceil(timeout_s))
+    out = {}
+    for key in TIMEOUT_ENV:
+        try:
+            have = int(env.get(key, ""))
+        except ValueError:
+            have = 0
+        env[key] = out[key] = str(have if 0 < have <= ours else ours)
+    return out
+
+
 class MooncakeEngine(TransferEngine):
     """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
     ``timeout_s`` bounds a read from a peer that stops answering (measured: a
     read from a SIGSTOPped peer otherwise blocks until it resumes; with the
     bound it fails with rc=-1 and the connection is dropped, so no byte lands
-    later). Explicit ``MC_*`` environment settings win.
+    later). It is our deadline: an ``MC_*`` environment setting only wins
+    when it is tighter (:func:`apply_read_deadline`).
     """
 
     name = "mooncake"
@@ -32,10 +54,7 @@ class MooncakeEngine(TransferEngine):
     def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  timeout_s: float | None = None) -> None:
         if timeout_s is not None:
-            if timeout_s <= 0:
-                raise ValueError(f"timeout_s={timeout_s}: must be > 0")
-            for key in TIMEOUT_ENV:
-                os.environ.setdefault(key, str(max(1, math.ceil(timeout_s))))
+            apply_read_deadline(timeout_s)
         try:
             from mooncake.engine import TransferEngine as _MC
         except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -74,14 +74,24 @@ def body(model: str, prompt: list[int], stream: bool, max_tokens: int, **extra: 
             "ignore_eos": True, "stream": stream, **extra}
 
 
-def complete(url: str, request: dict[str, Any]) -> str:
+class Answer(NamedTuple):
+    """A completion's text and, when the request asked for them (``return_token_ids``), its token ids."""
+
+    text: str
+    token_ids: tuple[int, ...] | None
+
+
+def complete(url: str, request: dict[str, Any]) -> Answer:
     r = httpx.post(f"{url}/v1/completions", json=request, timeout=180)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    choice = r.json()["choices"][0]
+    ids = choice.get("token_ids")
+    return Answer(choice["text"], tuple(ids) if ids is not None else None)
 
 
-def stream(url: str, request: dict[str, Any]) -> str:
-    text = []
+def stream(url: str, request: dict[str, Any]) -> Answer:
+    text: list[str] = []
+    ids: list[int] | None = None
     with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=180) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -89,7 +99,9 @@ def stream(url: str, request: dict[str, Any]) -> str:
                 continue
             for ch in json.loads(line[6:]).get("choices", []):
                 text.append(ch.get("text", ""))
-    return "".join(text)
+                if ch.get("token_ids") is not None:
+                    ids = (ids or []) + list(ch["token_ids"])
+    return Answer("".join(text), tuple(ids) if ids is not None else None)
 
 
 def log_sizes(cluster: dict[str, Any]) -> dict[str, int]:

@@ -74,11 +74,15 @@ def test_pd_tokens_match_colocated(cluster: dict[str, Any]) -> None:
     since = log_sizes(cluster)
     baseline = [complete(cluster["prefill"], _body(model, p, False)) for p in PROMPTS]
     pd = [complete(cluster["proxy"], _body(model, p, False)) for p in PROMPTS]
+    # Token ids, not only text (two token sequences can detokenize alike).
+    assert all(a.token_ids is not None and len(a.token_ids) == MAX_TOKENS for a in baseline)
+    assert [a.token_ids for a in pd] == [a.token_ids for a in baseline]
     assert pd == baseline
     hits = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
     # Same prompts again: decode has their full blocks cached and pulls only the rest
     # (remote_block_offset > 0 on the wire).
     streamed = [stream(cluster["proxy"], _body(model, p, True)) for p in PROMPTS]
+    assert [a.token_ids for a in streamed] == [a.token_ids for a in baseline]
     assert streamed == baseline
     hits2 = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
     assert hits2 - hits >= sum(len(p) // BLOCK_SIZE for p in PROMPTS) * BLOCK_SIZE - len(PROMPTS) * BLOCK_SIZE

@@ -106,7 +106,12 @@ def test_unanswered_layer_holds_its_buffer_until_the_ack_deadline(cluster: dict[
     def lines(name: str, needle: str) -> list[str]:
         return [ln for ln in cluster["servers"][name].text()[since[name]:].splitlines() if needle in ln]
 
-    assert lines("decode", "blocks failed to load")  # decode gave up on the request: recomputed
+    failed = lines("decode", "blocks failed to load")  # decode gave up on the request: recomputed
+    assert failed and all("layer 2" in ln and "timeout" in ln for ln in failed), failed
+    # The configured deadlines ended it, on both sides: decode's request_timeout_s and the
+    # prefill's ack_timeout_s for the dropped layer 2 (its buffer held until then).
+    assert lines("decode", "reads missing after 20.0s"), lines("decode", "missing after")
+    assert lines("prefill", "(layer 2): 1 decode reads unanswered after 20.0s"), lines("prefill", "unanswered")
     assert lines("prefill", "Traceback") == [] and lines("prefill", "GateTimeout") == []
     assert elapsed >= 15, elapsed  # decode's request deadline: the pull really failed
     # The prefill still serves, and the layers of the next request are not held back.

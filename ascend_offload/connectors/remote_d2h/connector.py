@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.config import RemoteD2HConfig
 from ascend_offload.connectors.logging_setup import wire_logging
+from ascend_offload.connectors.metrics import CounterDeltas, RD2HConnectorStats, RD2HPromMetrics
 from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker, sparse_hook_from_env
 from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_layers, open_region
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
@@ -61,6 +62,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self.prefill: PrefillWorker | None = None
         self._region: KVRegion | None = None
         self._prepared: KVConnectorMetadata | None = None
+        self._deltas = CounterDeltas(RD2HConnectorStats)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = RemoteD2HScheduler(self.settings)
             return
@@ -169,6 +171,30 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         if self.prefill is not None:
             sending |= self.prefill.get_finished(finished_req_ids)
         return (sending or None), (recving or None)
+
+    def get_kv_connector_stats(self) -> RD2HConnectorStats | None:
+        """Counter deltas since the last call (workers; the scheduler has none)."""
+        totals: dict[str, int] = {}
+        for part in (self.decode, self.prefill):
+            for k, v in (part.totals() if part is not None else {}).items():
+                totals[k] = totals.get(k, 0) + v
+        out = self._deltas.take(totals) if totals else None
+        assert out is None or isinstance(out, RD2HConnectorStats)
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RD2HConnectorStats | None:
+        return RD2HConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> RD2HPromMetrics:
+        return RD2HPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.decode.take_load_errors() if self.decode is not None else set()

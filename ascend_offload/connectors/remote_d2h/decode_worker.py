@@ -18,6 +18,7 @@ docs/sparse.md "Integration seam").
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import logging
 import math
 import os
@@ -70,6 +71,13 @@ def load_sparse_hook(spec: str | None) -> SparseHook:
     if not callable(hook):
         raise ConfigError(f"{SPARSE_HOOK_ENV}={spec!r}: expected '<module>:<callable>'")
     return hook
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def sparse_hook_from_env() -> SparseHook:
@@ -132,8 +140,14 @@ class DecodeWorker:
             layers=region.layers, host=s.host,
             port=decode_port(s.kv_port, dp_rank=s.dp_rank, d_tp=s.tp_size, tp_rank=self.tp_rank),
             read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
-            read_retries=cfg.read_retries, register_memory=False, **extra,
+            read_retries=cfg.read_retries, register_memory=False, keys=s.keys,
+            max_peers=cfg.max_prefill_peers, reader_idle_s=cfg.reader_idle_s,
+            max_msg_bytes=cfg.max_message_mib << 20, **extra,
         )
+        if s.keys is None and not _loopback(s.host):
+            log.warning("%s: decode rank %d listens on %s without authentication; set "
+                        "'control_secret_file' on both sides unless this network is trusted",
+                        NAME, self.tp_rank, self.consumer.address)
         if self.pool is None:
             log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
                      len(region.layers), self.consumer.address)
@@ -214,6 +228,14 @@ class DecodeWorker:
             except Exception:  # the backend's bookkeeping must not leak our rows
                 log.exception("%s: sparse hook request_finished(%s) failed", NAME, rid)
         self.pool.release(rid)
+
+    def totals(self) -> dict[str, int]:
+        """Monotonic counters of this rank's pulls (connector metrics)."""
+        if self.consumer is None:
+            return {}
+        st = self.consumer.stats
+        return {"layers_pulled": st.reads, "bytes_pulled": st.bytes_read, "read_descriptors": st.descriptors,
+                "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected}
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

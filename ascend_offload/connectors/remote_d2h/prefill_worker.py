@@ -28,7 +28,7 @@ from ascend_offload.pd.slot_sharing import ReadGate, SlotSharing
 from ascend_offload.pd.topology import Topology, TopologyError
 
 if TYPE_CHECKING:
-    from ascend_offload.pd.producer import Producer
+    from ascend_offload.pd.producer import Producer, SlotRelease
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class PrefillWorker:
         self._gate: ReadGate | None = None
         self._gate_pipeline: SlotSharing | None = None
         self._gate_tokens: dict[str, tuple[int, dict[int, Any]]] = {}  # layer -> (slot, d_tp -> token)
+        self.gate_holds = 0
+        self.gate_hold_failures = 0
 
     def start(self, region: KVRegion, names: Sequence[str]) -> None:
         """Publish from ``region``; ``names`` in model order give the layer indices on the wire."""
@@ -67,7 +69,7 @@ class PrefillWorker:
     def _producer(self, d_tp: int) -> Producer:
         prod = self._producers.get(d_tp)
         if prod is None:
-            from ascend_offload.pd.producer import Producer, gate_listener
+            from ascend_offload.pd.producer import Producer
 
             assert self._region is not None
             cfg = self.settings.cfg
@@ -75,8 +77,9 @@ class PrefillWorker:
                             topology=Topology(self.settings.tp_size, d_tp), transfer=self._region.engine,
                             layers=self._region.layers, ack_timeout_s=cfg.ack_timeout_s,
                             request_timeout_s=cfg.request_timeout_s, register_memory=False,
+                            keys=self.settings.keys,
                             faults=os.environ.get(FAULTS_ENV) or None,
-                            listener=gate_listener(self._gate) if self._gate is not None else None)
+                            listener=self._gate_listener() if self._gate is not None else None)
             self._producers[d_tp] = prod
         return prod
 
@@ -93,7 +96,6 @@ class PrefillWorker:
         answered or the ack deadline passed (``gate_listener``). Called by
         ``AscendMultiConnector``; needs ``use_layerwise`` (publish per layer).
         """
-        from ascend_offload.pd.producer import gate_listener
 
         cfg = self.settings.cfg
         if not cfg.use_layerwise:
@@ -107,8 +109,22 @@ class PrefillWorker:
         # the slot must not give up (and fail the forward) before that.
         gate.outwait(cfg.ack_timeout_s)
         for prod in self._producers.values():
-            prod.listener = gate_listener(gate)
+            prod.listener = self._gate_listener()
         pipeline.add_save_listener(self._on_slot_saved)
+
+    def _gate_listener(self) -> Callable[[SlotRelease], None]:
+        """The producer's slot listener: release the gate token, counting failed holds."""
+        from ascend_offload.pd.producer import gate_listener
+
+        assert self._gate is not None
+        release = gate_listener(self._gate)
+
+        def on_release(r: SlotRelease) -> None:
+            if r.tag is not None and not r.ok:
+                self.gate_hold_failures += 1
+            release(r)
+
+        return on_release
 
     def _on_slot_saved(self, layer: str, gate_slot: int, generation: int) -> None:
         """Save listener (runs inside the pipeline's ``save_layer``): hold the slot for decode."""
@@ -120,6 +136,7 @@ class PrefillWorker:
             tokens = {d_tp: self._gate.add_consumer(gate_slot, generation, f"rd2h d_tp={d_tp} {name}")
                       for d_tp in self._step_sends}
             self._gate_tokens[name] = (gate_slot, tokens)
+            self.gate_holds += len(tokens)
 
     def _release_gate_tokens(self) -> None:
         """Tokens of layers that were never published (no save_kv_layer came): free the slots."""
@@ -207,6 +224,20 @@ class PrefillWorker:
         self._send_done -= ready
         self._seen_finished -= ready
         return ready
+
+    def totals(self) -> dict[str, int]:
+        """Monotonic counters of this rank's publishing (connector metrics)."""
+        out = {"layers_published": 0, "acks": 0, "acks_late": 0, "ack_timeouts": 0, "failed_answers": 0,
+               "send_errors": 0, "rejected_messages": 0,
+               "gate_holds": self.gate_holds, "gate_hold_failures": self.gate_hold_failures}
+        for prod in self._producers.values():
+            st = prod.stats
+            for key, value in (("layers_published", st.published_items), ("acks", st.acked),
+                               ("acks_late", st.stale), ("ack_timeouts", st.timed_out),
+                               ("failed_answers", st.failed), ("send_errors", st.send_errors),
+                               ("rejected_messages", st.rejected)):
+                out[key] += value
+        return out
 
     def close(self) -> None:
         for prod in self._producers.values():

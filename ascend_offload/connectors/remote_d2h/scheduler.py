@@ -73,7 +73,8 @@ class RemoteD2HScheduler:
         rid = request.request_id
         reading = self.prefill.request_finished(rid) if self.prefill is not None else False
         pulling = self.decode.request_finished(rid) if self.decode is not None else False
-        return pulling or reading, None
+        error = self.prefill.take_error(rid) if self.prefill is not None else None
+        return pulling or reading, error
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         recved = connector_output.finished_recving or ()

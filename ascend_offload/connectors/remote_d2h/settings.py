@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ascend_offload.config import ConfigError, RemoteD2HConfig, parse_extra_config
+from ascend_offload.pd.auth import AuthError, ControlKeys, load_keys
 from ascend_offload.pd.decode_requests import DecodeEndpoint
 from ascend_offload.pd.topology import Topology, TopologyError
 
@@ -33,6 +34,7 @@ class Settings:
     dp_rank: int
     host: str  # the endpoint IP advertised to peers
     topology: Topology | None  # decode: prefill TP as seen from here
+    keys: ControlKeys | None = None  # control-plane authentication (control_secret_file)
 
     @property
     def sparse(self) -> bool:
@@ -94,7 +96,11 @@ def build_settings(vllm_config: VllmConfig, cfg: RemoteD2HConfig) -> Settings:
                 "than decode's needs replicated (MLA) KV; this model shards KV by head "
                 f"(accepted: {tp_size})"
             )
-    return Settings(cfg=cfg, is_producer=bool(tc.is_kv_producer), is_consumer=bool(tc.is_kv_consumer),
+    try:
+        keys = load_keys(cfg.control_secret_file)
+    except AuthError as exc:
+        raise ConfigError(f"key 'control_secret_file': {exc}") from None
+    return Settings(cfg=cfg, keys=keys, is_producer=bool(tc.is_kv_producer), is_consumer=bool(tc.is_kv_consumer),
                     engine_id=str(tc.engine_id), kv_port=int(tc.kv_port),
                     block_size=vllm_config.cache_config.block_size, tp_size=tp_size,
                     dp_rank=getattr(pc, "data_parallel_rank", 0) or 0, host=_host_ip(cfg.host),

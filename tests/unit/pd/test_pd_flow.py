@@ -90,8 +90,11 @@ def test_items_before_expect_are_parked(pair_factory):
     pr = pair_factory()
     pr.producer.add_request("r1", [1, 2], pr.target)
     pr.producer.publish_layer(0)
-    time.sleep(0.2)
-    assert pr.consumer.finished() == []
+    end = time.monotonic() + WAIT
+    while pr.consumer.stats.parked < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pr.consumer.stats.parked == 1  # received and held, not refused
+    assert pr.consumer.finished() == [] and pr.producer.pending_slots() == {0: 1}
     pr.consumer.expect("r1", [5, 6])
     pr.producer.publish_layer(1)
     pr.producer.publish_layer(2)
@@ -164,7 +167,8 @@ def test_late_ack_is_stale_not_accepted(pair_factory, port):
 
 
 def test_garbled_and_invalid_items_rejected_consumer_lives(pair_factory, port):
-    pr = pair_factory(request_timeout_s=0.5)
+    # r1 must end at this deadline, r2 complete well before it (even on a loaded host).
+    pr = pair_factory(request_timeout_s=4.0)
     pr.consumer.expect("r1", [1, 2])
     ctx = zmq.Context.instance()
     d = ctx.socket(zmq.DEALER)
@@ -190,6 +194,7 @@ def test_garbled_and_invalid_items_rejected_consumer_lives(pair_factory, port):
         assert outs["r2"].ok
         # r1 got a failed layer 0 and nothing else: times out, all its blocks are load errors.
         assert not outs["r1"].ok and outs["r1"].failed_blocks == (1, 2)
+        assert pr.consumer.active() == [] and pr.producer.pending_slots() == {}
     finally:
         d.close(linger=0)
 
@@ -283,7 +288,10 @@ def test_consumer_fail_ends_request_and_unknown_gets_outcome(pair_factory):
     pr.consumer.expect("r1", [1, 2, 3])
     pr.producer.add_request("r1", [4, 5, 6], pr.target)
     pr.producer.publish_layer(0)
-    time.sleep(0.2)
+    end = time.monotonic() + WAIT
+    while pr.consumer.stats.reads < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert pr.consumer.stats.reads == 1  # layer 0 landed before the abort
     pr.consumer.fail("r1", "aborted on decode")
     pr.consumer.fail("never", "registration failed")
     outs = {o.request_id: o for o in pr.consumer.wait_finished(2, WAIT)}
@@ -401,7 +409,10 @@ def test_request_not_reported_while_a_read_into_it_is_in_flight(port, kv):
         prod.add_request("r", [2], DecodeTarget("127.0.0.1", port, 1))
         prod.publish_layer(0)
         assert de.entered.wait(WAIT)
-        time.sleep(0.8)  # well past the 0.3 s request deadline
+        end = time.monotonic() + WAIT
+        while time.monotonic() < end and cons._requests["r"].deadline != float("inf"):
+            time.sleep(0.01)  # until the consumer handled the 0.3 s request deadline
+        assert cons._requests["r"].deadline == float("inf") and cons.inflight() == 1
         assert cons.finished() == [] and cons.active() == ["r"]
         de.gate.set()
         outs = cons.wait_finished(1, WAIT)

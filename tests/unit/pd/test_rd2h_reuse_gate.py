@@ -98,7 +98,10 @@ def test_nothing_to_send_takes_no_token(monkeypatch) -> None:
     lease = pipe.gate.acquire_write(1, "l1")
     pipe.listeners[0]("l1", 1, lease.generation)
     pipe.gate.release_write(lease)
+    assert conn.prefill._gate_tokens == {} and conn.prefill.gate_holds == 0
+    # The slot is free at once: a held token would make this acquire raise GateTimeout.
     pipe.gate.release_write(pipe.gate.acquire_write(1, "l3", timeout_s=0.05))
+    assert pipe.gate.stats().waits == 0
 
 
 def test_layer_sharing_needs_per_layer_publishing(monkeypatch) -> None:
