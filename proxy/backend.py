@@ -44,7 +44,14 @@ def backend_headers(p: Pending) -> dict[str, str]:
 
 
 def json_error(err: ProxyError) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), headers=JSON_HEADERS)
+    """The OpenAI-style answer of ``err``, with ``Retry-After`` / connection close when it says so."""
+    headers = JSON_HEADERS
+    if err.retry_after is not None:
+        headers = {**JSON_HEADERS, "Retry-After": str(err.retry_after)}
+    resp = web.Response(status=err.status, body=err.body(), headers=headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 class DecodeResponse:
