@@ -8,7 +8,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.bodies import CHAT, COMPLETIONS, SegmentsPayload, SharedBody, decode_params, split_request
+from proxy.bodies import (
+    CHAT,
+    COMPLETIONS,
+    SegmentsPayload,
+    SharedBody,
+    decode_params,
+    split_request,
+)
 from proxy.errors import ProxyError
 
 
