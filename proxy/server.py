@@ -58,6 +58,9 @@ class ProxyServer:
             handler_cancellation=True,
             handle_signals=False,
             shutdown_timeout=self.shutdown_grace_s,
+            # A body we refused (413/408/429) is not drained for aiohttp's default
+            # 10 s: the connection closes right after the answer.
+            lingering_time=0,
         )
         await runner.setup()
         self._runners.append(runner)
