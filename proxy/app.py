@@ -37,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from proxy.backend import (
+    CONNECT_ERRORS,
     JSON_HEADERS,
     JSON_TYPE,
     DecodeResponse,
@@ -70,6 +71,7 @@ from proxy.limits import (
 from proxy.metaserver import Pending, PendingTable
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import ProxyMetrics
+from proxy.prefill import send_prefill
 from proxy.registration import parse_envelope, parse_params, token_matches
 from proxy.relay import SSESplitter, StreamMerger, merge_responses
 
@@ -83,7 +85,6 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _DISPATCHED = _encode({"status": "dispatched"})
 # A registration is a few hundred bytes plus 4-8 per block id: 8 MiB is >1M blocks.
 META_MAX_BODY = 8 * MB
@@ -203,7 +204,7 @@ class Proxy:
                         body=data,
                         headers={"Content-Type": resp.headers.get("Content-Type", JSON_TYPE)},
                     )
-            except _CONNECT_ERRORS:
+            except CONNECT_ERRORS:
                 self.decoders.mark_down(inst)
             except (aiohttp.ClientError, TimeoutError) as e:
                 return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
@@ -238,7 +239,10 @@ class Proxy:
             p.disarm_deadline()  # from here the prefill's own deadline applies
             loop = asyncio.get_running_loop()
             p.dispatched = loop.create_future()
-            task = loop.create_task(self._prefill(p))
+            assert self._psession is not None
+            task = loop.create_task(
+                send_prefill(p, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
+            )
             p.prefill_task = task
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
@@ -330,7 +334,7 @@ class Proxy:
             Balancer.acquire(inst)
             try:
                 resp = await self._dsession.post(inst.url + path, data=payload, headers=headers)
-            except _CONNECT_ERRORS as e:
+            except CONNECT_ERRORS as e:
                 Balancer.release(inst)
                 self.decoders.mark_down(inst)
                 self.metrics.backend_error("decode", "connect")
@@ -555,67 +559,3 @@ class Proxy:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    # ------------------------------------------------------------------ prefill
-
-    async def _prefill(self, p: Pending) -> None:
-        """Step 4: send the prefill; on failure abort the sub-request with the error."""
-        assert self._psession is not None and p.dispatched is not None and p.params is not None
-        dispatched = p.dispatched
-        assert p.shared is not None
-        payload = p.shared.prefill_payload(p.body, p.params)
-        headers = backend_headers(p)
-        tried: list[Instance] = []
-        try:
-            while True:
-                inst = self.prefillers.pick(tried)
-                if inst is None:
-                    names = ", ".join(i.name for i in tried)
-                    raise ProxyError(503, f"no prefill instance reachable (tried {names})", "prefill_down")
-                tried.append(inst)
-                Balancer.acquire(inst, p.weight)
-                try:
-                    async with self._psession.post(
-                        inst.url + p.path, data=payload, headers=headers, trace_request_ctx=p
-                    ) as resp:
-                        if not dispatched.done():
-                            dispatched.set_result(True)
-                        data = await resp.read()
-                        if resp.status >= 300:
-                            raise ProxyError(
-                                502,
-                                f"prefill {inst.name} answered HTTP {resp.status}: {snippet(data)}",
-                                "prefill_status",
-                            )
-                    if inst.down_until:
-                        Balancer.mark_up(inst)
-                    return
-                except _CONNECT_ERRORS as e:
-                    self.prefillers.mark_down(inst)
-                    self.metrics.backend_error("prefill", "connect")
-                    log.warning("prefill %s unreachable: %s", inst.name, e)
-                    continue
-                except TimeoutError:
-                    raise ProxyError(
-                        504,
-                        f"prefill {inst.name} did not answer within {self.cfg.timeout_s:g} s",
-                        "prefill_timeout",
-                    ) from None
-                except aiohttp.ClientError as e:
-                    raise ProxyError(
-                        502, f"prefill {inst.name} failed: {type(e).__name__}: {e}", "prefill_error"
-                    ) from None
-                finally:
-                    Balancer.release(inst, p.weight)
-        except ProxyError as e:
-            self.metrics.backend_error("prefill", e.kind)
-            log.warning("request %s: %s", p.id, e.message)
-            if not dispatched.done():
-                dispatched.set_exception(e)
-                dispatched.exception()
-            p.fail(e)
-        except asyncio.CancelledError:
-            if not dispatched.done():
-                dispatched.set_exception(ProxyError(404, f"request {p.id} was aborted", "aborted"))
-                dispatched.exception()
-            raise

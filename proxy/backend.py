@@ -15,6 +15,8 @@ from proxy.metaserver import Pending
 
 JSON_TYPE = "application/json"
 JSON_HEADERS = {"Content-Type": JSON_TYPE}
+# Nothing was sent: safe to try the next instance.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def uncancel() -> None:
