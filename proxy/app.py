@@ -181,6 +181,8 @@ class Proxy:
         body = {
             "status": "ok",
             "pending": len(self.pending),
+            "inflight_requests": self.admission.requests,
+            "inflight_body_bytes": self.admission.bytes,
             "prefillers": self.prefillers.snapshot(),
             "decoders": self.decoders.snapshot(),
         }

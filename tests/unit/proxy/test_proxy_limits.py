@@ -83,6 +83,8 @@ def test_concurrency_cap_answers_429_with_retry_after() -> None:
             async with st.client.post(st.url + CMPL, json={"prompt": "p"}) as r:
                 assert r.status == 429 and r.headers["Retry-After"] == "1"
                 assert (await r.json())["error"]["type"] == "RateLimitError"
+            _, health = await st.get("/health")
+            assert json.loads(health)["inflight_requests"] == 1
             holder.close()
             assert await until(lambda: admission.requests == 0)
             status, _ = await st.post(CMPL, {"prompt": "p"})
