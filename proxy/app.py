@@ -64,6 +64,7 @@ from proxy.limits import (
     Admission,
     ClientStalled,
     finish_within,
+    read_answer,
     read_body,
     respond,
     write_within,
@@ -363,7 +364,7 @@ class Proxy:
                         502, f"decode {d.inst.name} ended the stream without data", "decode_eof"
                     )
             else:
-                d.data = await d.resp.read()
+                d.data = await read_answer(d.resp.content, self.cfg.max_answer_mb * MB, d.inst.name)
             p.started = True
             p.disarm_deadline()
             return d

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sub-requests in the metaserver registry at once; more get 503")
     ap.add_argument("--fanout-queue", type=int, default=64,
                     help="stream chunks buffered between a fan-out's decodes and its client")
+    ap.add_argument("--max-answer-mb", type=int, default=256,
+                    help="largest non-streamed decode answer read (502 above it)")
     ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
                     help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
@@ -126,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_inflight_mb=args.max_inflight_mb,
         max_pending=args.max_pending,
         fanout_queue=args.fanout_queue,
+        max_answer_mb=args.max_answer_mb,
     )
 
 

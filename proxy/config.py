@@ -52,6 +52,8 @@ class ProxyConfig:
     max_pending: int = 16384
     # Chunks buffered between the sub-streams of a fan-out and the client.
     fanout_queue: int = 64
+    # Largest non-streamed decode answer read (502 above it).
+    max_answer_mb: int = 256
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -68,7 +70,8 @@ class ProxyConfig:
             raise ValueError(f"max_connections must be >= 0, got {self.max_connections!r}")
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
-        for key in ("max_body_mb", "max_inflight", "max_inflight_mb", "max_pending", "fanout_queue"):
+        for key in ("max_body_mb", "max_inflight", "max_inflight_mb", "max_pending", "fanout_queue",
+                    "max_answer_mb"):
             value = getattr(self, key)
             if not value >= 1:
                 raise ValueError(f"{key} must be >= 1, got {value!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 from aiohttp import web
 
 from proxy.errors import ProxyError
@@ -109,6 +110,24 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
         raise ProxyError(
             408, f"request body not received within {timeout_s:g} s", "body_timeout", close=True
         ) from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def read_answer(content: aiohttp.StreamReader, limit: int, name: str) -> bytes:
+    """A backend's whole (non-streamed) answer, refused with 502 above ``limit`` bytes.
+
+    A fan-out holds every sub-request's answer until all are in; unbounded
+    reads would let one broken backend exhaust the proxy's memory.
+    """
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(
+                502, f"decode {name} answered more than the limit {limit // MB} MiB", "decode_too_large"
+            )
+        parts.append(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -173,6 +173,20 @@ def test_client_that_stops_reading_is_cut_at_the_write_deadline(body: dict[str, 
     run(go())
 
 
+def test_decode_answer_above_the_limit_is_502() -> None:
+    async def go() -> None:
+        dec = EndlessDecode()
+        async with serve_app(dec.app) as dport, proxy_for([1], [dport], max_answer_mb=1) as server, \
+                aiohttp.ClientSession() as http:
+            async with http.post(server.url + CMPL, json={"prompt": "p", "n": 2}) as r:
+                assert r.status == 502
+                body = await r.json()
+            assert "limit 1 MiB" in body["error"]["message"] and body["error"]["type"] == "BadGatewayError"
+            assert server.proxy.admission.requests == 0 and len(server.proxy.pending) == 0
+
+    run(go())
+
+
 def test_tight_fanout_queue_still_merges_every_chunk() -> None:
     async def go() -> None:
         async with stack(fanout_queue=1, decode_kw={"chunks": 40}) as st:
@@ -212,10 +226,10 @@ def test_cli_passes_the_limits() -> None:
         "--prefiller-ports", "1", "--decoder-ports", "2", "--metaserver-port", "9000",
         "--metaserver-host", "10.0.0.1", "--body-timeout-s", "3", "--write-timeout-s", "4",
         "--max-inflight", "5", "--max-inflight-mb", "600", "--max-pending", "7", "--fanout-queue", "8",
+        "--max-answer-mb", "9",
     ]))
     assert (cfg.metaserver_port, cfg.metaserver_host, cfg.body_timeout_s, cfg.write_timeout_s) == (
         9000, "10.0.0.1", 3.0, 4.0)
-    assert (cfg.max_inflight, cfg.max_inflight_mb, cfg.max_pending, cfg.fanout_queue) == (5, 600, 7, 8)
+    assert (cfg.max_inflight, cfg.max_inflight_mb, cfg.max_pending, cfg.fanout_queue, cfg.max_answer_mb) == (
+        5, 600, 7, 8, 9)
 
-
-__all__ = ["aiohttp"]
