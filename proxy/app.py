@@ -3,9 +3,9 @@
 One request (after fan-out, see ``bodies.py``) goes:
 
 1. to the least-loaded decode, with ``do_remote_prefill`` and our metaserver URL;
-2. the decode's connector POSTs ``/v1/metaserver``; we dispatch the prefill
-   (``max_tokens=1``) to the least-loaded prefill and answer 200 once the
-   prefill request is on the wire;
+2. the decode's connector POSTs ``/v1/metaserver`` with the request's
+   registration token; we dispatch the prefill (``max_tokens=1``) to the
+   least-loaded prefill and answer 200 once the prefill request is on the wire;
 3. the decode's answer is relayed; a single stream byte for byte.
 
 Why aiohttp for both sides: its client keeps one pool per (host, port) and
@@ -19,7 +19,8 @@ and the next instance is tried (nothing was sent, so this is safe); any other
 failure before the decode produced output aborts the sub-request (decode
 connection closed, prefill request cancelled) and the client gets an
 OpenAI-style JSON error: 503 nothing reachable, 502 a backend failed or
-answered an error, 504 a deadline passed.
+answered an error, 504 a deadline passed. What a client may cost (requests,
+body memory, upload and read speed) is bounded in ``limits.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from proxy.backend import (
+    CONNECT_ERRORS,
     JSON_HEADERS,
     JSON_TYPE,
     DecodeResponse,
@@ -46,12 +48,32 @@ from proxy.backend import (
     uncancel,
 )
 from proxy.balancer import Balancer, Instance
-from proxy.bodies import CHAT, COMPLETIONS, SubRequest, decode_body, prefill_body, split_request
+from proxy.bodies import (
+    CHAT,
+    COMPLETIONS,
+    SegmentsPayload,
+    SharedBody,
+    SubRequest,
+    decode_params,
+    split_request,
+)
 from proxy.config import ProxyConfig
-from proxy.errors import ProxyError, error_body, sse_error_event
+from proxy.errors import ProxyError, sse_error_event
+from proxy.limits import (
+    MB,
+    Admission,
+    ClientStalled,
+    finish_within,
+    read_answer,
+    read_body,
+    respond,
+    write_within,
+)
 from proxy.metaserver import Pending, PendingTable
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import ProxyMetrics
+from proxy.prefill import send_prefill
+from proxy.registration import parse_envelope, parse_params, token_matches
 from proxy.relay import SSESplitter, StreamMerger, merge_responses
 
 log = logging.getLogger("proxy")
@@ -64,8 +86,9 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _DISPATCHED = _encode({"status": "dispatched"})
+# A registration is a few hundred bytes plus 4-8 per block id: 8 MiB is >1M blocks.
+META_MAX_BODY = 8 * MB
 
 
 class Proxy:
@@ -75,7 +98,8 @@ class Proxy:
         self.cfg = cfg
         self.decoders = Balancer("decode", cfg.decoders, cfg.cooldown_s)
         self.prefillers = Balancer("prefill", cfg.prefillers, cfg.cooldown_s)
-        self.pending = PendingTable()
+        self.pending = PendingTable(cfg.max_pending)
+        self.admission = Admission(cfg.max_inflight, cfg.max_inflight_mb * MB, cfg.max_body_mb * MB)
         self.metrics = ProxyMetrics([self.prefillers, self.decoders], lambda: len(self.pending))
         self.metaserver_url = cfg.metaserver_url or ""
         self._id_prefix = secrets.token_hex(6)
@@ -86,16 +110,24 @@ class Proxy:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_mb * 1024 * 1024)
+    def app(self, metaserver: bool = True) -> web.Application:
+        """The public application; ``metaserver=False`` when registrations have their own listener."""
+        app = web.Application(client_max_size=self.cfg.max_body_mb * MB)
         app.router.add_post(COMPLETIONS, self.handle_completions)
         app.router.add_post(CHAT, self.handle_chat)
-        app.router.add_post("/v1/metaserver", self.handle_metaserver)
+        if metaserver:
+            app.router.add_post("/v1/metaserver", self.handle_metaserver)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/v1/models", self.handle_models)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
+        return app
+
+    def metaserver_app(self) -> web.Application:
+        """Registrations only, for a listener on an internal interface (``--metaserver-port``)."""
+        app = web.Application(client_max_size=META_MAX_BODY)
+        app.router.add_post("/v1/metaserver", self.handle_metaserver)
         return app
 
     def _connector(self) -> aiohttp.TCPConnector:
@@ -150,6 +182,8 @@ class Proxy:
         body = {
             "status": "ok",
             "pending": len(self.pending),
+            "inflight_requests": self.admission.requests,
+            "inflight_body_bytes": self.admission.bytes,
             "prefillers": self.prefillers.snapshot(),
             "decoders": self.decoders.snapshot(),
         }
@@ -173,45 +207,45 @@ class Proxy:
                         body=data,
                         headers={"Content-Type": resp.headers.get("Content-Type", JSON_TYPE)},
                     )
-            except _CONNECT_ERRORS:
+            except CONNECT_ERRORS:
                 self.decoders.mark_down(inst)
             except (aiohttp.ClientError, TimeoutError) as e:
                 return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
         return json_error(ProxyError(503, "no decode instance reachable"))
 
     async def handle_metaserver(self, request: web.Request) -> web.Response:
-        """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire."""
-        raw = await request.read()
+        """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire.
+
+        Checked in this order, each a final 4xx: the envelope's shape (400), the
+        request id (404), the token (403, constant-time), then the params (400).
+        """
         try:
-            msg = _decode(raw)
-        except msgspec.DecodeError as e:
-            return self._meta_reject(400, f"metaserver: body is not valid JSON: {e}")
-        if not isinstance(msg, dict):
-            return self._meta_reject(400, "metaserver: body must be a JSON object")
-        rid = msg.get("proxy_request_id")
-        if not isinstance(rid, str) or not rid:
-            return self._meta_reject(
-                400, f"metaserver: 'proxy_request_id' must be a non-empty string, got {rid!r}"
-            )
-        params = msg.get("kv_transfer_params")
-        if not isinstance(params, dict):
-            return self._meta_reject(
-                400, f"metaserver: 'kv_transfer_params' must be a JSON object, got {type(params).__name__}"
-            )
-        p = self.pending.get(rid)
+            raw = await read_body(request, META_MAX_BODY, self.cfg.body_timeout_s)
+            env = parse_envelope(raw)
+        except ProxyError as e:
+            return self._meta_reject(e, "malformed")
+        p = self.pending.get(env.proxy_request_id)
         if p is None:
             self.metrics.registration("unknown")
-            return web.Response(
-                status=404,
-                body=error_body(404, f"metaserver: unknown or finished proxy_request_id {rid!r}"),
-                headers=JSON_HEADERS,
+            return json_error(
+                ProxyError(404, f"metaserver: unknown or finished proxy_request_id {env.proxy_request_id!r}")
+            )
+        if not token_matches(p.token, env.registration_token):
+            return self._meta_reject(
+                ProxyError(403, f"metaserver: wrong registration_token for {p.id!r}", "forbidden"), "forbidden"
             )
         if p.dispatched is None:
-            p.params = params
+            try:
+                p.params = msgspec.to_builtins(parse_params(env))
+            except ProxyError as e:
+                return self._meta_reject(e, "malformed")
             p.disarm_deadline()  # from here the prefill's own deadline applies
             loop = asyncio.get_running_loop()
             p.dispatched = loop.create_future()
-            task = loop.create_task(self._prefill(p))
+            assert self._psession is not None
+            task = loop.create_task(
+                send_prefill(p, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
+            )
             p.prefill_task = task
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
@@ -222,35 +256,37 @@ class Proxy:
             await asyncio.shield(p.dispatched)
         except ProxyError as e:
             self.metrics.registration("failed")
-            return web.Response(status=e.status, body=e.body(), headers=JSON_HEADERS)
+            return json_error(e)
         self.metrics.registration(result)
         return web.Response(body=_DISPATCHED, headers=JSON_HEADERS)
 
-    def _meta_reject(self, status: int, message: str) -> web.Response:
-        log.warning("%s", message)
-        self.metrics.registration("malformed")
-        return web.Response(status=status, body=error_body(status, message), headers=JSON_HEADERS)
+    def _meta_reject(self, err: ProxyError, result: str) -> web.Response:
+        log.warning("%s", err.message)
+        self.metrics.registration(result)
+        return json_error(err)
 
     # ------------------------------------------------------------------ generate
 
     async def _handle_generate(self, request: web.Request, path: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         status = 500
+        reserved: int | None = None
         try:
-            try:
-                raw = await request.read()
-            except web.HTTPException as e:  # e.g. 413 above --max-body-mb
-                raise ProxyError(e.status, f"invalid request: {e.reason}", "bad_request") from None
+            reserved = self.admission.enter(request.content_length)
+            raw = await read_body(request, self.cfg.max_body_mb * MB, self.cfg.body_timeout_s)
             try:
                 body = _decode(raw)
             except msgspec.DecodeError as e:
                 raise ProxyError(400, f"invalid request: body is not valid JSON: {e}", "bad_request") from None
+            del raw
             subs = split_request(body, path, self.cfg.max_fanout)
+            self.pending.room(len(subs))
+            shared = SharedBody(body, path)
             stream = body.get("stream") is True
             if len(subs) == 1:
-                resp = await self._single(request, path, subs[0], stream)
+                resp = await self._single(request, path, subs[0], shared, stream)
             else:
-                resp = await self._fanout(request, path, subs, stream)
+                resp = await self._fanout(request, path, subs, shared, stream)
             status = resp.status
             return resp
         except ProxyError as e:
@@ -258,16 +294,23 @@ class Proxy:
             if e.status >= 500:
                 log.warning("%s %s: %s", path, e.status, e.message)
             return json_error(e)
+        except ClientStalled as e:
+            status = 499
+            log.warning("%s: %s; connection closed", path, e)
+            raise asyncio.CancelledError from None  # the connection is gone: nothing to answer
         except asyncio.CancelledError:
             status = 499  # client went away
             raise
         finally:
+            if reserved is not None:
+                self.admission.leave(reserved)
             self.metrics.request(path, status)
             self.metrics.latency.observe(time.perf_counter() - t0)
 
-    def _new_pending(self, path: str, sub: SubRequest, auth: str | None) -> Pending:
+    def _new_pending(self, path: str, sub: SubRequest, shared: SharedBody, auth: str | None) -> Pending:
         p = Pending(self._next_id(), path, sub.body, sub.weight)
         p.auth = auth
+        p.shared = shared
         p.owner = asyncio.current_task()
         self.pending.add(p)
         p.arm_deadline(asyncio.get_running_loop(), self.cfg.register_timeout_s)
@@ -282,7 +325,7 @@ class Proxy:
         if t is not None and not t.done() and not ok:
             t.cancel()  # closes the prefill connection: vLLM aborts the request
 
-    async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str]) -> DecodeResponse:
+    async def _open_decode(self, path: str, payload: SegmentsPayload, headers: dict[str, str]) -> DecodeResponse:
         assert self._dsession is not None
         tried: list[Instance] = []
         while True:
@@ -294,7 +337,7 @@ class Proxy:
             Balancer.acquire(inst)
             try:
                 resp = await self._dsession.post(inst.url + path, data=payload, headers=headers)
-            except _CONNECT_ERRORS as e:
+            except CONNECT_ERRORS as e:
                 Balancer.release(inst)
                 self.decoders.mark_down(inst)
                 self.metrics.backend_error("decode", "connect")
@@ -309,7 +352,8 @@ class Proxy:
 
     async def _begin(self, p: Pending, stream: bool) -> DecodeResponse:
         """Forward to a decode and wait for its first output (or its whole answer)."""
-        payload = _encode(decode_body(p.body, self.metaserver_url, p.id))
+        assert p.shared is not None
+        payload = p.shared.decode_payload(p.body, decode_params(self.metaserver_url, p.id, p.token))
         d: DecodeResponse | None = None
         try:
             d = await self._open_decode(p.path, payload, backend_headers(p))
@@ -320,7 +364,7 @@ class Proxy:
                         502, f"decode {d.inst.name} ended the stream without data", "decode_eof"
                     )
             else:
-                d.data = await d.resp.read()
+                d.data = await read_answer(d.resp.content, self.cfg.max_answer_mb * MB, d.inst.name)
             p.started = True
             p.disarm_deadline()
             return d
@@ -350,22 +394,23 @@ class Proxy:
             raise ProxyError(502, f"decode {name} failed: {type(e).__name__}: {e}", "decode_error") from None
 
     async def _single(
-        self, request: web.Request, path: str, sub: SubRequest, stream: bool
+        self, request: web.Request, path: str, sub: SubRequest, shared: SharedBody, stream: bool
     ) -> web.StreamResponse:
-        p = self._new_pending(path, sub, request.headers.get("Authorization"))
+        p = self._new_pending(path, sub, shared, request.headers.get("Authorization"))
         d: DecodeResponse | None = None
         ok = False
+        wt = self.cfg.write_timeout_s
         try:
             d = await self._begin(p, stream)
             if not stream or d.status != 200:
                 ok = d.status == 200
-                return web.Response(status=d.status, body=d.data, headers={"Content-Type": d.ctype})
+                return await respond(request, d.status, d.data, d.ctype, wt)
             # Relayed as is: the decode's own content type, its bytes untouched.
             headers = dict(_SSE_HEADERS)
             headers["Content-Type"] = d.ctype
             out = web.StreamResponse(status=200, headers=headers)
             await out.prepare(request)
-            await out.write(d.data)
+            await write_within(request, out, d.data, wt)
             content = d.resp.content
             while True:
                 # Only reads are guarded: a failed write is the client's side
@@ -375,21 +420,22 @@ class Proxy:
                 except (aiohttp.ClientError, TimeoutError) as e:
                     self.metrics.backend_error("decode", "stream_broken")
                     log.warning("decode %s broke the stream of %s: %r", d.inst.name, p.id, e)
-                    await out.write(sse_error_event(502, f"decode {d.inst.name} failed mid-stream: {e!r}"))
+                    err = sse_error_event(502, f"decode {d.inst.name} failed mid-stream: {e!r}")
+                    await write_within(request, out, err, wt)
                     break
                 if not chunk:
                     ok = True
                     break
-                await out.write(chunk)
-            await out.write_eof()
+                await write_within(request, out, chunk, wt)
+            await finish_within(request, out, wt)
             return out
         finally:
             self._end(p, d, ok)
 
     # ------------------------------------------------------------------ fan-out
 
-    async def _sub_whole(self, path: str, sub: SubRequest, auth: str | None) -> DecodeResponse:
-        p = self._new_pending(path, sub, auth)
+    async def _sub_whole(self, path: str, sub: SubRequest, shared: SharedBody, auth: str | None) -> DecodeResponse:
+        p = self._new_pending(path, sub, shared, auth)
         d: DecodeResponse | None = None
         try:
             d = await self._begin(p, stream=False)
@@ -401,42 +447,51 @@ class Proxy:
         self,
         path: str,
         sub: SubRequest,
+        shared: SharedBody,
         auth: str | None,
         queue: asyncio.Queue[tuple[str, SubRequest, Any]],
     ) -> None:
-        p = self._new_pending(path, sub, auth)
+        """Feed one sub-stream into the bounded ``queue``; a full queue pauses this decode's reads.
+
+        Cancelled only once the merging side is gone, so nothing is queued then.
+        """
+        p = self._new_pending(path, sub, shared, auth)
         d: DecodeResponse | None = None
         ok = False
+        last: tuple[str, SubRequest, Any] | None = None
         try:
             d = await self._begin(p, stream=True)
             if d.status != 200:
-                queue.put_nowait(("answer", sub, d))
-                return
-            queue.put_nowait(("data", sub, d.data))
-            content = d.resp.content
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    break
-                queue.put_nowait(("data", sub, chunk))
-            ok = True
+                last = ("answer", sub, d)
+            else:
+                await queue.put(("data", sub, d.data))
+                content = d.resp.content
+                while chunk := await content.readany():
+                    await queue.put(("data", sub, chunk))
+                ok = True
         except ProxyError as e:
-            queue.put_nowait(("fail", sub, e))
+            last = ("fail", sub, e)
         except (aiohttp.ClientError, TimeoutError) as e:
             self.metrics.backend_error("decode", "stream_broken")
-            queue.put_nowait(("fail", sub, ProxyError(502, f"decode failed mid-stream: {e!r}")))
+            last = ("fail", sub, ProxyError(502, f"decode failed mid-stream: {e!r}"))
+        except Exception as e:  # a bug here must still end the merge, not hang it
+            log.exception("request %s: sub-stream failed", p.id)
+            last = ("fail", sub, ProxyError(500, f"proxy error in a sub-stream: {e!r}"))
         finally:
             self._end(p, d, ok)
-            queue.put_nowait(("end", sub, None))
+        if last is not None:
+            await queue.put(last)
+        await queue.put(("end", sub, None))
 
     async def _fanout(
-        self, request: web.Request, path: str, subs: list[SubRequest], stream: bool
+        self, request: web.Request, path: str, subs: list[SubRequest], shared: SharedBody, stream: bool
     ) -> web.StreamResponse:
         rid = ("chatcmpl-" if path == CHAT else "cmpl-") + self._next_id()
         auth = request.headers.get("Authorization")
         loop = asyncio.get_running_loop()
+        wt = self.cfg.write_timeout_s
         if not stream:
-            tasks = [loop.create_task(self._sub_whole(path, s, auth)) for s in subs]
+            tasks = [loop.create_task(self._sub_whole(path, s, shared, auth)) for s in subs]
             try:
                 results: list[DecodeResponse] = await asyncio.gather(*tasks)
             finally:
@@ -445,17 +500,18 @@ class Proxy:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for d in results:
                 if d.status != 200:
-                    return web.Response(status=d.status, body=d.data, headers={"Content-Type": d.ctype})
+                    return await respond(request, d.status, d.data, d.ctype, wt)
             try:
                 merged = merge_responses(
                     [(s.index, s.first_of_prompt, d.data) for s, d in zip(subs, results, strict=True)], rid
                 )
             except (msgspec.DecodeError, ValueError) as e:
                 raise ProxyError(502, f"decode answered malformed JSON: {e}", "decode_malformed") from None
-            return web.Response(body=merged, headers=JSON_HEADERS)
+            del results
+            return await respond(request, 200, merged, JSON_TYPE, wt)
 
-        queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue()
-        tasks = [loop.create_task(self._sub_stream(path, s, auth, queue)) for s in subs]
+        queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue(self.cfg.fanout_queue)
+        tasks = [loop.create_task(self._sub_stream(path, s, shared, auth, queue)) for s in subs]
         splitters = {id(s): SSESplitter() for s in subs}
         merger = StreamMerger(rid)
         out: web.StreamResponse | None = None
@@ -465,105 +521,44 @@ class Proxy:
                 kind, sub, value = await queue.get()
                 if kind == "end":
                     remaining -= 1
-                    continue
-                if kind == "answer":  # a decode refused the request: relay its answer
+                    # An event the decode ended without its blank line is still an event.
+                    events = splitters[id(sub)].finish()
+                    if not events:
+                        continue
+                elif kind == "answer":  # a decode refused the request: relay its answer
                     if out is None:
-                        return web.Response(
-                            status=value.status, body=value.data, headers={"Content-Type": value.ctype}
-                        )
+                        return await respond(request, value.status, value.data, value.ctype, wt)
                     value = ProxyError(502, f"decode answered HTTP {value.status}: {snippet(value.data)}")
                     kind = "fail"
                 if kind == "fail":
                     if out is None:
                         raise value
-                    await out.write(sse_error_event(value.status, value.message))
-                    await out.write_eof()
+                    await write_within(request, out, sse_error_event(value.status, value.message), wt)
+                    await finish_within(request, out, wt)
                     return out
                 try:
-                    events = splitters[id(sub)].feed(value)
+                    if kind == "data":
+                        events = splitters[id(sub)].feed(value)
                     parts = [merger.rewrite(e, sub.index, sub.first_of_prompt) for e in events]
                 except (msgspec.DecodeError, ValueError) as e:
                     err = ProxyError(502, f"decode sent a malformed stream chunk: {e}", "decode_malformed")
                     if out is None:
                         raise err from None
-                    await out.write(sse_error_event(err.status, err.message))
-                    await out.write_eof()
+                    await write_within(request, out, sse_error_event(err.status, err.message), wt)
+                    await finish_within(request, out, wt)
                     return out
                 data = b"".join(x for x in parts if x)
                 if out is None:
                     out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
                     await out.prepare(request)
                 if data:
-                    await out.write(data)
+                    await write_within(request, out, data, wt)
             if out is None:
                 raise ProxyError(502, "decode streams ended without data", "decode_eof")
-            await out.write(merger.finish())
-            await out.write_eof()
+            await write_within(request, out, merger.finish(), wt)
+            await finish_within(request, out, wt)
             return out
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    # ------------------------------------------------------------------ prefill
-
-    async def _prefill(self, p: Pending) -> None:
-        """Step 4: send the prefill; on failure abort the sub-request with the error."""
-        assert self._psession is not None and p.dispatched is not None and p.params is not None
-        dispatched = p.dispatched
-        payload = _encode(prefill_body(p.body, p.path, p.params))
-        headers = backend_headers(p)
-        tried: list[Instance] = []
-        try:
-            while True:
-                inst = self.prefillers.pick(tried)
-                if inst is None:
-                    names = ", ".join(i.name for i in tried)
-                    raise ProxyError(503, f"no prefill instance reachable (tried {names})", "prefill_down")
-                tried.append(inst)
-                Balancer.acquire(inst, p.weight)
-                try:
-                    async with self._psession.post(
-                        inst.url + p.path, data=payload, headers=headers, trace_request_ctx=p
-                    ) as resp:
-                        if not dispatched.done():
-                            dispatched.set_result(True)
-                        data = await resp.read()
-                        if resp.status >= 300:
-                            raise ProxyError(
-                                502,
-                                f"prefill {inst.name} answered HTTP {resp.status}: {snippet(data)}",
-                                "prefill_status",
-                            )
-                    if inst.down_until:
-                        Balancer.mark_up(inst)
-                    return
-                except _CONNECT_ERRORS as e:
-                    self.prefillers.mark_down(inst)
-                    self.metrics.backend_error("prefill", "connect")
-                    log.warning("prefill %s unreachable: %s", inst.name, e)
-                    continue
-                except TimeoutError:
-                    raise ProxyError(
-                        504,
-                        f"prefill {inst.name} did not answer within {self.cfg.timeout_s:g} s",
-                        "prefill_timeout",
-                    ) from None
-                except aiohttp.ClientError as e:
-                    raise ProxyError(
-                        502, f"prefill {inst.name} failed: {type(e).__name__}: {e}", "prefill_error"
-                    ) from None
-                finally:
-                    Balancer.release(inst, p.weight)
-        except ProxyError as e:
-            self.metrics.backend_error("prefill", e.kind)
-            log.warning("request %s: %s", p.id, e.message)
-            if not dispatched.done():
-                dispatched.set_exception(e)
-                dispatched.exception()
-            p.fail(e)
-        except asyncio.CancelledError:
-            if not dispatched.done():
-                dispatched.set_exception(ProxyError(404, f"request {p.id} was aborted", "aborted"))
-                dispatched.exception()
-            raise

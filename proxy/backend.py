@@ -15,6 +15,8 @@ from proxy.metaserver import Pending
 
 JSON_TYPE = "application/json"
 JSON_HEADERS = {"Content-Type": JSON_TYPE}
+# Nothing was sent: safe to try the next instance.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def uncancel() -> None:
@@ -44,7 +46,14 @@ def backend_headers(p: Pending) -> dict[str, str]:
 
 
 def json_error(err: ProxyError) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), headers=JSON_HEADERS)
+    """The OpenAI-style answer of ``err``, with ``Retry-After`` / connection close when it says so."""
+    headers = JSON_HEADERS
+    if err.retry_after is not None:
+        headers = {**JSON_HEADERS, "Retry-After": str(err.retry_after)}
+    resp = web.Response(status=err.status, body=err.body(), headers=headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 class DecodeResponse:

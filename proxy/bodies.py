@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.payload import Payload
+
 from proxy.errors import ProxyError
+
+_encode = msgspec.json.encode
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -121,32 +127,118 @@ def split_request(body: Any, path: str, max_fanout: int = 1024) -> list[SubReque
     return subs
 
 
-def decode_body(sub: dict[str, Any], metaserver_url: str, proxy_request_id: str) -> dict[str, Any]:
-    """Step 2 of the contract: the decode request asks for a remote prefill."""
-    body = dict(sub)
-    body["kv_transfer_params"] = {
+# Keys a sub-request sets itself; everything else is shared by all sub-requests.
+_SUB_KEYS = frozenset(("prompt", "n", "seed", "kv_transfer_params"))
+# Sampling fields that contradict a one-token, non-streamed prefill and make
+# vLLM reject it (stream_options needs stream; min_tokens must be <= max_tokens).
+_PREFILL_DROP = frozenset(("stream_options", "min_tokens", "n"))
+_PREFILL_SET = frozenset(("max_tokens", "max_completion_tokens", "stream"))
+
+
+def _tail(d: dict[str, Any]) -> memoryview | None:
+    """``d`` encoded without its opening brace (a view: no copy), None when empty."""
+    return memoryview(_encode(d))[1:] if d else None
+
+
+class SharedBody:
+    """A client body's JSON, encoded once and shared by all of its sub-requests.
+
+    Why: a fanned-out request (``n`` samples of one prompt) would otherwise
+    encode the whole prompt once per sub-request and per backend — ``n``
+    copies of a 1 MiB prompt are ``n`` MiB. Here the keys common to all
+    sub-requests and each distinct prompt are encoded once; a backend body is
+    a list of segments (views of those bytes plus a few small per-request
+    fields) written to the socket one after the other (``SegmentsPayload``).
+    """
+
+    __slots__ = ("_decode_tail", "_prefill_tail", "_prompts")
+
+    def __init__(self, body: dict[str, Any], path: str) -> None:
+        rest = {k: v for k, v in body.items() if k not in _SUB_KEYS}
+        self._decode_tail = _tail(rest)
+        pre = {k: v for k, v in rest.items() if k not in _PREFILL_DROP and k not in _PREFILL_SET}
+        pre["max_tokens"] = 1
+        if path == CHAT:
+            pre["max_completion_tokens"] = 1
+        pre["stream"] = False
+        self._prefill_tail = _tail(pre)
+        self._prompts: dict[int, bytes] = {}  # id(prompt object) -> its JSON
+
+    def _prompt(self, prompt: Any) -> bytes:
+        # Sub-requests of one prompt share the prompt object (split_request),
+        # which stays alive as long as they do: its id is a stable key.
+        enc = self._prompts.get(id(prompt))
+        if enc is None:
+            enc = self._prompts[id(prompt)] = _encode(prompt)
+        return enc
+
+    def _segments(
+        self, sub: dict[str, Any], own: dict[str, Any], tail: memoryview | None
+    ) -> list[bytes | memoryview]:
+        head = memoryview(_encode(own))  # never empty: kv_transfer_params is in it
+        segs: list[bytes | memoryview] = []
+        if "prompt" in sub:
+            segs += [b'{"prompt":', self._prompt(sub["prompt"]), b",", head[1:-1]]
+        else:
+            segs.append(head[:-1])
+        if tail is None:
+            segs.append(b"}")
+        else:
+            segs += [b",", tail]
+        return segs
+
+    def decode_payload(self, sub: dict[str, Any], kv: dict[str, Any]) -> SegmentsPayload:
+        """Step 2 of the contract: the sub-request as is, asking for a remote prefill (``kv``)."""
+        own = {k: sub[k] for k in ("n", "seed") if k in sub}
+        own["kv_transfer_params"] = kv
+        return SegmentsPayload(self._segments(sub, own, self._decode_tail))
+
+    def prefill_payload(self, sub: dict[str, Any], registered: dict[str, Any]) -> SegmentsPayload:
+        """Step 4: one token, not streamed, the decode's registered parameters attached."""
+        own: dict[str, Any] = {"seed": sub["seed"]} if "seed" in sub else {}
+        # Literal contract order: the proxy's role flags first, decode's keys after.
+        own["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, **registered}
+        return SegmentsPayload(self._segments(sub, own, self._prefill_tail))
+
+
+def decode_params(metaserver_url: str, proxy_request_id: str, token: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a decode gets: the metaserver to register at, and how."""
+    return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "metaserver": metaserver_url,
         "proxy_request_id": proxy_request_id,
+        "registration_token": token,
     }
-    return body
 
 
-# Sampling fields that contradict a one-token, non-streamed prefill and make
-# vLLM reject it (stream_options needs stream; min_tokens must be <= max_tokens).
-_PREFILL_DROP = ("stream_options", "min_tokens", "n")
+class SegmentsPayload(Payload):
+    """A request body written as several buffers (shared between requests, never joined)."""
 
+    _autoclose = True
 
-def prefill_body(sub: dict[str, Any], path: str, registered: dict[str, Any]) -> dict[str, Any]:
-    """Step 4 of the contract: one token, not streamed, decode's parameters attached."""
-    body = dict(sub)
-    for key in _PREFILL_DROP:
-        body.pop(key, None)
-    body["max_tokens"] = 1
-    if path == CHAT:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    # Literal contract order: decode's registered keys come last.
-    body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, **registered}
-    return body
+    def __init__(self, segments: list[bytes | memoryview]) -> None:
+        super().__init__(segments, content_type="application/json")
+        self._size = sum(len(s) for s in segments)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._value)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        for seg in self._value:
+            await writer.write(seg)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        if content_length is None:
+            await self.write(writer)
+            return
+        left = content_length
+        for seg in self._value:
+            if left <= 0:
+                break
+            part = seg[:left]
+            await writer.write(part)
+            left -= len(part)

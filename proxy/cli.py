@@ -63,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
     ap.add_argument("--decoder-ports", nargs="+", required=True)
     ap.add_argument("--metaserver-url", default=None,
-                    help="URL decode instances register at (default http://<host>:<port>/v1/metaserver)")
+                    help="URL decode instances register at (default: the metaserver listener's "
+                         "/v1/metaserver)")
+    ap.add_argument("--metaserver-port", type=int, default=None,
+                    help="serve /v1/metaserver on its own listener at this port (default: on --port)")
+    ap.add_argument("--metaserver-host", default=None,
+                    help="address of the metaserver listener, e.g. an interface only decodes reach "
+                         "(default: --host)")
     ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="deadline for a prefill answer and for each read from a decode")
     ap.add_argument("--register-timeout-s", type=float, default=60.0,
@@ -79,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="limit on prompts x n of one request")
     ap.add_argument("--max-body-mb", type=int, default=64,
                     help="largest accepted client request body (long token-id prompts)")
+    ap.add_argument("--body-timeout-s", type=float, default=30.0,
+                    help="a request body must arrive within this (else 408, connection closed)")
+    ap.add_argument("--write-timeout-s", type=float, default=60.0,
+                    help="a client that takes no data for this long is disconnected")
+    ap.add_argument("--max-inflight", type=int, default=1024,
+                    help="client requests served at once; more get 429 with Retry-After")
+    ap.add_argument("--max-inflight-mb", type=int, default=1024,
+                    help="request bodies held at once; more get 503 with Retry-After")
+    ap.add_argument("--max-pending", type=int, default=16384,
+                    help="sub-requests in the metaserver registry at once; more get 503")
+    ap.add_argument("--fanout-queue", type=int, default=64,
+                    help="stream chunks buffered between a fan-out's decodes and its client")
+    ap.add_argument("--max-answer-mb", type=int, default=256,
+                    help="largest non-streamed decode answer read (502 above it)")
     ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
                     help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
@@ -92,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         host=args.host,
         port=args.port,
         metaserver_url=args.metaserver_url,
+        metaserver_host=args.metaserver_host,
+        metaserver_port=args.metaserver_port,
         timeout_s=args.timeout_s,
         register_timeout_s=args.register_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
@@ -100,6 +122,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_connections=args.max_connections,
         max_fanout=args.max_fanout,
         max_body_mb=args.max_body_mb,
+        body_timeout_s=args.body_timeout_s,
+        write_timeout_s=args.write_timeout_s,
+        max_inflight=args.max_inflight,
+        max_inflight_mb=args.max_inflight_mb,
+        max_pending=args.max_pending,
+        fanout_queue=args.fanout_queue,
+        max_answer_mb=args.max_answer_mb,
     )
 
 

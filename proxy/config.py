@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Timers beyond this (a week) are a typo, and inf/1e300 overflow the event loop's timers.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 
 @dataclass
 class ProxyConfig:
@@ -13,8 +16,13 @@ class ProxyConfig:
     decoders: list[tuple[str, int]]
     host: str = "127.0.0.1"
     port: int = 8000
-    # URL decode instances POST registrations to; default derived from host/port.
+    # URL decode instances POST registrations to; default derived from the
+    # metaserver listener (its own when metaserver_port is set, else host/port).
     metaserver_url: str | None = None
+    # A separate listener for /v1/metaserver (None: served on the public one).
+    # Bind it to an interface only the decode instances reach.
+    metaserver_host: str | None = None
+    metaserver_port: int | None = None
     # Deadline for a prefill answer, and for each read from a decode.
     timeout_s: float = 600.0
     # The decode must register (or answer) within this after being forwarded.
@@ -29,20 +37,49 @@ class ProxyConfig:
     max_connections: int = 0
     max_fanout: int = 1024
     max_body_mb: int = 64
+    # A client (or registering decode) must deliver its whole body within this;
+    # a stalled upload gets 408 and its connection closed.
+    body_timeout_s: float = 30.0
+    # A write to a client that stops reading may wait this long, then the
+    # connection is closed and both backends are aborted.
+    write_timeout_s: float = 60.0
+    # Client requests served at once; more get 429 with Retry-After.
+    max_inflight: int = 1024
+    # Request bodies held at once (Content-Length, or max_body_mb when unknown);
+    # more get 503 with Retry-After.
+    max_inflight_mb: int = 1024
+    # Sub-requests waiting in the metaserver registry; more get 503.
+    max_pending: int = 16384
+    # Chunks buffered between the sub-streams of a fan-out and the client.
+    fanout_queue: int = 64
+    # Largest non-streamed decode answer read (502 above it).
+    max_answer_mb: int = 256
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "register_timeout_s", "connect_timeout_s", "keepalive_s"):
+        _check_port("port", self.port)
+        if self.metaserver_port is not None:
+            _check_port("metaserver_port", self.metaserver_port)
+        for key in ("timeout_s", "register_timeout_s", "connect_timeout_s", "keepalive_s",
+                    "body_timeout_s", "write_timeout_s"):
             value = getattr(self, key)
-            if not value > 0:
-                raise ValueError(f"{key} must be > 0, got {value!r}")
-        if self.cooldown_s < 0:
-            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s!r}")
+            if not 0 < value <= MAX_TIMEOUT_S:
+                raise ValueError(f"{key} must be > 0 and <= {MAX_TIMEOUT_S:g} s, got {value!r}")
+        if not 0 <= self.cooldown_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"cooldown_s must be >= 0 and <= {MAX_TIMEOUT_S:g} s, got {self.cooldown_s!r}")
         if self.max_connections < 0:
             raise ValueError(f"max_connections must be >= 0, got {self.max_connections!r}")
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
-        if self.max_body_mb < 1:
-            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb!r}")
+        for key in ("max_body_mb", "max_inflight", "max_inflight_mb", "max_pending", "fanout_queue",
+                    "max_answer_mb"):
+            value = getattr(self, key)
+            if not value >= 1:
+                raise ValueError(f"{key} must be >= 1, got {value!r}")
+        if self.max_inflight_mb < self.max_body_mb:
+            raise ValueError(
+                f"max_inflight_mb ({self.max_inflight_mb}) must be >= max_body_mb ({self.max_body_mb}):"
+                " a largest-size request could never be admitted"
+            )
         if not self.prefillers:
             raise ValueError("at least one prefill instance is required")
         if not self.decoders:
@@ -51,3 +88,9 @@ class ProxyConfig:
             for host, port in addrs:
                 if not host or not 0 < int(port) < 65536:
                     raise ValueError(f"bad {role} address {host!r}:{port!r}")
+
+
+def _check_port(key: str, value: object) -> None:
+    """0 (pick a free port) .. 65535; anything else is an error, never wrapped around."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{key} must be an integer in 0..65535, got {value!r}")

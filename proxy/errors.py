@@ -11,9 +11,12 @@ import msgspec
 
 _TYPES: dict[int, str] = {
     400: "BadRequestError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
     409: "ConflictError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
     499: "ClientClosedRequest",
     500: "InternalServerError",
     502: "BadGatewayError",
@@ -25,12 +28,25 @@ _TYPES: dict[int, str] = {
 class ProxyError(Exception):
     """A failure with the HTTP status the client should receive."""
 
-    def __init__(self, status: int, message: str, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        *,
+        retry_after: int | None = None,
+        close: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         # ``kind`` is a short machine label for metrics (e.g. "prefill_down").
         self.kind = kind or _TYPES.get(status, "error")
+        # Seconds for a ``Retry-After`` header (overload answers: 429/503).
+        self.retry_after = retry_after
+        # Close the connection after answering: the request body was not read
+        # to its end (too large, stalled), so the connection cannot be reused.
+        self.close = close
 
     def body(self) -> bytes:
         return error_body(self.status, self.message)

@@ -6,15 +6,25 @@ and, once the decode registered, the prefill dispatch. Failures before the
 decode produced any output cancel the task that serves the client, which then
 answers with the error and closes the decode connection; failures after
 that only get logged (the decode already has what it needs).
+
+Each ``Pending`` carries a fresh ``secrets.token_urlsafe`` token that only the
+decode it was forwarded to receives; a registration must present it. The table
+is bounded: an entry lives only as long as its client request (the
+registration deadline fails that request when the decode stays silent), and
+beyond ``cap`` entries new sub-requests are refused with 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import secrets
+from typing import TYPE_CHECKING, Any
 
 from proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from proxy.bodies import SharedBody
 
 log = logging.getLogger("proxy.metaserver")
 
@@ -34,7 +44,9 @@ class Pending:
         "params",
         "path",
         "prefill_task",
+        "shared",
         "started",
+        "token",
         "weight",
     )
 
@@ -44,6 +56,9 @@ class Pending:
         self.body = body
         self.weight = weight
         self.auth: str | None = None  # the client's Authorization header, passed on
+        # Handed only to the decode this sub-request goes to; required to register.
+        self.token = secrets.token_urlsafe(24)
+        self.shared: SharedBody | None = None  # the encoded body, shared with sibling sub-requests
         self.params: dict[str, Any] | None = None
         self.dispatched: asyncio.Future[bool] | None = None
         self.prefill_task: asyncio.Task[None] | None = None
@@ -91,12 +106,24 @@ class Pending:
 class PendingTable:
     """proxy_request_id -> Pending, for the metaserver endpoint's lookups."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = 16384) -> None:
+        self.cap = cap
         self._items: dict[str, Pending] = {}
+
+    def room(self, count: int) -> None:
+        """Raise 503 unless ``count`` more entries fit (checked before a request starts)."""
+        if len(self._items) + count > self.cap:
+            raise ProxyError(
+                503,
+                f"the proxy has {len(self._items)} sub-requests in flight (limit {self.cap}); retry later",
+                "overloaded",
+                retry_after=1,
+            )
 
     def add(self, p: Pending) -> None:
         if p.id in self._items:
             raise KeyError(f"duplicate proxy_request_id {p.id!r}")
+        self.room(1)
         self._items[p.id] = p
 
     def get(self, request_id: str) -> Pending | None:

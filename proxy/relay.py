@@ -42,6 +42,14 @@ class SSESplitter:
     def pending(self) -> bytes:
         return self._buf
 
+    def finish(self) -> list[bytes]:
+        """The stream ended: its last event counts even without the closing blank line."""
+        buf, self._buf = self._buf, b""
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        payload = _event_data(buf.strip(b"\n"))
+        return [payload] if payload is not None else []
+
 
 def _event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` lines of one SSE event (None for comments/empty events)."""

@@ -41,7 +41,8 @@ class ProxyServer:
         self.port = cfg.port
         # In-flight requests get this long to finish on shutdown, then are cut.
         self.shutdown_grace_s = shutdown_grace_s
-        self._runner: web.AppRunner | None = None
+        self.metaserver_port: int | None = None  # bound port of the separate metaserver listener
+        self._runners: list[web.AppRunner] = []
 
     @property
     def url(self) -> str:
@@ -50,20 +51,43 @@ class ProxyServer:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
-    async def start(self) -> int:
-        self._runner = web.AppRunner(
-            self.proxy.app(),
+    async def _site(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(
+            app,
             access_log=None,
             handler_cancellation=True,
             handle_signals=False,
             shutdown_timeout=self.shutdown_grace_s,
+            # A body we refused (413/408/429) is not drained for aiohttp's default
+            # 10 s: the connection closes right after the answer.
+            lingering_time=0,
         )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=2048, reuse_address=True)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
         await site.start()
-        self.port = bound_port(site)
-        if not self.cfg.metaserver_url:
-            self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
+        return bound_port(site)
+
+    async def start(self) -> int:
+        cfg = self.cfg
+        separate = cfg.metaserver_port is not None
+        try:
+            self.port = await self._site(self.proxy.app(metaserver=not separate), cfg.host, cfg.port)
+            if cfg.metaserver_port is not None:
+                meta_host = cfg.metaserver_host or cfg.host
+                self.metaserver_port = await self._site(self.proxy.metaserver_app(), meta_host,
+                                                        cfg.metaserver_port)
+        except BaseException:
+            await self.stop()
+            raise
+        if not cfg.metaserver_url:
+            if self.metaserver_port is None:
+                self.proxy.metaserver_url = f"{self.url}/v1/metaserver"
+            else:
+                host = advertised_host(cfg.metaserver_host or cfg.host)
+                if ":" in host:
+                    host = f"[{host}]"
+                self.proxy.metaserver_url = f"http://{host}:{self.metaserver_port}/v1/metaserver"
         log.info(
             "proxy on %s:%d, metaserver %s, %d prefill, %d decode",
             self.cfg.host,
@@ -75,6 +99,6 @@ class ProxyServer:
         return self.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        runners, self._runners = self._runners, []
+        for runner in reversed(runners):
+            await runner.cleanup()

@@ -133,7 +133,8 @@ class DecodeRequests:
             self.registrar.submit(rid, str(url), str(prid), DecodeRegistration(
                 remote_engine_id=ep.engine_id, remote_host=ep.host, remote_port=ep.kv_port,
                 remote_tp_size=ep.tp_size, remote_dp_rank=ep.dp_rank, remote_request_id=rid,
-                remote_block_ids=list(wire_dst), remote_block_offset=wire_first))
+                remote_block_ids=list(wire_dst), remote_block_offset=wire_first),
+                registration_token=params.get("registration_token"))
 
     def take_step(self) -> DecodeStep:
         """This step's new loads, failures (refused or late registrations) and cancels."""

@@ -1,7 +1,9 @@
 """Decode -> proxy metaserver registration, with retries and one deadline.
 
 The decode scheduler tells the proxy where prefill should send readiness
-(``POST /v1/metaserver`` with ``proxy_request_id`` and ``kv_transfer_params``);
+(``POST /v1/metaserver`` with ``proxy_request_id``, the ``registration_token``
+the proxy handed this decode in the request's ``kv_transfer_params``, and
+``kv_transfer_params``);
 the proxy then dispatches the prefill. A proxy restart or a brief network
 blip must not lose the request, so connection errors and 5xx are retried with
 capped exponential backoff; a 4xx (unknown id, malformed body) is final. The
@@ -79,6 +81,7 @@ def register(
     proxy_request_id: str,
     kv_transfer_params: DecodeRegistration | Mapping[str, Any],
     *,
+    registration_token: str | None = None,
     timeout_s: float = 30.0,
     retries: int = 5,
     backoff_s: float = 0.05,
@@ -92,7 +95,10 @@ def register(
         raise RegistrationError("proxy_request_id is empty")
     params = (kv_transfer_params.to_wire() if isinstance(kv_transfer_params, DecodeRegistration)
               else dict(kv_transfer_params))
-    body = {"proxy_request_id": proxy_request_id, "kv_transfer_params": params}
+    body: dict[str, Any] = {"proxy_request_id": proxy_request_id}
+    if registration_token is not None:  # the proxy requires it: proof this decode got the request
+        body["registration_token"] = registration_token
+    body["kv_transfer_params"] = params
     deadline = time.monotonic() + timeout_s
     own = client is None
     http = client or httpx.Client()
@@ -146,9 +152,11 @@ class Registrar:
         self._futures: dict[str, cf.Future[dict[str, Any]]] = {}
 
     def submit(self, request_id: str, url: str, proxy_request_id: str,
-               kv_transfer_params: DecodeRegistration | Mapping[str, Any]) -> None:
+               kv_transfer_params: DecodeRegistration | Mapping[str, Any],
+               registration_token: str | None = None) -> None:
         self._futures[request_id] = self._pool.submit(
             register, url, proxy_request_id, kv_transfer_params,
+            registration_token=registration_token,
             timeout_s=self.timeout_s, retries=self.retries, client=self._client,
         )
 

@@ -275,6 +275,7 @@ class FakeBackend:
         assert self._session is not None
         msg = {
             "proxy_request_id": params.get("proxy_request_id"),
+            "registration_token": params.get("registration_token"),
             "kv_transfer_params": {
                 "remote_engine_id": f"fake-decode-{self.port}",
                 "remote_host": self.host,

@@ -139,3 +139,29 @@ def test_console_script_entry_point() -> None:
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ))
     assert out.returncode == 0 and "--decoder-ports" in out.stdout
+
+
+def test_cli_metaserver_on_an_internal_listener(procs: Procs) -> None:
+    from ascend_offload.testing.servers import free_port
+
+    meta_port = free_port()
+    _, pre_port = procs.start(["-m", FB, "--role", "prefill"])
+    _, dec_port = procs.start(["-m", FB, "--role", "decode", "--wait-kv"])
+    _, port = _proxy(procs, pre_port, dec_port, "--metaserver-host", "127.0.0.1",
+                     "--metaserver-port", str(meta_port))
+    base = f"http://127.0.0.1:{port}"
+    status, raw = _http(base + "/v1/completions", {"prompt": "a b", "max_tokens": 4})
+    assert status == 200, raw
+    (sent,) = _state(dec_port)["received"]
+    kv = sent["kv_transfer_params"]
+    assert kv["metaserver"] == f"http://127.0.0.1:{meta_port}/v1/metaserver" and kv["registration_token"]
+    # The public listener does not take registrations.
+    msg = {"proxy_request_id": kv["proxy_request_id"], "registration_token": kv["registration_token"],
+           "kv_transfer_params": {}}
+    assert _http(base + "/v1/metaserver", msg)[0] in (404, 405)
+
+
+def test_cli_refuses_an_out_of_range_port() -> None:
+    out = subprocess.run([sys.executable, "-m", "proxy.cli", "--port", "70000", "--prefiller-ports", "1",
+                          "--decoder-ports", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "got 70000" in out.stderr

@@ -26,9 +26,12 @@ class Recorder:
     def __init__(self) -> None:
         self.submitted: list[tuple[str, str, str, DecodeRegistration]] = []
         self.results: dict[str, BaseException | None] = {}
+        self.tokens: list[str | None] = []
 
-    def submit(self, request_id: str, url: str, proxy_request_id: str, params: DecodeRegistration) -> None:
+    def submit(self, request_id: str, url: str, proxy_request_id: str, params: DecodeRegistration,
+               registration_token: str | None = None) -> None:
         self.submitted.append((request_id, url, proxy_request_id, params))
+        self.tokens.append(registration_token)
 
     def poll(self) -> dict[str, BaseException | None]:
         out, self.results = self.results, {}

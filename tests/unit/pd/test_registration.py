@@ -6,6 +6,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
 import pytest
 
 from ascend_offload.pd.registration import (
@@ -15,7 +16,8 @@ from ascend_offload.pd.registration import (
     RegistrationError,
     register,
 )
-from proxy.bodies import prefill_body
+from proxy.bodies import SharedBody
+from proxy.registration import RegisteredParams
 
 
 class Meta:
@@ -143,7 +145,9 @@ def test_registration_struct_round_trips_through_the_proxy_contract():
     assert sorted(wire) == sorted(["remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
                                    "remote_dp_rank", "remote_request_id", "remote_block_ids",
                                    "remote_block_offset"])
-    body = prefill_body({"prompt": "x"}, "/v1/completions", json.loads(json.dumps(wire)))
+    registered = msgspec.to_builtins(msgspec.json.decode(json.dumps(wire), type=RegisteredParams))
+    sub = {"prompt": "x"}
+    body = json.loads(b"".join(SharedBody(sub, "/v1/completions").prefill_payload(sub, registered)._value))
     assert DecodeRegistration.from_params(body["kv_transfer_params"]) == reg
 
 

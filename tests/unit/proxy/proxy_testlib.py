@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from ascend_offload.testing.fake_backends import FakeBackend
 from proxy.config import ProxyConfig
-from proxy.server import ProxyServer
+from proxy.server import ProxyServer, bound_port
 
 HANG_GUARD_S = 60.0  # a deadlock guard for each test, not a performance threshold
 
@@ -117,3 +118,46 @@ async def until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return pred()
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application) -> AsyncIterator[int]:
+    """Run a hand-written backend on a free loopback port; yields the port."""
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield bound_port(site)
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def proxy_for(prefill_ports: list[int], decode_ports: list[int], **cfg: Any) -> AsyncIterator[ProxyServer]:
+    """A proxy in front of the given backends (port 0: a free one)."""
+    server = ProxyServer(
+        ProxyConfig(
+            prefillers=[("127.0.0.1", p) for p in prefill_ports],
+            decoders=[("127.0.0.1", p) for p in decode_ports],
+            port=0,
+            **cfg,
+        )
+    )
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def raw_request(
+    port: int, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection and send a request head (and ``body``) as is, e.g. to stall its upload."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    writer.write(head.encode() + body)
+    await writer.drain()
+    return reader, writer

@@ -9,7 +9,7 @@ from typing import Any
 from proxy_testlib import dead_port, run, stack, until
 
 from ascend_offload.testing.fake_backends import expected_texts
-from proxy.bodies import COMPLETIONS
+from proxy.bodies import COMPLETIONS, SharedBody
 from proxy.metaserver import Pending
 
 CMPL = "/v1/completions"
@@ -244,20 +244,26 @@ def test_decode_drops_connection_502() -> None:
     run(go())
 
 
+def _reg(rid: str, token: str, **params: Any) -> dict[str, Any]:
+    kv = {"remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r", "remote_block_ids": [0]}
+    return {"proxy_request_id": rid, "registration_token": token, "kv_transfer_params": {**kv, **params}}
+
+
 def test_metaserver_rejects_malformed_and_unknown_and_keeps_serving() -> None:
     async def go() -> None:
         async with stack() as st:
             meta = "/v1/metaserver"
             status, body = await st.post(meta, None, raw=b"{not json")
-            assert status == 400 and "JSON" in body["error"]["message"]
+            assert status == 400 and "malformed" in body["error"]["message"]
             status, body = await st.post(meta, [1])
             assert status == 400
-            status, body = await st.post(meta, {"kv_transfer_params": {}})
-            assert status == 400 and "'proxy_request_id'" in body["error"]["message"]
-            status, body = await st.post(meta, {"proxy_request_id": "x", "kv_transfer_params": 3})
-            assert status == 400 and "'kv_transfer_params'" in body["error"]["message"]
-            status, body = await st.post(meta, {"proxy_request_id": "nope", "kv_transfer_params": {}})
+            status, body = await st.post(meta, {"kv_transfer_params": {}, "registration_token": "t"})
+            assert status == 400 and "`proxy_request_id`" in body["error"]["message"]
+            status, body = await st.post(meta, {"proxy_request_id": "x", "kv_transfer_params": {}})
+            assert status == 400 and "`registration_token`" in body["error"]["message"]
+            status, body = await st.post(meta, _reg("nope", "t"))
             assert status == 404 and "nope" in body["error"]["message"]
+            assert body["error"]["type"] == "NotFoundError"
             status, body = await st.post(CMPL, {"prompt": "still alive"})
             assert status == 200
             _, metrics = await st.get("/metrics")
@@ -272,14 +278,17 @@ def test_duplicate_registration_dispatches_once() -> None:
         async with stack() as st:
             proxy = st.server.proxy
             p = Pending("dup-1", COMPLETIONS, {"prompt": "p"}, 1)
+            p.shared = SharedBody(p.body, COMPLETIONS)
             proxy.pending.add(p)
-            msg = {"proxy_request_id": "dup-1", "kv_transfer_params": {"remote_port": dead_port()}}
+            msg = _reg("dup-1", p.token, remote_port=dead_port())
             results = await asyncio.gather(*(st.post("/v1/metaserver", msg) for _ in range(3)))
             assert [r[0] for r in results] == [200, 200, 200]
             assert all(r[1] == {"status": "dispatched"} for r in results)
             assert await until(lambda: len(st.prefills[0].received) == 1)
-            await asyncio.sleep(0.05)
-            assert len(st.prefills[0].received) == 1
+            _, metrics = await st.get("/metrics")
+            assert 'ascend_offload_proxy_metaserver_registrations_total{result="dispatched"} 1.0' in metrics
+            assert 'ascend_offload_proxy_metaserver_registrations_total{result="duplicate"} 2.0' in metrics
+            assert st.prefills[0].stats["requests"] == 1
             proxy.pending.finish(p)
             status, _ = await st.post("/v1/metaserver", msg)
             assert status == 404

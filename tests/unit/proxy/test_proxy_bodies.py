@@ -1,8 +1,21 @@
 from __future__ import annotations
 
-import pytest
+import asyncio
+import json
+from typing import Any
 
-from proxy.bodies import CHAT, COMPLETIONS, decode_body, prefill_body, split_request
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.bodies import (
+    CHAT,
+    COMPLETIONS,
+    SegmentsPayload,
+    SharedBody,
+    decode_params,
+    split_request,
+)
 from proxy.errors import ProxyError
 
 
@@ -69,26 +82,93 @@ def test_fanout_limit() -> None:
         split_request({"prompt": ["a", "b"], "n": 3}, COMPLETIONS, max_fanout=4)
 
 
+def _joined(payload: SegmentsPayload) -> Any:
+    data = b"".join(payload._value)
+    assert payload.size == len(data)
+    return json.loads(data)
+
+
 def test_decode_body_asks_for_remote_prefill() -> None:
-    body = decode_body({"prompt": "x", "kv_transfer_params": {"junk": 1}}, "http://p:1/v1/metaserver", "id-1")
-    assert body["kv_transfer_params"] == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "metaserver": "http://p:1/v1/metaserver",
-        "proxy_request_id": "id-1",
+    sub = {"prompt": "x", "kv_transfer_params": {"junk": 1}, "temperature": 0.5}
+    body = _joined(SharedBody(sub, COMPLETIONS).decode_payload(sub, decode_params("http://p:1/v1/metaserver",
+                                                                                   "id-1", "tok")))
+    assert body == {
+        "prompt": "x",
+        "temperature": 0.5,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "metaserver": "http://p:1/v1/metaserver",
+            "proxy_request_id": "id-1",
+            "registration_token": "tok",
+        },
     }
 
 
 def test_prefill_body_one_token_not_streamed_with_registered_params() -> None:
     sub = {"prompt": "x", "max_tokens": 99, "min_tokens": 5, "stream": True,
            "stream_options": {"include_usage": True}, "temperature": 0.0}
-    body = prefill_body(sub, COMPLETIONS, {"remote_host": "h", "remote_port": 5})
+    body = _joined(SharedBody(sub, COMPLETIONS).prefill_payload(sub, {"remote_host": "h", "remote_port": 5}))
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "stream_options" not in body and "min_tokens" not in body and "max_completion_tokens" not in body
-    assert body["temperature"] == 0.0
-    assert body["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_host": "h", "remote_port": 5
-    }
+    assert body["temperature"] == 0.0 and body["prompt"] == "x"
+    assert list(body["kv_transfer_params"].items()) == [
+        ("do_remote_decode", True), ("do_remote_prefill", False), ("remote_host", "h"), ("remote_port", 5)
+    ]
     assert sub["max_tokens"] == 99  # the decode's body is not modified
-    chat = prefill_body({"messages": [], "max_completion_tokens": 50}, CHAT, {})
-    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
+    msgs = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50}
+    chat = _joined(SharedBody(msgs, CHAT).prefill_payload(msgs, {}))
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1 and chat["messages"] == msgs["messages"]
+
+
+def test_fanout_sub_requests_share_one_encoding_of_the_prompt() -> None:
+    prompt = "word " * 200_000  # ~1 MiB
+    body = {"prompt": prompt, "n": 8, "seed": 3, "max_tokens": 4, "logit_bias": {"5": 1.0}}
+    subs = split_request(body, COMPLETIONS)
+    shared = SharedBody(body, COMPLETIONS)
+    decode = [shared.decode_payload(s.body, {"i": s.index}) for s in subs]
+    prefill = [shared.prefill_payload(s.body, {"i": s.index}) for s in subs]
+    # Every payload carries the same prompt bytes object, not a copy of it.
+    big = [[seg for seg in p._value if len(seg) > len(prompt)] for p in decode + prefill]
+    assert all(len(b) == 1 for b in big)
+    assert len({id(b[0]) for b in big}) == 1
+    # ... and the shared tail (everything but prompt/n/seed/kv) is one buffer per backend role.
+    tails = {id(p._value[-1].obj) for p in decode if isinstance(p._value[-1], memoryview)}
+    assert len(tails) == 1
+    for s, p in zip(subs, decode, strict=True):
+        got = _joined(p)
+        assert got == {**body, "n": 1, "seed": 3 + s.index, "kv_transfer_params": {"i": s.index}}
+    for s, p in zip(subs, prefill, strict=True):
+        got = _joined(p)
+        assert got["seed"] == 3 + s.index and got["max_tokens"] == 1 and "n" not in got
+        assert got["prompt"] == prompt and got["logit_bias"] == {"5": 1.0}
+
+
+def test_segments_payload_is_what_aiohttp_sends() -> None:
+    async def go() -> bytes:
+        got: list[bytes] = []
+
+        async def handler(request: web.Request) -> web.Response:
+            got.append(await request.read())
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            body = {"prompt": [1, 2, 3], "n": 2, "max_tokens": 3}
+            shared = SharedBody(body, COMPLETIONS)
+            sub = split_request(body, COMPLETIONS)[1]
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/", data=shared.decode_payload(sub.body, {})) as r:
+                    assert r.status == 200
+        finally:
+            await runner.cleanup()
+        return got[0]
+
+    raw = asyncio.run(go())
+    assert json.loads(raw) == {"prompt": [1, 2, 3], "n": 1, "max_tokens": 3, "kv_transfer_params": {}}

@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
+from aiohttp import web
+from proxy_testlib import parse_sse, proxy_for, run, serve_app
+
 from proxy.relay import SSESplitter, StreamMerger, merge_responses
 
 
@@ -61,3 +65,48 @@ def test_merge_responses_orders_choices_and_sums_usage() -> None:
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c")]
     assert merged["usage"] == {"prompt_tokens": 8, "completion_tokens": 7, "total_tokens": 15}
     assert "kv_transfer_params" not in merged
+
+
+def test_splitter_finish_flushes_an_event_without_its_blank_line() -> None:
+    sp = SSESplitter()
+    assert sp.feed(b'data: {"a": 1}\n\ndata: {"b"') == [b'{"a": 1}']
+    assert sp.feed(b": 2}\r\n") == []
+    assert sp.finish() == [b'{"b": 2}']
+    assert sp.finish() == [] and sp.pending() == b""
+    sp.feed(b": keep-alive comment\n")
+    assert sp.finish() == []
+
+
+class TruncatedDecode:
+    """Streams two events; the last one ends the stream without its closing blank line."""
+
+    def __init__(self) -> None:
+        self.app = web.Application()
+        self.app.router.add_post("/v1/completions", self.completions)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = {"id": "a", "choices": [{"index": 0, "text": "one "}]}
+        last = {"id": "a", "choices": [{"index": 0, "text": "two", "finish_reason": "length"}]}
+        await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n")  # no blank line, no [DONE]
+        await resp.write_eof()
+        return resp
+
+
+def test_fanout_stream_keeps_the_last_event_without_its_blank_line() -> None:
+    async def go() -> None:
+        async with serve_app(TruncatedDecode().app) as dport, proxy_for([1], [dport]) as server, \
+                aiohttp.ClientSession() as http:
+            body = {"prompt": "p", "n": 2, "stream": True}
+            async with http.post(server.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                events = parse_sse(await r.text())
+            texts: dict[int, str] = {}
+            for ev in events[:-1]:
+                for c in ev["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            assert texts == {0: "one two", 1: "one two"} and events[-1] == "[DONE]"
+
+    run(go())
