@@ -195,11 +195,15 @@ class MooncakeStore(KVStore):
             left -= n
         return ptrs, lens
 
-    def _staged(self, h: WriteHandle) -> WriteHandle:
+    def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
+        """The staging handles of pending ``handles`` (one lock for the batch: per-object
+        Python is what small objects pay for)."""
         with self._lock:
-            if self._pending.get(h.key) != h.token:
-                raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
-        return WriteHandle(_W + h.key, h.size, h.token)
+            pending = self._pending
+            for h in handles:
+                if pending.get(h.key) != h.token:
+                    raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
+        return [WriteHandle(_W + h.key, h.size, h.token) for h in handles]
 
     # ------------------------------------------------------------------ writes
 
@@ -247,34 +251,37 @@ class MooncakeStore(KVStore):
         return out
 
     def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
-        self._staging.write(self._staged(handle), offset, src)
+        self._staging.write(self._staged([handle])[0], offset, src)
 
     def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
-        self._staging.write_batch([self._staged(h) for h in handles], src)
+        self._staging.write_batch(self._staged(handles), src)
 
     def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor,
                    rows: Sequence[int]) -> None:
-        self._staging.write_rows([self._staged(h) for h in handles], src, rows)
+        self._staging.write_rows(self._staged(handles), src, rows)
 
     def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
-        return self._staging.pending_rows([self._staged(h) for h in handles])
+        return self._staging.pending_rows(self._staged(handles))
 
     def commit(self, handles: Sequence[WriteHandle]) -> None:
         """Put the objects (one batched, zero-copy put) and free their staging pages.
         A put the master refuses (no space, unreachable) is a skipped save, not an error."""
-        staged = [self._staged(h) for h in handles]
+        staged = self._staged(handles)
         if not staged:
             return
-        pages = [self._staging.pages(s.key) for s in staged]
         keys = [h.key for h in handles]
+        # whole-page objects: their rows in one call (the common case: one block each)
+        rows = self._staging.pending_rows(staged)
         try:
             if not self._reachable():
                 codes = [RPC_LAST] * len(keys)
-            elif all(len(p) == 1 for p in pages):
+            elif rows is not None:
+                base, pb = self._base, self.page_bytes
                 codes = list(self._client.batch_put_from(
-                    keys, [self._ptr(p[0]) for p in pages], [h.size for h in handles], self._replicate))
+                    keys, [base + r * pb for r in rows[1]], [pb] * len(keys), self._replicate))
                 self._check("batch_put_from", codes)
             else:
+                pages = [self._staging.pages(s.key) for s in staged]
                 spans = [self._page_spans(p, h.size) for p, h in zip(pages, handles, strict=True)]
                 codes = list(self._client.batch_put_from_multi_buffers(
                     keys, [s[0] for s in spans], [s[1] for s in spans], self._replicate))
@@ -328,10 +335,12 @@ class MooncakeStore(KVStore):
         got = self._staging.allocate(skeys, [self.page_bytes] * len(keys))
         if got is None:  # staging full of pins and pending saves: a miss
             return None
-        handles = [h for h in got if h is not None]
-        pages = [self._staging.pages(s)[0] for s in skeys]
-        codes = list(self._client.batch_get_into(keys, [self._ptr(p) for p in pages],
-                                                 [self.page_bytes] * len(keys))) if keys else []
+        handles = [h for h in got if h is not None]  # all: the keys are unique to this pin
+        rows = self._staging.pending_rows(handles)
+        assert rows is not None  # whole pages by construction
+        base, pb = self._base, self.page_bytes
+        codes = list(self._client.batch_get_into(keys, [base + r * pb for r in rows[1]],
+                                                 [pb] * len(keys))) if keys else []
         sizes = dict(zip(skeys, codes, strict=True))
         big = [i for i, c in enumerate(codes) if c == INVALID_PARAMS]
         if big and self._check("batch_get_into", codes):

@@ -322,3 +322,25 @@ def test_second_process_reads_what_the_first_committed(master: MooncakeMaster) -
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_built_from_config(master: MooncakeMaster) -> None:
+    from ascend_offload.config import StoreConnectorConfig, parse
+    from ascend_offload.store.mooncake import mooncake_store_from_config
+
+    cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
+        "master_address": master.address, "global_segment_bytes": SEG, "local_buffer_bytes": SEG,
+        "staging_bytes": 8 * PAGE}}, where="store config")
+    s = mooncake_store_from_config(cfg.mooncake, object_bytes=PAGE)
+    try:
+        assert s.page_bytes == PAGE and s.stats().total_pages == 8
+        data = payload(8, 2)
+        put(s, ["cfg:0", "cfg:1"], data)
+        pin = s.pin(["cfg:0", "cfg:1"])
+        assert pin is not None
+        out = torch.empty_like(data)
+        s.read_batch(pin, ["cfg:0", "cfg:1"], out)
+        s.unpin(pin)
+        assert torch.equal(out, data)
+    finally:
+        s.close()
