@@ -344,3 +344,37 @@ def test_built_from_config(master: MooncakeMaster) -> None:
         assert torch.equal(out, data)
     finally:
         s.close()
+
+
+def test_layerwise_pipeline_on_mooncake_shares_a_prefix_between_clients(master: MooncakeMaster) -> None:
+    """The per-layer pipeline (aliased slot buffers, native row copies) over two
+    Mooncake clients: a prefix instance 1 computed and saved layer by layer is loaded
+    by instance 2, and every layer's attention sees exactly that layer's KV."""
+    from ascend_offload.layerwise.plan import plan_uniform
+    from ascend_offload.layerwise.steps import default_key
+    from tests.unit.layerwise.test_pipeline import PAGE_BYTES, Sim, chunked_prefill
+
+    one = make_store(master, page_bytes=PAGE_BYTES, staging_bytes=4096 * PAGE_BYTES)
+    two = make_store(master, page_bytes=PAGE_BYTES, staging_bytes=4096 * PAGE_BYTES)
+    try:
+        sim1 = Sim(plan_uniform(8, 2, [0]), one, prefetch_layers=2)
+        keys = [f"lw{i}" for i in range(6)]
+        chunked_prefill(sim1, keys, blocks=[0, 1, 2, 3, 4, 5], chunk=2)
+        sim1.pipe.drain()
+        assert sim1.pipe.stats().blocks_saved == 8 * 6
+        sim2 = Sim(plan_uniform(8, 2, [0]), two, prefetch_layers=2)
+        obj = [default_key(k, layer) for k in keys[:4] for layer in sim2.plan.layers]
+        assert two.lookup_prefix(obj) == len(obj)  # instance 1's saves, seen by instance 2
+        keys2 = [*keys[:4], "lw-b4", "lw-b5"]
+        chunked_prefill(sim2, keys2, blocks=[8, 9, 10, 11, 12, 13], chunk=2, hits=4)
+        sim2.pipe.drain()
+        assert sim1.mismatches == [] and sim2.mismatches == []
+        st = sim2.pipe.stats()
+        assert st.load_errors == 0 and st.save_errors == 0
+        assert st.blocks_loaded >= 8 * 4  # the 4-block prefix, every layer
+        assert st.native_jobs > 0  # rows moved by the native copy queue
+        sim1.pipe.close()
+        sim2.pipe.close()
+    finally:
+        one.close()
+        two.close()
