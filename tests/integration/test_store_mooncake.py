@@ -378,3 +378,13 @@ def test_layerwise_pipeline_on_mooncake_shares_a_prefix_between_clients(master: 
     finally:
         one.close()
         two.close()
+
+
+def test_bench_row_measures_both_baselines(master: MooncakeMaster) -> None:
+    from ascend_offload.bench.store import bench_mooncake
+
+    row = bench_mooncake(master.address, PAGE, 16, repeats=2)  # raises if bytes changed
+    for k in ("save_ratio", "load_ratio", "zero_copy_save_ratio", "zero_copy_load_ratio",
+              "raw_save_GBps", "zero_copy_load_GBps"):
+        assert row[k] > 0, k
+    assert row["path"] == "mooncake" and row["total_bytes"] == 16 * PAGE
