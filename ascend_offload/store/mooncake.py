@@ -129,6 +129,7 @@ class MooncakeStore(KVStore):
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = replica_num
         self._lock = threading.Lock()
+        self._stage_lock = threading.Lock()
         self._pending: dict[str, int] = {}  # key -> token of its live allocation
         self._pins: dict[int, _PinRecord] = {}
         self._tokens = itertools.count(1)
@@ -195,6 +196,18 @@ class MooncakeStore(KVStore):
             left -= n
         return ptrs, lens
 
+    def _stage_alloc(self, keys: list[str], sizes: list[int]) -> list[WriteHandle | None] | None:
+        """Staging allocation. Serialized with a pin's commit-then-pin, the one moment a
+        staged object is committed but not yet pinned (the pool evicts such objects)."""
+        with self._stage_lock:
+            return self._staging.allocate(keys, sizes)
+
+    def _unstage(self, handles: Sequence[WriteHandle]) -> None:
+        """Free staging objects. The pool also lists every freed key for its index users
+        (``take_freed``); nobody reads that list here, so it is drained at once."""
+        self._staging.abort(handles)
+        self._staging.take_freed()
+
     def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
         """The staging handles of pending ``handles`` (one lock for the batch: per-object
         Python is what small objects pay for)."""
@@ -233,7 +246,7 @@ class MooncakeStore(KVStore):
                 continue
             seen.add(key)
             new.append((i, key, sizes[i]))
-        got = self._staging.allocate([_W + k for _, k, _ in new], [s for _, _, s in new])
+        got = self._stage_alloc([_W + k for _, k, _ in new], [s for _, _, s in new])
         if got is None:
             with self._lock:
                 self._stats.skipped_stores += len(new)
@@ -290,7 +303,7 @@ class MooncakeStore(KVStore):
             with self._lock:
                 for h in handles:
                     self._pending.pop(h.key, None)
-            self._staging.abort(staged)
+            self._unstage(staged)
         with self._lock:
             st = self._stats
             for h, code in zip(handles, codes, strict=True):
@@ -310,7 +323,7 @@ class MooncakeStore(KVStore):
                     del self._pending[h.key]
                     mine.append(WriteHandle(_W + h.key, h.size, h.token))
             self._stats.aborted_objects += len(mine)
-        self._staging.abort(mine)
+        self._unstage(mine)
 
     # ------------------------------------------------------------------ reads
 
@@ -332,7 +345,7 @@ class MooncakeStore(KVStore):
             return None
         prefix = f"r{token}|"
         skeys = [prefix + k for k in keys]
-        got = self._staging.allocate(skeys, [self.page_bytes] * len(keys))
+        got = self._stage_alloc(skeys, [self.page_bytes] * len(keys))
         if got is None:  # staging full of pins and pending saves: a miss
             return None
         handles = [h for h in got if h is not None]  # all: the keys are unique to this pin
@@ -350,8 +363,9 @@ class MooncakeStore(KVStore):
         if not self._check("batch_get_into", list(sizes.values())) or any(c <= 0 for c in sizes.values()):
             self._release_failed(handles, sizes)
             return None
-        self._staging.commit(handles)
-        staging_pin = self._staging.pin(skeys)
+        with self._stage_lock:  # no allocation may evict them between commit and pin
+            self._staging.commit(handles)
+            staging_pin = self._staging.pin(skeys)
         assert staging_pin is not None  # committed and ours alone
         objects = {k: (s, sizes[s]) for k, s in zip(keys, skeys, strict=True)}
         whole = all(size == self.page_bytes for size in sizes.values())
@@ -366,15 +380,15 @@ class MooncakeStore(KVStore):
         """Objects larger than a page: re-stage them at their real size and fetch them
         into their pages with one multi-buffer get."""
         small = {h.key: h for h in handles}
-        self._staging.abort([small.pop(skeys[i]) for i in big])
+        self._unstage([small.pop(skeys[i]) for i in big])
         real = [self._client.get_size(keys[i]) for i in big]
         if any(r <= 0 for r in real):
             self._check("get_size", real)
-            self._staging.abort(list(small.values()))
+            self._unstage(list(small.values()))
             return [], False
-        regot = self._staging.allocate([skeys[i] for i in big], real)
+        regot = self._stage_alloc([skeys[i] for i in big], real)
         if regot is None:
-            self._staging.abort(list(small.values()))
+            self._unstage(list(small.values()))
             return [], False
         spans = [self._page_spans(self._staging.pages(skeys[i]), n) for i, n in zip(big, real, strict=True)]
         got = list(self._client.batch_get_into_multi_buffers(
@@ -393,7 +407,7 @@ class MooncakeStore(KVStore):
             log.warning("Mooncake get failed with %d; %d staging objects quarantined",
                         sizes[unsafe[0].key], len(unsafe))
         keep = {h.key for h in unsafe}
-        self._staging.abort([h for h in handles if h.key not in keep])
+        self._unstage([h for h in handles if h.key not in keep])
 
     def _record(self, pin: Pin) -> _PinRecord:
         with self._lock:
@@ -445,6 +459,7 @@ class MooncakeStore(KVStore):
             return
         self._staging.unpin(rec.staging_pin)
         self._staging.discard([s for s, _ in rec.objects.values()])
+        self._staging.take_freed()
 
     # ------------------------------------------------------------------ misc
 
