@@ -89,11 +89,36 @@ class LocalStoreConfig(_Strict):
     eviction: Literal["lru"] = "lru"
 
 
+class MooncakeStoreConfig(_Strict):
+    """The shared Mooncake Store (``backend: mooncake``): a ``mooncake_master`` holds
+    the index, every client contributes ``global_segment_bytes`` of memory."""
+
+    # host:port of mooncake_master's RPC service (required with backend "mooncake").
+    master_address: str = ""
+    # The address other clients reach this one's segment on.
+    local_hostname: str = "127.0.0.1"
+    # "P2PHANDSHAKE" (no metadata service) or an http:// / etcd metadata server URL.
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""  # RDMA devices (protocol "rdma")
+    # Mooncake refuses segments and buffers under 16 MiB.
+    global_segment_bytes: int = Field(1 << 30, ge=16 << 20)
+    local_buffer_bytes: int = Field(64 << 20, ge=16 << 20)
+    # Registered host pages that puts read from and gets write into (zero-copy).
+    staging_bytes: int = Field(256 << 20, gt=0)
+    # None: one page per stored object (the connector knows the object size).
+    page_bytes: int | None = Field(None, gt=0)
+    replica_num: int = Field(1, ge=1)
+    # While the master is unreachable, calls miss/skip without asking it again for this long.
+    retry_interval_s: float = Field(1.0, gt=0)
+
+
 class StoreConnectorConfig(_Strict):
     """``AscendStoreConnector`` extra config (whole-prefix and layerwise modes)."""
 
-    backend: Literal["local"] = "local"
+    backend: Literal["local", "mooncake"] = "local"
     local: LocalStoreConfig = LocalStoreConfig()
+    mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
     use_layerwise: bool = False
     layerwise_num_shared_buffers: int = Field(2, ge=1)
     layerwise_independent_layers: list[int] | Literal["all"] = Field(default_factory=lambda: [0])

@@ -47,6 +47,11 @@ class StoreSettings:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
+        if cfg.backend != "local":  # the schema knows the backend; this connector does not run it yet
+            raise ConfigError(
+                f"key 'backend'={cfg.backend!r}: {NAME} runs only the 'local' backend "
+                "(the Mooncake Store backend exists in store/mooncake.py, not wired here)"
+            )
         if kv_cache_config is None:
             raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:

@@ -1,0 +1,503 @@
+"""The Mooncake Store backend: one KV store shared by every instance that points at
+the same ``mooncake_master``, surviving the restart of any of them.
+
+How the contract (store/base.py) maps onto Mooncake's distributed object store:
+
+* **Bytes cross only registered host pages.** A local page pool (``LocalStore``,
+  the *staging* pool) is registered with the Mooncake client once; puts read
+  objects straight from its pages (``batch_put_from``) and gets write straight into
+  them (``batch_get_into``): no intermediate buffer on our side, and over RDMA no
+  CPU copy at all.
+* **Pending objects never leave this process.** ``allocate`` reserves staging
+  pages, ``write`` fills them, ``commit`` is the (batched) put and frees them.
+  Mooncake publishes an object only when its put has finished (PutStart ..
+  PutEnd), so a reader in any process sees a whole object or none (I3).
+* **The master is the index.** ``lookup_prefix`` asks it (``batch_is_exist``),
+  ``allocate`` skips keys it already has. Objects another client committed are
+  hits here: that is the shared-store property.
+* **A pin holds a local copy.** ``pin`` fetches the objects into staging pages
+  and keeps them until ``unpin``; reads are local copies, so eviction by the
+  master can never pull bytes from under a read. An object the master already
+  evicted (``OBJECT_NOT_FOUND``) makes the pin a miss, never an error.
+* **A master that disappears is a miss.** An RPC failure (codes -900..-999)
+  marks an outage: one warning, then for ``retry_interval_s`` lookups and pins
+  miss and saves are skipped without asking the master; the next call after that
+  probes it again, and the first success logs that service resumed. The engine
+  keeps serving (it recomputes what it would have loaded).
+
+Mooncake's native client logs every failed RPC itself (glog, on stderr);
+``GLOG_minloglevel=3`` in the environment silences it. Our own log is one line
+per outage and one per recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
+from ascend_offload.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+#: Mooncake ``ErrorCode`` values this backend tells apart (mooncake-store types.h).
+NO_AVAILABLE_HANDLE = -200  # no space: the master evicts asynchronously, a later put fits
+INVALID_PARAMS = -600  # among others: the object is larger than the buffer we offered
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
+RPC_FIRST, RPC_LAST = -999, -900  # RPC_FAIL, RPC_TIMEOUT, heartbeat errors: master unreachable
+
+# Rejections that happen before any I/O is submitted or after it completed: the pages
+# may be reused at once. After any other failure a transfer may still be writing into
+# them (Mooncake documents no cancellation), so they are quarantined, never reused.
+_SAFE_GET_FAILURES = frozenset({NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND,
+                                -703, -707, *range(RPC_FIRST, RPC_LAST + 1)})
+
+_W = "w|"  # staging name of a pending object; pins use "r<token>|"
+
+
+def _rpc_failure(code: int) -> bool:
+    return RPC_FIRST <= code <= RPC_LAST
+
+
+@dataclasses.dataclass
+class _PinRecord:
+    staging_pin: Pin
+    # key -> (staging key, object size)
+    objects: dict[str, tuple[str, int]]
+    whole_pages: bool  # every object is exactly one staging page (fast row paths)
+
+
+class MooncakeStore(KVStore):
+    """``KVStore`` over ``mooncake.store.MooncakeDistributedStore`` (see module doc).
+
+    ``client`` is for tests that need to reach the raw client; production code builds
+    it from the arguments."""
+
+    row_addressable = True
+
+    def __init__(
+        self,
+        *,
+        master_address: str,
+        page_bytes: int,
+        staging_bytes: int,
+        local_hostname: str = "127.0.0.1",
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_bytes: int = 1 << 30,
+        local_buffer_bytes: int = 64 << 20,
+        replica_num: int = 1,
+        retry_interval_s: float = 1.0,
+    ) -> None:
+        if not master_address:
+            raise StoreError("the Mooncake backend needs 'master_address' (host:port of mooncake_master)")
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:  # the optional dependency
+            raise StoreError(
+                f"the Mooncake backend needs the mooncake package ({exc}); "
+                "pip install mooncake-transfer-engine-non-cuda (and libibverbs1 librdmacm1 libnuma1)"
+            ) from exc
+        self.page_bytes = page_bytes
+        self.master_address = master_address
+        self.retry_interval_s = retry_interval_s
+        self._staging = LocalStore(staging_bytes, page_bytes)
+        plane = self._staging.pending_rows([])  # public accessor of the pool plane
+        assert plane is not None
+        self._plane = plane[0]
+        self._base = self._plane.data_ptr()
+        self._client: Any = MooncakeDistributedStore()
+        rc = self._client.setup(local_hostname, metadata_server, global_segment_bytes,
+                                local_buffer_bytes, protocol, device_name, master_address)
+        if rc != 0:
+            raise StoreError(f"Mooncake store setup against master {master_address} failed ({rc}); "
+                             "is mooncake_master running there?")
+        rc = self._client.register_buffer(self._base, self._plane.nbytes)
+        if rc != 0:
+            self._client.close()
+            raise StoreError(f"Mooncake register_buffer of the {self._plane.nbytes}-byte staging pool failed ({rc})")
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = replica_num
+        self._lock = threading.Lock()
+        self._stage_lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # key -> token of its live allocation
+        self._pins: dict[int, _PinRecord] = {}
+        self._tokens = itertools.count(1)
+        self._stats = StoreStats(total_pages=self._staging.num_pages)
+        self._down = False
+        self._retry_at = 0.0
+        self.outages = 0  # outages seen (each logged once)
+        self.quarantined_pages = 0  # staging pages a failed transfer may still write
+        self._closed = False
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    # ------------------------------------------------------------------ master health
+
+    def _reachable(self) -> bool:
+        with self._lock:
+            return not self._down or time.monotonic() >= self._retry_at
+
+    def _outage(self, op: str, code: int) -> None:
+        with self._lock:
+            self._retry_at = time.monotonic() + self.retry_interval_s
+            if self._down:
+                return
+            self._down = True
+            self.outages += 1
+        log.warning("Mooncake master %s unreachable (%s returned %d): loads miss and saves are "
+                    "skipped until it answers again", self.master_address, op, code)
+
+    def _answered(self) -> None:
+        with self._lock:
+            if not self._down:
+                return
+            self._down = False
+        log.warning("Mooncake master %s answers again: store service resumed", self.master_address)
+
+    def _check(self, op: str, codes: Sequence[int]) -> bool:
+        """True when the master answered (per-object codes may still be errors)."""
+        bad = next((c for c in codes if _rpc_failure(c)), None)
+        if bad is not None:
+            self._outage(op, bad)
+            return False
+        self._answered()
+        return True
+
+    def is_down(self) -> bool:
+        """Whether the last call found the master unreachable."""
+        with self._lock:
+            return self._down
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ptr(self, page: int) -> int:
+        return self._base + page * self.page_bytes
+
+    def _page_spans(self, pages: list[int], size: int) -> tuple[list[int], list[int]]:
+        """(addresses, lengths) of an object's pages, the last one partial."""
+        ptrs, lens, left = [], [], size
+        for p in pages:
+            n = min(self.page_bytes, left)
+            ptrs.append(self._ptr(p))
+            lens.append(n)
+            left -= n
+        return ptrs, lens
+
+    def _stage_alloc(self, keys: list[str], sizes: list[int]) -> list[WriteHandle | None] | None:
+        """Staging allocation. Serialized with a pin's commit-then-pin, the one moment a
+        staged object is committed but not yet pinned (the pool evicts such objects)."""
+        with self._stage_lock:
+            return self._staging.allocate(keys, sizes)
+
+    def _unstage(self, handles: Sequence[WriteHandle]) -> None:
+        """Free staging objects. The pool also lists every freed key for its index users
+        (``take_freed``); nobody reads that list here, so it is drained at once."""
+        self._staging.abort(handles)
+        self._staging.take_freed()
+
+    def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
+        """The staging handles of pending ``handles`` (one lock for the batch: per-object
+        Python is what small objects pay for)."""
+        with self._lock:
+            pending = self._pending
+            for h in handles:
+                if pending.get(h.key) != h.token:
+                    raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
+        return [WriteHandle(_W + h.key, h.size, h.token) for h in handles]
+
+    # ------------------------------------------------------------------ writes
+
+    def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
+        if len(keys) != len(sizes):
+            raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
+        for key, size in zip(keys, sizes, strict=True):
+            if size <= 0:
+                raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
+        uniq = list(dict.fromkeys(keys))
+        if not uniq:
+            return []
+        if not self._reachable():
+            with self._lock:
+                self._stats.skipped_stores += len(uniq)
+            return None
+        codes = list(self._client.batch_is_exist(uniq))
+        if not self._check("batch_is_exist", codes):
+            with self._lock:
+                self._stats.skipped_stores += len(uniq)
+            return None
+        present = {k for k, c in zip(uniq, codes, strict=True) if c == 1}
+        new: list[tuple[int, str, int]] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if key in present or key in seen:
+                continue
+            seen.add(key)
+            new.append((i, key, sizes[i]))
+        got = self._stage_alloc([_W + k for _, k, _ in new], [s for _, _, s in new])
+        if got is None:
+            with self._lock:
+                self._stats.skipped_stores += len(new)
+            return None
+        out: list[WriteHandle | None] = [None] * len(keys)
+        with self._lock:
+            for (i, key, size), h in zip(new, got, strict=True):
+                if h is None:  # pending here already
+                    continue
+                self._pending[key] = h.token
+                out[i] = WriteHandle(key, size, h.token)
+            made = sum(1 for h in out if h is not None)
+            self._stats.allocated_objects += made
+            self._stats.duplicate_stores += len(keys) - made
+        return out
+
+    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
+        self._staging.write(self._staged([handle])[0], offset, src)
+
+    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
+        self._staging.write_batch(self._staged(handles), src)
+
+    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor,
+                   rows: Sequence[int]) -> None:
+        self._staging.write_rows(self._staged(handles), src, rows)
+
+    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
+        return self._staging.pending_rows(self._staged(handles))
+
+    def commit(self, handles: Sequence[WriteHandle]) -> None:
+        """Put the objects (one batched, zero-copy put) and free their staging pages.
+        A put the master refuses (no space, unreachable) is a skipped save, not an error."""
+        staged = self._staged(handles)
+        if not staged:
+            return
+        keys = [h.key for h in handles]
+        # whole-page objects: their rows in one call (the common case: one block each)
+        rows = self._staging.pending_rows(staged)
+        try:
+            if not self._reachable():
+                codes = [RPC_LAST] * len(keys)
+            elif rows is not None:
+                base, pb = self._base, self.page_bytes
+                codes = list(self._client.batch_put_from(
+                    keys, [base + r * pb for r in rows[1]], [pb] * len(keys), self._replicate))
+                self._check("batch_put_from", codes)
+            else:
+                pages = [self._staging.pages(s.key) for s in staged]
+                spans = [self._page_spans(p, h.size) for p, h in zip(pages, handles, strict=True)]
+                codes = list(self._client.batch_put_from_multi_buffers(
+                    keys, [s[0] for s in spans], [s[1] for s in spans], self._replicate))
+                self._check("batch_put_from_multi_buffers", codes)
+        finally:
+            with self._lock:
+                for h in handles:
+                    self._pending.pop(h.key, None)
+            self._unstage(staged)
+        with self._lock:
+            st = self._stats
+            for h, code in zip(handles, codes, strict=True):
+                if code == 0:
+                    st.committed_objects += 1
+                    st.bytes_written += h.size
+                elif code == OBJECT_ALREADY_EXISTS:  # another client put it first
+                    st.duplicate_stores += 1
+                else:
+                    st.skipped_stores += 1
+
+    def abort(self, handles: Sequence[WriteHandle]) -> None:
+        mine: list[WriteHandle] = []
+        with self._lock:
+            for h in handles:
+                if self._pending.get(h.key) == h.token:
+                    del self._pending[h.key]
+                    mine.append(WriteHandle(_W + h.key, h.size, h.token))
+            self._stats.aborted_objects += len(mine)
+        self._unstage(mine)
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        present: set[str] = set()
+        if keys and self._reachable():
+            codes = list(self._client.batch_is_exist(list(keys)))
+            if self._check("batch_is_exist", codes):
+                present = {k for k, c in zip(keys, codes, strict=True) if c == 1}
+        with self._lock:
+            return self._stats.count_prefix(keys, present.__contains__)
+
+    def pin(self, keys: Sequence[str]) -> Pin | None:
+        """Fetch all ``keys`` into staging pages (one batched get) or none: a key the
+        master does not have (never stored, evicted, master down) makes it ``None``."""
+        keys = list(dict.fromkeys(keys))
+        token = next(self._tokens)
+        if keys and not self._reachable():
+            return None
+        prefix = f"r{token}|"
+        skeys = [prefix + k for k in keys]
+        got = self._stage_alloc(skeys, [self.page_bytes] * len(keys))
+        if got is None:  # staging full of pins and pending saves: a miss
+            return None
+        handles = [h for h in got if h is not None]  # all: the keys are unique to this pin
+        rows = self._staging.pending_rows(handles)
+        assert rows is not None  # whole pages by construction
+        base, pb = self._base, self.page_bytes
+        codes = list(self._client.batch_get_into(keys, [base + r * pb for r in rows[1]],
+                                                 [pb] * len(keys))) if keys else []
+        sizes = dict(zip(skeys, codes, strict=True))
+        big = [i for i, c in enumerate(codes) if c == INVALID_PARAMS]
+        if big and self._check("batch_get_into", codes):
+            handles, ok = self._fetch_large(keys, skeys, handles, big, sizes)
+            if not ok:
+                return None
+        if not self._check("batch_get_into", list(sizes.values())) or any(c <= 0 for c in sizes.values()):
+            self._release_failed(handles, sizes)
+            return None
+        with self._stage_lock:  # no allocation may evict them between commit and pin
+            self._staging.commit(handles)
+            staging_pin = self._staging.pin(skeys)
+        assert staging_pin is not None  # committed and ours alone
+        objects = {k: (s, sizes[s]) for k, s in zip(keys, skeys, strict=True)}
+        whole = all(size == self.page_bytes for size in sizes.values())
+        with self._lock:
+            self._pins[token] = _PinRecord(staging_pin, objects, whole)
+            self._stats.reads += len(keys)
+            self._stats.bytes_read += sum(sizes.values())
+        return Pin(keys=tuple(keys), token=token)
+
+    def _fetch_large(self, keys: list[str], skeys: list[str], handles: list[WriteHandle],
+                     big: list[int], sizes: dict[str, int]) -> tuple[list[WriteHandle], bool]:
+        """Objects larger than a page: re-stage them at their real size and fetch them
+        into their pages with one multi-buffer get."""
+        small = {h.key: h for h in handles}
+        self._unstage([small.pop(skeys[i]) for i in big])
+        real = [self._client.get_size(keys[i]) for i in big]
+        if any(r <= 0 for r in real):
+            self._check("get_size", real)
+            self._unstage(list(small.values()))
+            return [], False
+        regot = self._stage_alloc([skeys[i] for i in big], real)
+        if regot is None:
+            self._unstage(list(small.values()))
+            return [], False
+        spans = [self._page_spans(self._staging.pages(skeys[i]), n) for i, n in zip(big, real, strict=True)]
+        got = list(self._client.batch_get_into_multi_buffers(
+            [keys[i] for i in big], [s[0] for s in spans], [s[1] for s in spans]))
+        for i, n, code in zip(big, real, got, strict=True):
+            sizes[skeys[i]] = n if code == n else (code if code < 0 else INVALID_PARAMS)
+        return [*small.values(), *(h for h in regot if h is not None)], True
+
+    def _release_failed(self, handles: list[WriteHandle], sizes: dict[str, int]) -> None:
+        """Free the staging pages of a failed pin, except where a transfer may still be
+        writing into them (see ``_SAFE_GET_FAILURES``)."""
+        unsafe = [h for h in handles if sizes.get(h.key, 0) < 0 and sizes[h.key] not in _SAFE_GET_FAILURES]
+        if unsafe:
+            with self._lock:
+                self.quarantined_pages += sum(len(self._staging.pages(h.key)) for h in unsafe)
+            log.warning("Mooncake get failed with %d; %d staging objects quarantined",
+                        sizes[unsafe[0].key], len(unsafe))
+        keep = {h.key for h in unsafe}
+        self._unstage([h for h in handles if h.key not in keep])
+
+    def _record(self, pin: Pin) -> _PinRecord:
+        with self._lock:
+            rec = self._pins.get(pin.token)
+        if rec is None:
+            raise StoreError(f"read without an active pin (token {pin.token})")
+        return rec
+
+    def _object(self, rec: _PinRecord, key: str) -> tuple[str, int]:
+        got = rec.objects.get(key)
+        if got is None:
+            raise StoreError(f"read of {key!r} without an active pin")
+        return got
+
+    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
+        rec = self._record(pin)
+        skey, size = self._object(rec, key)
+        nbytes = dst.numel() * dst.element_size()
+        if offset < 0 or offset + nbytes > size:
+            raise StoreError(f"byte range [{offset}, {offset + nbytes}) outside object of {size} bytes")
+        self._staging.read(rec.staging_pin, skey, offset, dst)
+
+    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        if rec.whole_pages:
+            self._staging.read_batch(rec.staging_pin, skeys, dst)
+        else:
+            super().read_batch(pin, keys, dst)
+
+    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor,
+                  rows: Sequence[int]) -> None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        if rec.whole_pages:
+            self._staging.read_rows(rec.staging_pin, skeys, dst, rows)
+        else:
+            super().read_rows(pin, keys, dst, rows)
+
+    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        return self._staging.pinned_rows(rec.staging_pin, skeys) if rec.whole_pages else None
+
+    def unpin(self, pin: Pin) -> None:
+        with self._lock:
+            rec = self._pins.pop(pin.token, None)
+        if rec is None:
+            return
+        self._staging.unpin(rec.staging_pin)
+        self._staging.discard([s for s, _ in rec.objects.values()])
+        self._staging.take_freed()
+
+    # ------------------------------------------------------------------ misc
+
+    def stats(self) -> StoreStats:
+        """Counters of this client. ``stored_objects`` stays 0: the master holds the
+        index of the whole store; pages are those of the staging pool."""
+        staging = self._staging.stats()
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            s.pending_objects = len(self._pending)
+            s.pinned_objects = sum(len(r.objects) for r in self._pins.values())
+            s.free_pages = staging.free_pages
+            s.total_pages = staging.total_pages
+            return s
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.unregister_buffer(self._base)
+        finally:
+            self._client.close()
+
+
+def mooncake_store_from_config(cfg: Any, object_bytes: int) -> MooncakeStore:
+    """Build the backend from a ``MooncakeStoreConfig`` (``page_bytes`` None: one page
+    per object of ``object_bytes``)."""
+    return MooncakeStore(
+        master_address=cfg.master_address,
+        page_bytes=cfg.page_bytes or object_bytes,
+        staging_bytes=cfg.staging_bytes,
+        local_hostname=cfg.local_hostname,
+        metadata_server=cfg.metadata_server,
+        protocol=cfg.protocol,
+        device_name=cfg.device_name,
+        global_segment_bytes=cfg.global_segment_bytes,
+        local_buffer_bytes=cfg.local_buffer_bytes,
+        replica_num=cfg.replica_num,
+        retry_interval_s=cfg.retry_interval_s,
+    )

@@ -1,0 +1,52 @@
+"""The ``backend: mooncake`` keys of the store connector config, and the backend's
+startup checks that need no master."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_offload.config import ConfigError, MooncakeStoreConfig, StoreConnectorConfig, parse
+from ascend_offload.store.base import StoreError
+from ascend_offload.store.mooncake import MooncakeStore
+
+
+def test_mooncake_section_parses() -> None:
+    cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
+        "master_address": "10.0.0.5:50051", "protocol": "rdma", "device_name": "mlx5_0",
+        "global_segment_bytes": 4 << 30, "page_bytes": 65536}}, where="store config")
+    assert cfg.backend == "mooncake"
+    assert cfg.mooncake.master_address == "10.0.0.5:50051"
+    assert cfg.mooncake.protocol == "rdma" and cfg.mooncake.page_bytes == 65536
+    assert cfg.mooncake.metadata_server == "P2PHANDSHAKE"
+    assert parse(StoreConnectorConfig, {}, where="x").backend == "local"  # off by default
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"protocol": "udp"}, "mooncake.protocol"),
+    ({"global_segment_bytes": 1 << 20}, "mooncake.global_segment_bytes"),
+    ({"local_buffer_bytes": 0}, "mooncake.local_buffer_bytes"),
+    ({"retry_interval_s": 0}, "mooncake.retry_interval_s"),
+    ({"master": "x:1"}, "mooncake.master"),
+])
+def test_bad_mooncake_keys_are_named(raw: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"key '{key}'"):
+        parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": raw}, where="store config")
+
+
+def test_backend_needs_a_master_address() -> None:
+    with pytest.raises(StoreError, match="master_address"):
+        MooncakeStore(master_address="", page_bytes=4096, staging_bytes=1 << 20)
+    assert MooncakeStoreConfig().master_address == ""
+
+
+def test_store_connector_refuses_a_backend_it_does_not_run() -> None:
+    """The schema accepts backend 'mooncake'; the whole-prefix connector does not run it
+    yet, so it must fail at start naming the key, never fall back to the local pool."""
+    from types import SimpleNamespace
+
+    from ascend_offload.connectors.store.settings import StoreSettings
+
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"backend": "mooncake", "mooncake": {"master_address": "h:1"}}))
+    with pytest.raises(ConfigError, match="key 'backend'='mooncake'"):
+        StoreSettings.from_vllm(vllm_config, None)  # type: ignore[arg-type]
