@@ -62,9 +62,14 @@ def _generate(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _metric(llm: Any, name: str) -> float:
-    return sum(getattr(m, "value", 0) for m in llm.get_metrics()
-               if m.name == f"vllm:ascend_offload_sparse_{name}")
+def _metric(name: str) -> float:
+    """A metric of this process's Prometheus registry (where the LLM's stat loggers
+    export). Not ``LLM.get_metrics()``: it truncates counters to integers, and the
+    time counters are fractions of a second here."""
+    from prometheus_client import REGISTRY
+
+    want = {f"vllm:ascend_offload_sparse_{name}", f"vllm:ascend_offload_sparse_{name}_total"}
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def runs(model_dir: str) -> dict[str, Any]:
     with make_engine(model=model_dir, core=0, kv_transfer_config=_sparse_config(),
                      **ENGINE_ARGS) as llm:
         out["offload"] = _generate(llm)
-        out["metrics"] = {n: _metric(llm, n) for n in (
+        out["metrics"] = {n: _metric(n) for n in (
             "steps", "resolved_positions", "hit_positions", "miss_rows", "miss_bytes",
             "offload_rows", "admission_failures", "unmatched_rows", "resolve_seconds",
             "copy_seconds", "pool_rows_used")}
@@ -108,3 +113,13 @@ def test_every_decode_token_went_through_the_hot_buffers(runs: dict[str, Any]) -
     computed = sum(n + k - 1 for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
     assert m["offload_rows"] == N_LAYERS * computed, m
     assert m["resolve_seconds"] > 0 and m["copy_seconds"] > 0, m
+    print(f"\nsparse decode offload metrics: {m}; hit rate "
+          f"{m['hit_positions'] / m['resolved_positions']:.3f}, miss rows per step "
+          f"{m['miss_rows'] / m['steps']:.1f}")
+
+
+def test_the_pool_must_be_reused() -> None:
+    """The prompts reserve more pool blocks than the pool has, so the run above (no
+    admission failure) admitted later requests into rows freed by finished ones."""
+    reserved = sum(-(-(n + k) // BLOCK) for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
+    assert reserved > POOL_ROWS // BLOCK >= MAX_SEQS * -(-(max(LENGTHS) + max(MAX_TOKENS)) // BLOCK)
