@@ -173,6 +173,14 @@ class SparseOffloadConfig(_Strict):
             )
 
 
+class SparseDecodeConfig(_Strict):
+    """``AscendSparseDecodeConnector`` extra config: sparse decode offload in one engine
+    (prefill, then decode from the host pool). The same ``sparse_offload`` block as
+    the remote-D2H decode side, so a config moves between the two."""
+
+    sparse_offload: SparseOffloadConfig = SparseOffloadConfig()
+
+
 # --------------------------------------------------------------------------- P/D
 
 
@@ -232,6 +240,7 @@ SCHEMAS: dict[str, type[_Strict]] = {
     "AscendStoreConnector": StoreConnectorConfig,
     "SfaRemoteD2HConnector": RemoteD2HConfig,
     "AscendMultiConnector": MultiConnectorConfig,
+    "AscendSparseDecodeConnector": SparseDecodeConfig,
 }
 
 

@@ -18,6 +18,8 @@ CONNECTORS: dict[str, tuple[str, str]] = {
     "AscendStoreConnector": ("ascend_offload.connectors.store", "AscendStoreConnector"),
     "SfaRemoteD2HConnector": ("ascend_offload.connectors.remote_d2h", "SfaRemoteD2HConnector"),
     "AscendMultiConnector": ("ascend_offload.connectors.multi", "AscendMultiConnector"),
+    "AscendSparseDecodeConnector": ("ascend_offload.connectors.sparse_decode",
+                                    "AscendSparseDecodeConnector"),
 }
 
 _registered = False

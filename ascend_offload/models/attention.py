@@ -44,6 +44,24 @@ from ascend_offload.models.sparse_attention import (
     select_topk,
     sparse_attention,
 )
+from ascend_offload.sparse.adapter import BatchRow, SparseDecodeAdapter
+
+_UNSET = object()
+
+
+def find_sparse_adapter() -> SparseDecodeAdapter | None:
+    """The active KV connector when it implements the sparse decode adapter, else None.
+
+    Why the KV connector: it is the one object vLLM builds per worker that both sees
+    the scheduler's per-step facts (which request is which) and is reachable from a
+    layer (``get_kv_transfer_group()``), without patching the model runner.
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    conn = get_kv_transfer_group()
+    return conn if isinstance(conn, SparseDecodeAdapter) else None
 
 
 @dataclasses.dataclass
@@ -54,6 +72,7 @@ class RequestSlots:
     end: int
     q_pos: torch.Tensor  # [end - start] positions of the query tokens
     slots: torch.Tensor  # [seq_len] cache row of positions 0..seq_len-1
+    row: BatchRow  # how sparse decode offload names this request (key block, lengths)
 
 
 @dataclasses.dataclass
@@ -87,7 +106,9 @@ class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
                 continue
             pos = torch.arange(seq)
             slots = table[r, pos // bs] * bs + pos % bs
-            requests.append(RequestSlots(start, end, torch.arange(seq - (end - start), seq), slots))
+            row = BatchRow(int(table[r, (seq - 1) // bs]), seq, end - start)
+            requests.append(RequestSlots(start, end, torch.arange(seq - (end - start), seq), slots,
+                                         row))
         return SparseMLAMetadata(n, cm.slot_mapping[:n].long(), requests)
 
 
@@ -178,6 +199,7 @@ class SparseMLACache(_CacheLayer):
         self.scale = scale
         self.index_topk = index_topk  # None: dense attention over every position
         self.indexer = indexer
+        self._offload: Any = _UNSET  # (adapter, pool layer) or None, found on the first real step
 
     def forward(self, q: torch.Tensor, new_kv: torch.Tensor, index_q: torch.Tensor,
                 index_k: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
@@ -192,6 +214,11 @@ class SparseMLACache(_CacheLayer):
             index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor,
             out: torch.Tensor) -> None:
         if meta is None:  # profiling / dummy run: no caches, no work
+            return
+        if self._offload is _UNSET:
+            self._offload = self._find_offload()
+        if self._offload is not None:
+            self._run_offloaded(meta, q, new_kv, index_q, index_k, index_w, out)
             return
         n = meta.num_actual_tokens
         kv_rows = as_rows(self.kv_cache)
@@ -211,6 +238,75 @@ class SparseMLACache(_CacheLayer):
             rows = positions_to_slots(positions, req.slots)
             out[sl] = sparse_attention(q[sl], kv_rows, rows, scale=self.scale,
                                        v_dim=self.kv_lora_rank)
+
+    def _find_offload(self) -> tuple[SparseDecodeAdapter, int] | None:
+        adapter = find_sparse_adapter()
+        if adapter is None or self.index_topk is None:
+            return None
+        layer = adapter.sparse_layer_index(self.layer_name)
+        return None if layer is None else (adapter, layer)
+
+    def _positions(self, req: RequestSlots, index_q: torch.Tensor, index_w: torch.Tensor,
+                   key_rows: torch.Tensor) -> torch.Tensor:
+        """The request's selected logical positions ``[T, min(topk, seq)]`` (as without offload)."""
+        sl = slice(req.start, req.end)
+        seq = req.slots.shape[0]
+        if self.index_topk is None or self.index_topk >= seq:
+            return causal_positions(req.q_pos, seq)
+        scores = indexer_scores(index_q[sl], index_w[sl], key_rows[req.slots])
+        return select_topk(scores, req.q_pos, self.index_topk)
+
+    def _run_offloaded(self, meta: SparseMLAMetadata, q: torch.Tensor, new_kv: torch.Tensor,
+                       index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """Sparse decode offload (colocated): the step's main-KV rows also go to the host
+        pool; one-token rows attend over the hot buffer the manager fills with the
+        selected positions' misses; longer rows (prefill chunks) over the paged cache.
+
+        The main KV is still written to the paged cache: prefill reads it, and a row the
+        offload side cannot serve falls back to it.
+        """
+        adapter, layer = self._offload
+        assert self.index_topk is not None
+        n = meta.num_actual_tokens
+        kv_rows = as_rows(self.kv_cache)
+        key_rows = as_rows(self.indexer.kv_cache)
+        slots = meta.slot_mapping
+        ok = slots >= 0
+        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
+        key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        plan = adapter.plan_step([r.row for r in meta.requests])
+        # rows the pool lacks, read back from the paged cache just written (one gather)
+        src, pos = [], []
+        for i, req in enumerate(meta.requests):
+            b = plan.batch_index[i]
+            if b >= 0:
+                first = plan.offload_from[i]
+                src.append(req.slots[first:])
+                pos.append(torch.stack((torch.full((req.slots.shape[0] - first,), b),
+                                        torch.arange(first, req.slots.shape[0])), dim=1))
+        if src:
+            adapter.offload_new_kv(layer, kv_rows[torch.cat(src)], torch.cat(pos))
+        selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
+        hot_slots = None
+        if plan.any_decode:
+            topk = torch.full((plan.num_entries, self.index_topk), -1, dtype=torch.int32)
+            for i, positions in enumerate(selected):
+                if plan.decode[i]:
+                    topk[plan.batch_index[i], : positions.shape[1]] = positions[0]
+            hot_slots = adapter.onload_topk(layer, topk)
+            hot = adapter.hot_buffer(layer)
+        for i, (req, positions) in enumerate(zip(meta.requests, selected, strict=True)):
+            sl = slice(req.start, req.end)
+            if hot_slots is not None and plan.decode[i]:
+                # the same positions in the same order: the same rows reach attention
+                rows = hot_slots[plan.batch_index[i] : plan.batch_index[i] + 1, : positions.shape[1]]
+                out[sl] = sparse_attention(q[sl], hot, rows, scale=self.scale,
+                                           v_dim=self.kv_lora_rank)
+            else:
+                rows = positions_to_slots(positions, req.slots)
+                out[sl] = sparse_attention(q[sl], kv_rows, rows, scale=self.scale,
+                                           v_dim=self.kv_lora_rank)
 
 
 @maybe_transfer_kv_layer

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,14 @@ class SparseStats:
     onload_bytes: int = 0
     offload_rows: int = 0
     offload_bytes: int = 0
+    # host time in the calls (perf_counter_ns, ~0.1 us each): what metrics report
+    offload_ns: int = 0  # offload_new_kv: D2H + scatter into the pool
+    resolve_ns: int = 0  # onload_topk: residency resolve
+    copy_ns: int = 0  # onload_topk: miss rows H2D (issue time off CPU)
+
+    @property
+    def hits(self) -> int:
+        return self.resolved_positions - self.miss_rows
 
     @property
     def hit_rate(self) -> float:
@@ -174,6 +183,11 @@ class SparseOffloadManager:
         self._free_rows.append(row)
         self._free_rows.sort()
 
+    @property
+    def pool_rows_used(self) -> int:
+        """Host rows reserved by admitted requests (per layer)."""
+        return (self.pool.num_blocks - self.pool.free_blocks) * self.block_size
+
     def row_of(self, req_id: str) -> int:
         return self._rows[req_id][0]
 
@@ -233,6 +247,7 @@ class SparseOffloadManager:
         """
         if self.tp_rank != 0:
             return
+        t0 = time.perf_counter_ns()
         dst = self._host_rows(positions)
         if new_kv.shape[0] != dst.numel():
             raise ValueError(f"layer {layer}: {new_kv.shape[0]} new rows for {dst.numel()} positions")
@@ -248,6 +263,7 @@ class SparseOffloadManager:
             self.pool.publish(layer, self._step_no)
         self.stats.offload_rows += int(dst.numel())
         self.stats.offload_bytes += int(dst.numel()) * self.pool.row_bytes
+        self.stats.offload_ns += time.perf_counter_ns() - t0
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:
@@ -259,7 +275,10 @@ class SparseOffloadManager:
                              f"step batch of {len(self._step)} requests")
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
+        t0 = time.perf_counter_ns()
         res = self.residency.resolve_layer(layer, topk if topk.is_cpu else topk.to("cpu"))
+        t1 = time.perf_counter_ns()
+        self.stats.resolve_ns += t1 - t0
         n = res.num_misses
         if n:
             src = self.pool.layer(layer)
@@ -272,6 +291,7 @@ class SparseOffloadManager:
             done = dev.new_event()
             done.record(self._stream)
             dev.current_stream().wait_event(done)
+            self.stats.copy_ns += time.perf_counter_ns() - t1
         self.stats.resolved_positions += res.num_valid
         self.stats.miss_rows += n
         self.stats.onload_bytes += n * self.pool.row_bytes

@@ -1,0 +1,109 @@
+"""Sparse decode offload metrics, exported through vLLM's connector stats and Prometheus.
+
+The worker hands vLLM counter *deltas* since its last report plus gauges (the
+latest value); vLLM aggregates them and feeds :class:`SparsePromMetrics`, which
+exports ``vllm:ascend_offload_sparse_*`` (read by ``LLM.get_metrics`` and the
+OpenAI server's ``/metrics``). Derived per-step figures: hit rate =
+``hit_positions / resolved_positions``, miss rows and bytes per step =
+``miss_rows / steps`` and ``miss_bytes / steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# counter name -> help text (nanosecond totals are exported in seconds)
+COUNTERS: dict[str, str] = {
+    "steps": "decode-offload steps bound (one per engine step with offloaded requests)",
+    "resolved_positions": "top-k positions resolved against the hot buffers",
+    "hit_positions": "top-k positions already in the hot buffer",
+    "miss_rows": "hot-buffer misses: rows copied host pool -> hot buffer",
+    "miss_bytes": "bytes copied host pool -> hot buffer",
+    "offload_rows": "main-KV rows copied into the host pool",
+    "offload_bytes": "bytes copied into the host pool",
+    "offload_seconds": "host time in offload_new_kv (D2H + pool scatter)",
+    "resolve_seconds": "host time in the residency resolve",
+    "copy_seconds": "host time in the miss copies",
+    "admission_failures": "requests the host pool could not admit (they use the paged cache)",
+    "unmatched_rows": "batch rows matched to no request (they use the paged cache)",
+}
+GAUGES: dict[str, str] = {
+    "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
+    "admitted_requests": "requests holding host pool rows",
+    "hit_rate": "hot-buffer hit rate over the last report interval",
+}
+_NS = ("offload_ns", "resolve_ns", "copy_ns")
+
+
+@dataclasses.dataclass
+class SparseDecodeStats(KVConnectorStats):
+    """Counter deltas (summed) and gauges (latest) of the worker."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for k, v in (other.data or {}).items():
+            merged[k] = v if k in GAUGES else merged.get(k, 0) + v
+        return SparseDecodeStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsReporter:
+    """Turns the worker's monotonic totals into per-report deltas (+ gauges)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, totals: dict[str, int], gauges: dict[str, int]) -> SparseDecodeStats | None:
+        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        self._last = dict(totals)
+        out: dict[str, float] = {}
+        for k, v in delta.items():
+            if v:
+                out[k.replace("_ns", "_seconds")] = v / 1e9 if k in _NS else v
+        if not out:
+            return None
+        out.update(gauges)
+        if delta.get("resolved_positions"):
+            out["hit_rate"] = delta["hit_positions"] / delta["resolved_positions"]
+        return SparseDecodeStats(data=out)
+
+
+class SparsePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:ascend_offload_sparse_{name}", documentation=doc,
+                                  labelnames=labelnames), per_engine_labelvalues)
+            for name, doc in COUNTERS.items()}
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(name=f"vllm:ascend_offload_sparse_{name}", documentation=doc,
+                                labelnames=labelnames, multiprocess_mode="mostrecent"),
+                per_engine_labelvalues)
+            for name, doc in GAUGES.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter[engine_idx].inc(value)
+            gauge = self._gauges.get(name)
+            if gauge is not None:
+                gauge[engine_idx].set(value)

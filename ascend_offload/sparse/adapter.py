@@ -1,0 +1,92 @@
+"""The adapter interface between a sparse-attention layer and sparse decode offload.
+
+Why a Protocol: the attention (our sparse-MLA model here, vllm-ascend's SFA
+backend later) knows its batch, the step's new main-KV rows and the indexer's
+top-k; the offload side (our ``AscendSparseDecodeConnector``, or a backend's own
+adapter) knows which request each batch row is, the host pool and the hot
+buffers. Neither imports the other: the attention only calls these methods,
+found on vLLM's active KV connector (``get_kv_transfer_group()``), and the
+offload side only sees tensors and positions. No vLLM import here.
+
+Per layer and step the attention calls, in this order::
+
+    plan = adapter.plan_step(rows)                 # same rows for every layer of a step
+    adapter.offload_new_kv(layer, kv, positions)   # rows plan.offload_from..num_tokens
+    slots = adapter.onload_topk(layer, topk)       # [B, K] logical positions -> hot rows
+    ... sparse attention over adapter.hot_buffer(layer)[slots] for plan.decode rows ...
+
+``B`` is :attr:`SparseStepPlan.num_entries` (the offloaded requests of the
+step, in the order of :attr:`SparseStepPlan.batch_index`), ``K`` the model's
+``index_topk``; ``-1`` pads both the top-k and the returned slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRow:
+    """One request of the step as the attention sees it (its batch order)."""
+
+    # How the engine names the request without a request id: the KV block id that holds
+    # the request's newest position (num_tokens - 1). Unique within a step: that block
+    # is written this step, so no other running request (prefix caching shares only
+    # full, already computed blocks) can hold it.
+    key: int
+    num_tokens: int  # context length after this step (positions 0..num_tokens-1 have KV)
+    num_new: int  # tokens computed this step (query tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseStepPlan:
+    """What the attention does with each of its batch rows this step."""
+
+    # per batch row: index into the manager's step batch (the row of top-k to fill),
+    # -1 = not offloaded (attend over the paged cache as without offload)
+    batch_index: tuple[int, ...]
+    # per batch row: first position whose main-KV row goes to the host pool this step
+    # (the pool lacks it: new tokens, prefix-cache hits not yet pooled, recomputation)
+    offload_from: tuple[int, ...]
+    # per batch row: attend over the hot buffer (one query token, offloaded)
+    decode: tuple[bool, ...]
+    num_entries: int  # rows of the top-k the layer passes to onload_topk
+
+    @property
+    def any_decode(self) -> bool:
+        return any(self.decode)
+
+
+@runtime_checkable
+class SparseDecodeAdapter(Protocol):
+    """Implemented by the offload side; called by a sparse-attention layer."""
+
+    def sparse_layer_index(self, layer_name: str) -> int | None:
+        """The pool layer of a main-KV cache layer; ``None``: this layer is not
+        offloaded (offload off, or not a sparse layer) and attends as without offload."""
+        ...
+
+    def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
+        """Bind this step's batch (first call of a step; later layers get the same plan)."""
+        ...
+
+    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Main-KV rows ``[N, row]`` to the host pool; ``positions`` ``[N, 2]`` holds
+        (step batch index, logical position)."""
+        ...
+
+    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        """Logical top-k ``[B, K]`` (int32, ``-1`` padded) -> rows of
+        :meth:`hot_buffer` ``[B, K]``; only the misses are copied."""
+        ...
+
+    def hot_buffer(self, layer: int) -> torch.Tensor:
+        """The layer's device hot buffer ``[rows, row]`` the slots index."""
+        ...
+
+
+__all__: Sequence[str] = ["BatchRow", "SparseDecodeAdapter", "SparseStepPlan"]

@@ -1,0 +1,177 @@
+"""Colocated sparse decode: one engine prefills and then decodes from the host pool.
+
+The :class:`~ascend_offload.sparse.adapter.SparseDecodeAdapter` implementation
+behind ``AscendSparseDecodeConnector`` (no vLLM here: the connector only feeds
+it the scheduler's per-step facts). Per request it keeps how many leading
+positions the host pool holds, so every step writes exactly the rows the pool
+lacks: the new tokens, prompt positions that came from vLLM's prefix cache
+instead of being computed, and positions recomputed after a preemption.
+
+Which request a batch row is comes from the scheduler as ``key -> request id``
+(the block holding the request's newest position, see
+:class:`~ascend_offload.sparse.adapter.BatchRow`). A row that cannot be
+matched or a request the pool could not admit attends over the engine's paged
+cache, which this mode still allocates: output stays right, the counters
+(``unmatched_rows``, ``admission_failures``) say it happened, and it is logged
+once per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
+from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
+from ascend_offload.sparse.pools import PoolCapacityError
+
+logger = logging.getLogger(__name__)
+
+
+class ColocatedSparseDecode:
+    """Request bookkeeping and step binding over one :class:`SparseOffloadManager`."""
+
+    def __init__(self, manager: SparseOffloadManager, layer_names: Sequence[str]) -> None:
+        if len(layer_names) != manager.num_layers:
+            raise ValueError(f"{len(layer_names)} layer names for a manager of "
+                             f"{manager.num_layers} layers")
+        self.manager = manager
+        self.layer_names = list(layer_names)
+        self._layer_of = {n: i for i, n in enumerate(layer_names)}
+        self._pooled: dict[str, int] = {}  # admitted request -> leading positions in the pool
+        self._keys: Mapping[int, str] = {}
+        self._step_key: object = None
+        self._plan: SparseStepPlan | None = None
+        self._plan_rows: tuple[BatchRow, ...] = ()
+        self._open = False
+        self._warned: set[str] = set()  # admitted-or-refused requests only: bounded by finish
+        self._warned_unmatched = False
+        self.admission_failures = 0
+        self.unmatched_rows = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def admit(self, req_id: str, max_tokens: int) -> bool:
+        """Reserve pool rows for ``max_tokens`` positions and a hot row; ``False`` (logged,
+        counted) when the pool or the hot rows are exhausted: the request then attends
+        over the paged cache. A request already admitted (resumed after preemption)
+        keeps its rows."""
+        if req_id in self._pooled:
+            return True
+        try:
+            self.manager.admit(req_id, max_tokens)
+        except PoolCapacityError as exc:
+            self.admission_failures += 1
+            self._warn(req_id, f"not offloaded, attends over the paged cache: {exc}")
+            return False
+        self._pooled[req_id] = 0
+        return True
+
+    def finish(self, req_id: str) -> None:
+        """Free the request's pool rows, hot row and residency state (idempotent)."""
+        self._pooled.pop(req_id, None)
+        self._warned.discard(req_id)
+        self.manager.finish(req_id)
+
+    @property
+    def admitted(self) -> list[str]:
+        return list(self._pooled)
+
+    # ------------------------------------------------------------------ per step
+
+    def begin(self, step_key: object, keys: Mapping[int, str]) -> None:
+        """A new engine step: ``keys`` maps each scheduled request's key block to its id.
+        ``step_key`` is any object unique to the step (the connector's metadata)."""
+        if step_key is self._step_key:
+            return
+        self.end_step()
+        self._step_key = step_key
+        self._keys = keys
+        self._plan = None
+
+    def sparse_layer_index(self, layer_name: str) -> int | None:
+        return self._layer_of.get(layer_name)
+
+    def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
+        """Bind the manager's step to the attention's batch (once per step)."""
+        rows = tuple(rows)
+        if self._plan is not None:
+            if rows != self._plan_rows:
+                raise ValueError("plan_step: a layer of this step saw another batch "
+                                 f"({len(rows)} rows, {len(self._plan_rows)} planned)")
+            return self._plan
+        index, start, decode, entries = [], [], [], []
+        for row in rows:
+            req = self._keys.get(row.key)
+            if req is None or req not in self._pooled:
+                if req is None:
+                    self.unmatched_rows += 1
+                    if not self._warned_unmatched:  # once: keys are not bounded
+                        self._warned_unmatched = True
+                        logger.warning("sparse decode: batch row with key block %d matches no "
+                                       "scheduled request; it attends over the paged cache "
+                                       "(counted in unmatched_rows)", row.key)
+                index.append(-1)
+                start.append(0)
+                decode.append(False)
+                continue
+            first = min(self._pooled[req], row.num_tokens - row.num_new)
+            index.append(len(entries))
+            start.append(first)
+            decode.append(row.num_new == 1)
+            # positions written this step are not trusted in the hot buffer (recomputation)
+            entries.append(StepEntry(req, row.num_tokens, first))
+            self._pooled[req] = row.num_tokens
+        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries))
+        if entries:
+            self.manager.begin_step(entries)
+            self._open = True
+        self._plan, self._plan_rows = plan, rows
+        return plan
+
+    def end_step(self) -> None:
+        if self._open:
+            self.manager.end_step()
+            self._open = False
+
+    # ------------------------------------------------------------------ data path
+
+    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        self.manager.offload_new_kv(layer, new_kv, positions)
+
+    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        return self.manager.onload_topk(layer, topk)
+
+    def hot_buffer(self, layer: int) -> torch.Tensor:
+        return self.manager.hot_buffer(layer)
+
+    # ------------------------------------------------------------------ reporting
+
+    def counters(self) -> dict[str, int]:
+        """Monotonic totals (the connector turns them into per-report deltas)."""
+        st = self.manager.stats
+        return {
+            "steps": st.steps,
+            "resolved_positions": st.resolved_positions,
+            "hit_positions": st.hits,
+            "miss_rows": st.miss_rows,
+            "miss_bytes": st.onload_bytes,
+            "offload_rows": st.offload_rows,
+            "offload_bytes": st.offload_bytes,
+            "offload_ns": st.offload_ns,
+            "resolve_ns": st.resolve_ns,
+            "copy_ns": st.copy_ns,
+            "admission_failures": self.admission_failures,
+            "unmatched_rows": self.unmatched_rows,
+        }
+
+    def gauges(self) -> dict[str, int]:
+        return {"pool_rows_used": self.manager.pool_rows_used,
+                "admitted_requests": len(self._pooled)}
+
+    def _warn(self, who: str, msg: str) -> None:
+        if who not in self._warned:
+            self._warned.add(who)
+            logger.warning("sparse decode: %s: %s", who, msg)

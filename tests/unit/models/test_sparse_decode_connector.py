@@ -1,0 +1,47 @@
+"""AscendSparseDecodeConnector's startup checks and stats, without an engine
+(imports vLLM's connector base)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_offload.config import ConfigError, parse_extra_config
+from ascend_offload.connectors.sparse_decode.connector import model_index_topk
+from ascend_offload.connectors.sparse_decode.metrics import SparseDecodeStats, StatsReporter
+
+
+def _vllm_config(**hf: object) -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(
+        model="m", hf_config=SimpleNamespace(architectures=["X"], **hf)))
+
+
+def test_a_model_without_sparse_attention_is_refused_naming_the_key() -> None:
+    assert model_index_topk(_vllm_config(index_topk=32)) == 32
+    for hf in ({}, {"index_topk": 32, "use_sparse_attention": False}):
+        with pytest.raises(ConfigError, match=r"'sparse_offload.enabled'=True.*no sparse attention"):
+            model_index_topk(_vllm_config(**hf))
+
+
+def test_extra_config_is_strict_and_off_by_default() -> None:
+    cfg = parse_extra_config("AscendSparseDecodeConnector", {})
+    assert cfg.sparse_offload.enabled is False
+    with pytest.raises(ConfigError, match="topk_buffer"):
+        parse_extra_config("AscendSparseDecodeConnector", {"sparse_offload": {"topk_buffer": 64}})
+
+
+def test_stats_report_deltas_seconds_and_gauges() -> None:
+    rep = StatsReporter()
+    totals = {"resolved_positions": 10, "hit_positions": 4, "miss_rows": 6, "resolve_ns": 2_000}
+    first = rep.take(totals, {"pool_rows_used": 64})
+    assert first is not None
+    assert first.data == {"resolved_positions": 10, "hit_positions": 4, "miss_rows": 6,
+                          "resolve_seconds": 2e-6, "pool_rows_used": 64, "hit_rate": 0.4}
+    assert rep.take(totals, {"pool_rows_used": 64}) is None  # nothing new
+    second = rep.take(dict(totals, resolved_positions=20, hit_positions=14), {"pool_rows_used": 0})
+    assert second is not None and second.data["hit_rate"] == 1.0
+    merged = first.aggregate(second)
+    assert isinstance(merged, SparseDecodeStats)
+    assert merged.data["resolved_positions"] == 20  # counters add up
+    assert merged.data["pool_rows_used"] == 0  # gauges keep the latest
