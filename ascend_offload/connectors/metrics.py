@@ -12,7 +12,7 @@ for the P/D pull (:class:`RD2HPromMetrics`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -62,8 +62,12 @@ RD2H_COUNTERS: dict[str, str] = {
 
 
 @dataclasses.dataclass
-class StoreConnectorStats(KVConnectorStats):
-    """Counter deltas; sums under aggregation."""
+class CounterStats(KVConnectorStats):
+    """Counter deltas (summed under aggregation) and gauges (latest value wins).
+
+    Each connector has its own subclass: vLLM keys connector stats by class."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset()
 
     def reset(self) -> None:
         self.data = {}
@@ -71,8 +75,8 @@ class StoreConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)
         for k, v in (other.data or {}).items():
-            merged[k] = merged.get(k, 0) + v
-        return StoreConnectorStats(data=merged)
+            merged[k] = v if k in self.GAUGES else merged.get(k, 0) + v
+        return type(self)(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
         return {k: v for k, v in self.data.items() if v}
@@ -82,30 +86,35 @@ class StoreConnectorStats(KVConnectorStats):
 
 
 @dataclasses.dataclass
-class RD2HConnectorStats(StoreConnectorStats):
-    """The P/D pull's counter deltas (its own class: vLLM keys stats by connector)."""
+class StoreConnectorStats(CounterStats):
+    """The store tier's counter deltas."""
 
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        return RD2HConnectorStats(data=StoreConnectorStats.aggregate(self, other).data)
+
+@dataclasses.dataclass
+class RD2HConnectorStats(CounterStats):
+    """The P/D pull's counter deltas."""
 
 
 class CounterDeltas:
     """Turns monotonically growing totals into per-report deltas."""
 
-    def __init__(self, stats_cls: type[StoreConnectorStats] = StoreConnectorStats) -> None:
+    def __init__(self, stats_cls: type[CounterStats] = StoreConnectorStats) -> None:
         self._last: dict[str, int] = {}
         self._cls = stats_cls
 
-    def take(self, totals: dict[str, int]) -> StoreConnectorStats | None:
+    def take(self, totals: dict[str, int]) -> CounterStats | None:
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         delta = {k: v for k, v in delta.items() if v}
         return self._cls(data=delta) if delta else None
 
 
-class StorePromMetrics(KVConnectorPromMetrics):
-    PREFIX = "vllm:ascend_offload_store_"
-    COUNTERS = COUNTERS
+class CounterPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters (``PREFIX + name``) and gauges of one connector's stats."""
+
+    PREFIX: ClassVar[str] = ""
+    COUNTERS: ClassVar[dict[str, str]] = {}
+    GAUGES: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -117,21 +126,64 @@ class StorePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"{self.PREFIX}{name}", documentation=doc, labelnames=labelnames),
+                self._counter_cls(name=f"{self.PREFIX}{name}", documentation=doc,
+                                  labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, doc in self.COUNTERS.items()
         }
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(name=f"{self.PREFIX}{name}", documentation=doc,
+                                labelnames=labelnames, multiprocess_mode="mostrecent"),
+                per_engine_labelvalues,
+            )
+            for name, doc in self.GAUGES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
-            per_engine = self._counters.get(name)
-            if per_engine is not None and value > 0:
-                per_engine[engine_idx].inc(value)
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter[engine_idx].inc(value)
+            gauge = self._gauges.get(name)
+            if gauge is not None:
+                gauge[engine_idx].set(value)
 
 
-class RD2HPromMetrics(StorePromMetrics):
+class StorePromMetrics(CounterPromMetrics):
+    """``vllm:ascend_offload_store_*`` counters of the store tier."""
+
+    PREFIX = "vllm:ascend_offload_store_"
+    COUNTERS = COUNTERS
+
+
+class RD2HPromMetrics(CounterPromMetrics):
     """``vllm:ascend_offload_rd2h_*`` counters of the P/D pull."""
 
     PREFIX = "vllm:ascend_offload_rd2h_"
     COUNTERS = RD2H_COUNTERS
+
+
+class ConnectorMetrics:
+    """Mixin for a connector class: vLLM's two metric factories from ``STATS`` / ``PROM``.
+
+    Why: vLLM asks the connector *class* for these; every connector of ours answers
+    the same way, only the classes differ."""
+
+    STATS: ClassVar[type[CounterStats]]
+    PROM: ClassVar[type[CounterPromMetrics]]
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CounterStats | None:
+        return cls.STATS(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> CounterPromMetrics:
+        return cls.PROM(vllm_config, metric_types, labelnames, per_engine_labelvalues)

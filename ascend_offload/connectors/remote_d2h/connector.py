@@ -22,7 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.config import RemoteD2HConfig
 from ascend_offload.connectors.logging_setup import wire_logging
-from ascend_offload.connectors.metrics import CounterDeltas, RD2HConnectorStats, RD2HPromMetrics
+from ascend_offload.connectors.metrics import (
+    ConnectorMetrics,
+    CounterDeltas,
+    RD2HConnectorStats,
+    RD2HPromMetrics,
+)
 from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker, sparse_hook_from_env
 from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_layers, open_region
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
@@ -44,8 +49,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class SfaRemoteD2HConnector(KVConnectorBase_V1):
+class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     """P/D pull connector; see the package docstring."""
+
+    STATS = RD2HConnectorStats
+    PROM = RD2HPromMetrics
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -182,19 +190,6 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RD2HConnectorStats | None:
-        return RD2HConnectorStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> RD2HPromMetrics:
-        return RD2HPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.decode.take_load_errors() if self.decode is not None else set()

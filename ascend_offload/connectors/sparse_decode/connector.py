@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.config import ConfigError, SparseDecodeConfig, parse_extra_config
 from ascend_offload.connectors.logging_setup import wire_logging
+from ascend_offload.connectors.metrics import ConnectorMetrics
 from ascend_offload.connectors.sparse_decode.metrics import (
     SparseDecodeStats,
     SparsePromMetrics,
@@ -97,8 +98,11 @@ def sparse_main_layers(kv_cache_config: KVCacheConfig) -> tuple[list[str], int]:
     return layer_order(found), group_of
 
 
-class AscendSparseDecodeConnector(KVConnectorBase_V1):
+class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     """Colocated sparse decode offload; see the module docstring."""
+
+    STATS = SparseDecodeStats
+    PROM = SparsePromMetrics
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -234,15 +238,6 @@ class AscendSparseDecodeConnector(KVConnectorBase_V1):
             return None
         return self._reporter.take(self.decode.counters(), self.decode.gauges())
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparseDecodeStats | None:
-        return SparseDecodeStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> SparsePromMetrics:
-        return SparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ======================================================================= adapter
 

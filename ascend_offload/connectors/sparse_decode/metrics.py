@@ -11,13 +11,9 @@ OpenAI server's ``/metrics``). Derived per-step figures: hit rate =
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import ClassVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.v1.metrics.utils import create_metric_per_engine
+from ascend_offload.connectors.metrics import CounterPromMetrics, CounterStats
 
 # counter name -> help text (nanosecond totals are exported in seconds)
 COUNTERS: dict[str, str] = {
@@ -43,23 +39,10 @@ _NS = ("offload_ns", "resolve_ns", "copy_ns")
 
 
 @dataclasses.dataclass
-class SparseDecodeStats(KVConnectorStats):
+class SparseDecodeStats(CounterStats):
     """Counter deltas (summed) and gauges (latest) of the worker."""
 
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = dict(self.data)
-        for k, v in (other.data or {}).items():
-            merged[k] = v if k in GAUGES else merged.get(k, 0) + v
-        return SparseDecodeStats(data=merged)
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if v}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+    GAUGES: ClassVar[frozenset[str]] = frozenset(GAUGES)
 
 
 class StatsReporter:
@@ -83,27 +66,9 @@ class StatsReporter:
         return SparseDecodeStats(data=out)
 
 
-class SparsePromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:ascend_offload_sparse_{name}", documentation=doc,
-                                  labelnames=labelnames), per_engine_labelvalues)
-            for name, doc in COUNTERS.items()}
-        self._gauges = {
-            name: create_metric_per_engine(
-                self._gauge_cls(name=f"vllm:ascend_offload_sparse_{name}", documentation=doc,
-                                labelnames=labelnames, multiprocess_mode="mostrecent"),
-                per_engine_labelvalues)
-            for name, doc in GAUGES.items()}
+class SparsePromMetrics(CounterPromMetrics):
+    """``vllm:ascend_offload_sparse_*`` counters and gauges."""
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            counter = self._counters.get(name)
-            if counter is not None and value > 0:
-                counter[engine_idx].inc(value)
-            gauge = self._gauges.get(name)
-            if gauge is not None:
-                gauge[engine_idx].set(value)
+    PREFIX = "vllm:ascend_offload_sparse_"
+    COUNTERS = COUNTERS
+    GAUGES = GAUGES

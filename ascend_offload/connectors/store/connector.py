@@ -32,7 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ascend_offload.connectors.metrics import StoreConnectorStats, StorePromMetrics
+from ascend_offload.connectors.metrics import (
+    ConnectorMetrics,
+    StoreConnectorStats,
+    StorePromMetrics,
+)
 from ascend_offload.connectors.store.scheduler import (
     LayerwiseScheduler,
     PrefixScheduler,
@@ -52,8 +56,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class AscendStoreConnector(KVConnectorBase_V1):
+class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
     """Host KV store tier; see the module docstring for the design."""
+
+    STATS = StoreConnectorStats
+    PROM = StorePromMetrics
 
     def __init__(
         self,
@@ -124,19 +131,6 @@ class AscendStoreConnector(KVConnectorBase_V1):
             return self.connector_scheduler.stats()
         return self.worker.stats()
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> StoreConnectorStats | None:
-        return StoreConnectorStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> StorePromMetrics:
-        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ======================================================================= worker
 
