@@ -220,13 +220,7 @@ class SparseMLACache(_CacheLayer):
         if self._offload is not None:
             self._run_offloaded(meta, q, new_kv, index_q, index_k, index_w, out)
             return
-        n = meta.num_actual_tokens
-        kv_rows = as_rows(self.kv_cache)
-        key_rows = as_rows(self.indexer.kv_cache)
-        slots = meta.slot_mapping
-        ok = slots >= 0
-        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
-        key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        kv_rows, key_rows = self._write_new_rows(meta, new_kv, index_k)
         for req in meta.requests:
             sl = slice(req.start, req.end)
             seq = req.slots.shape[0]
@@ -256,6 +250,19 @@ class SparseMLACache(_CacheLayer):
         scores = indexer_scores(index_q[sl], index_w[sl], key_rows[req.slots])
         return select_topk(scores, req.q_pos, self.index_topk)
 
+    def _write_new_rows(self, meta: Any, new_kv: torch.Tensor, index_k: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new main-KV and indexer rows into the paged caches at their
+        slots; returns both caches as ``[slots, row]`` views."""
+        n = meta.num_actual_tokens
+        kv_rows = as_rows(self.kv_cache)
+        key_rows = as_rows(self.indexer.kv_cache)
+        slots = meta.slot_mapping
+        ok = slots >= 0
+        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
+        key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        return kv_rows, key_rows
+
     def _run_offloaded(self, meta: SparseMLAMetadata, q: torch.Tensor, new_kv: torch.Tensor,
                        index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor,
                        out: torch.Tensor) -> None:
@@ -268,13 +275,7 @@ class SparseMLACache(_CacheLayer):
         """
         adapter, layer = self._offload
         assert self.index_topk is not None
-        n = meta.num_actual_tokens
-        kv_rows = as_rows(self.kv_cache)
-        key_rows = as_rows(self.indexer.kv_cache)
-        slots = meta.slot_mapping
-        ok = slots >= 0
-        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
-        key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        kv_rows, key_rows = self._write_new_rows(meta, new_kv, index_k)
         plan = adapter.plan_step([r.row for r in meta.requests])
         # rows the pool lacks, read back from the paged cache just written (one gather)
         src, pos = [], []
