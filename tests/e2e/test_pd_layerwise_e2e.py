@@ -21,10 +21,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("mooncake.engine")
-pytest.importorskip("httpx")
 
 from ascend_offload.testing.tiny_model import random_prompts
 from tests.e2e.harness import tiny_model
@@ -75,6 +75,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield c
 
 
+LAYERS = 8
+BLOCK = 32
+BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4  # K and V, 32 tokens, 2 KV heads of 32 dims, float32
+
+
+def _pulled(url: str) -> tuple[float, float]:
+    """(layers, bytes) pulled by the decode so far, from its Prometheus counters."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = {"layers_pulled": 0.0, "bytes_pulled": 0.0}
+    for line in text.splitlines():
+        for key in total:
+            if line.startswith(f"vllm:ascend_offload_rd2h_{key}_total"):
+                total[key] += float(line.rsplit(" ", 1)[1])
+    return total["layers_pulled"], total["bytes_pulled"]
+
+
 def _body(model: str, prompt: list[int], streaming: bool) -> dict[str, Any]:
     return body(model, prompt, streaming, MAX_TOKENS)
 
@@ -84,9 +100,21 @@ def test_layer_sharing_prefill_with_pd_pull_matches_plain(cluster: dict[str, Any
     prefill = cluster["servers"]["prefill"]
     assert "decode reads of each layer hold its physical buffer (8 layers on 2 buffers)" in prefill.text()
     since = log_sizes(cluster)
-    # Plain answers from the decode server itself (no transfer involved).
-    baseline = [complete(cluster["decode"], _body(model, p, False)) for p in PROMPTS]
+    pulled0 = _pulled(cluster["decode"])
     pd = [complete(cluster["proxy"], _body(model, p, False)) for p in PROMPTS]
+    # The whole prompt came over the wire, every layer: at least its full blocks
+    # (asking the decode server first would have left them in its prefix cache).
+    want_layers = len(PROMPTS) * LAYERS
+    want_bytes = sum((n - 1) // BLOCK for n in LENGTHS) * LAYERS * BLOCK_BYTES
+    deadline = time.monotonic() + 30
+    while True:
+        layers, nbytes = (b - a for a, b in zip(pulled0, _pulled(cluster["decode"]), strict=True))
+        if layers >= want_layers or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert layers == want_layers and nbytes >= want_bytes, (layers, nbytes, want_bytes)
+    # Plain answers from the decode server itself (no transfer involved), asked afterwards.
+    baseline = [complete(cluster["decode"], _body(model, p, False)) for p in PROMPTS]
     assert pd == baseline
     streamed = [stream(cluster["proxy"], _body(model, p, True)) for p in PROMPTS[:3]]
     assert streamed == baseline[:3]
