@@ -27,9 +27,11 @@ selection) and ``attention`` (gather + MQA over the selected rows) are wall
 times of the model's ``indexer_scores``/``select_topk``/``sparse_attention``
 calls with one query (decode rows), wrapped in the worker by the worker
 extension :class:`WorkerProbe` in both engines alike (about a hundred wrapped
-calls per step). ``other`` is the rest of the step: projections (indexer
-ones included), MLP, sampling, scheduling, the plan/bind and top-k remap of
-the offload path.
+calls per step). ``layer_rest`` is the rest of the model's attention-layer
+call (``SparseMLACache.run``, timed whole in decode-only steps): cache writes,
+slot mapping and, offloading, the plan / pool-position building / top-k remap
+around the counted phases. ``other`` is the rest of the step: projections
+(the indexer's included), MLP, sampling, scheduling, vLLM's bookkeeping.
 
 ``decode_device_kv_ratio``: main-KV bytes on the device (the sparse layers'
 registered KV caches, plus the hot buffers when offloading) with / without
@@ -79,6 +81,8 @@ class WorkerProbe:
         if not on:
             for name, fn in orig.items():
                 setattr(mod, name, fn)
+            if orig:
+                mod.SparseMLACache.run = mod._bench_layer_run  # type: ignore[attr-defined,method-assign]
             mod._bench_orig = {}  # type: ignore[attr-defined]
             return
         if orig:
@@ -100,7 +104,22 @@ class WorkerProbe:
         for name in _TIMED:
             orig[name] = getattr(mod, name)
             setattr(mod, name, timed(name, orig[name]))
+        layer_run = mod.SparseMLACache.run
+        totals["layer"] = 0
+
+        def timed_layer(layer: Any, meta: Any, *a: Any) -> None:
+            # whole decode-only steps: every request one query token
+            if meta is None or meta.num_actual_tokens != len(meta.requests):
+                return layer_run(layer, meta, *a)
+            t0 = time.perf_counter_ns()
+            try:
+                return layer_run(layer, meta, *a)
+            finally:
+                totals["layer"] += time.perf_counter_ns() - t0
+
+        mod.SparseMLACache.run = timed_layer  # type: ignore[method-assign]
         mod._bench_orig = orig  # type: ignore[attr-defined]
+        mod._bench_layer_run = layer_run  # type: ignore[attr-defined]
 
     def bench_probe_read(self) -> dict[str, Any]:
         """Timer totals (ns), the offload counters (if any) and the main-KV device bytes."""
@@ -208,6 +227,7 @@ def _phases(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     c0, c1 = before["counters"], after["counters"]
     out = {"indexer": sum(t1.get(k, 0) - t0.get(k, 0) for k in ("indexer_scores", "select_topk")),
            "attention": t1.get("sparse_attention", 0) - t0.get("sparse_attention", 0)}
+    out["layer"] = t1.get("layer", 0) - t0.get("layer", 0)  # whole layers, decode-only steps
     for phase, key in (("resolve", "resolve_ns"), ("miss_copy", "copy_ns"), ("offload", "offload_ns")):
         if key in c1:
             out[phase] = c1[key] - c0.get(key, 0)
@@ -269,6 +289,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     breakdown: dict[str, dict[str, float]] = {}
     for name in ENGINES:
         bd = {k: v / n_steps / 1e6 for k, v in phase_ns[name].items()}
+        # the rest of the attention layer: cache writes, slot mapping and, offloading,
+        # the plan / pool-position building / top-k remap around the counted phases
+        bd["layer_rest"] = bd.pop("layer") - sum(bd.get(k, 0.0) for k in (*_COUNTED, "indexer",
+                                                                          "attention"))
         bd["step"] = statistics.median(steps[name])
         bd["other"] = bd["step"] - sum(v for k, v in bd.items() if k != "step")
         breakdown[name] = bd
@@ -317,7 +341,8 @@ def report(res: dict[str, Any]) -> str:
                  f"{sr['min']:.3f}, max {sr['max']:.3f}; ratio of medians "
                  f"{res['step_ratio_of_medians']:.3f}); target <= {res['target_step_ratio']:.2f}: "
                  f"{verdict}; greedy tokens identical: {res['parity']}")
-    keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "other", "step")
+    keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "layer_rest", "other",
+            "step")
     lines.append("  breakdown ms/step  " + "  ".join(f"{k:>9s}" for k in keys))
     for n in ENGINES:
         bd = res["breakdown_ms_per_step"][n]

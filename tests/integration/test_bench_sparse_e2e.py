@@ -71,7 +71,7 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
     for phase in ("resolve", "miss_copy", "offload"):
         assert phase not in bd["baseline"] and bd["offload"][phase] > 0, bd
     for n in med:
-        assert bd[n]["indexer"] > 0 and bd[n]["attention"] > 0, bd
+        assert bd[n]["indexer"] > 0 and bd[n]["attention"] > 0 and bd[n]["layer_rest"] > 0, bd
         parts = sum(v for k, v in bd[n].items() if k not in ("step", "other"))
         assert bd[n]["other"] == pytest.approx(bd[n]["step"] - parts)
 
