@@ -22,7 +22,10 @@ BENCHES: dict[str, str] = {
     "pd": "ascend_offload.bench.pd",
     "proxy": "ascend_offload.bench.proxy",
     "e2e-pd": "ascend_offload.bench.e2e_pd",
+    "sparse-e2e": "ascend_offload.bench.sparse_e2e",
 }
+# minutes long (real vLLM engines): ``bench all`` skips them; run them by name
+SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e"})
 
 USAGE = (
     "usage: ascend-offload {plan,check-config,demo,bench} ...\n"
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run(BENCHES[name], bench_args)
         if "-h" in bench_args or "--help" in bench_args:
             sys.stdout.write("usage: ascend-offload bench all [--out DIR]\n"
-                             "runs every bench but e2e-pd, writing DIR/<name>.json "
+                             "runs every bench but " + ", ".join(sorted(SLOW_BENCHES)) + ", writing DIR/<name>.json "
                              "(default DIR: bench-results)\n")
             return 0
         out = "bench-results"
@@ -62,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             out = bench_args[bench_args.index("--out") + 1]
         rc = 0
         for key, module in BENCHES.items():
-            if key == "e2e-pd":
-                continue  # minutes long; run explicitly
+            if key in SLOW_BENCHES:
+                continue
             rc |= _run(module, ["--json", f"{out}/{key}.json"])
         return rc
     sys.stderr.write(USAGE + f"error: unknown command {cmd!r}\n")

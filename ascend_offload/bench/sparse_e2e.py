@@ -1,0 +1,381 @@
+"""``ascend-offload bench sparse-e2e``: decode step time with sparse decode offload vs without.
+
+Two real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
+engine config, same process, both alive for the whole run): the baseline has no
+connector, the other runs ``AscendSparseDecodeConnector`` (colocated mode: the
+engine prefills, then one-token rows attend over per-layer hot buffers filled
+from the host pool). Each round sends the same ``--batch`` prompts of
+``--context`` tokens (``index_topk`` < context, context >= 4x the hot buffer)
+at once with greedy ``max_tokens=--decode-tokens``; ``max_num_batched_tokens``
+fits every prompt in one prefill step, so every later step is a pure decode
+step of the whole batch. Rounds alternate between the engines (ABBA order) so
+slow drift of the shared machine hits both alike.
+
+Step time: per request ``(last_token_ts - first_token_ts) / (n - 1)`` from
+vLLM's own per-request engine-core timestamps (``RequestOutput.metrics``); a
+round's figure is the median over its requests. ``step_ratio`` is the median
+over rounds of the round's offload / baseline step time (the two run back to
+back, so each ratio sees the same minute of a shared machine); the ratio of the
+two medians and every round are reported too.
+
+Breakdown (ms per decode step, both engines): ``resolve``, ``miss_copy`` and
+``offload`` (new rows into the host pool) are the connector's own counters
+(``resolve_ns``/``copy_ns``/``offload_ns``, read from the worker), minus a
+prefill-only pass of the same prompts run just before each round (so the
+prefill's offload is not counted). ``indexer`` (indexer scores + top-k
+selection) and ``attention`` (gather + MQA over the selected rows) are wall
+times of the model's ``indexer_scores``/``select_topk``/``sparse_attention``
+calls with one query (decode rows), wrapped in the worker by the worker
+extension :class:`WorkerProbe` in both engines alike (about a hundred wrapped
+calls per step). ``layer_rest`` is the rest of the model's attention-layer
+call (``SparseMLACache.run``, timed whole in decode-only steps): cache writes,
+slot mapping and, offloading, the plan / pool-position building / top-k remap
+around the counted phases. ``other`` is the rest of the step: projections
+(the indexer's included), MLP, sampling, scheduling, vLLM's bookkeeping.
+
+``decode_device_kv_ratio``: main-KV bytes on the device (the sparse layers'
+registered KV caches, plus the hot buffers when offloading) with / without
+offload, read from each engine's worker. Colocated mode still allocates the
+full paged main KV on the device (prefill writes it; the allocation cut is not
+built), so the ratio is slightly above 1.0, and the bench says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32
+MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
+TARGET_RATIO = 1.10
+ENGINES = ("baseline", "offload")
+# model functions timed in the worker (first argument: the request's queries or scores)
+_TIMED = ("indexer_scores", "select_topk", "sparse_attention")
+_COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
+
+
+# ---------------------------------------------------------------------- worker side
+
+
+class WorkerProbe:
+    """vLLM worker extension (``worker_extension_cls``): methods run in the worker
+    process through ``LLM.collective_rpc``. Needs no state of its own until
+    :meth:`bench_probe_timers` installs the model-function timers."""
+
+    def bench_probe_timers(self, on: bool) -> None:
+        """Wrap (``on``) or restore the model's indexer/attention functions in
+        ``ascend_offload.models.attention`` with wall-clock accumulators."""
+        from ascend_offload.models import attention as mod
+
+        orig: dict[str, Callable[..., Any]] = getattr(mod, "_bench_orig", {})
+        if not on:
+            for name, fn in orig.items():
+                setattr(mod, name, fn)
+            if orig:
+                mod.SparseMLACache.run = mod._bench_layer_run  # type: ignore[attr-defined,method-assign]
+            mod._bench_orig = {}  # type: ignore[attr-defined]
+            return
+        if orig:
+            return
+        totals: dict[str, int] = {n: 0 for n in _TIMED}
+        mod._bench_totals = totals  # type: ignore[attr-defined]
+
+        def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*a: Any, **k: Any) -> Any:
+                if a[0].shape[0] != 1:  # a prefill chunk (several queries): not timed
+                    return fn(*a, **k)
+                t0 = time.perf_counter_ns()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    totals[name] += time.perf_counter_ns() - t0
+            return wrapper
+
+        for name in _TIMED:
+            orig[name] = getattr(mod, name)
+            setattr(mod, name, timed(name, orig[name]))
+        layer_run = mod.SparseMLACache.run
+        totals["layer"] = 0
+
+        def timed_layer(layer: Any, meta: Any, *a: Any) -> None:
+            # whole decode-only steps: every request one query token
+            if meta is None or meta.num_actual_tokens != len(meta.requests):
+                return layer_run(layer, meta, *a)
+            t0 = time.perf_counter_ns()
+            try:
+                return layer_run(layer, meta, *a)
+            finally:
+                totals["layer"] += time.perf_counter_ns() - t0
+
+        mod.SparseMLACache.run = timed_layer  # type: ignore[method-assign]
+        mod._bench_orig = orig  # type: ignore[attr-defined]
+        mod._bench_layer_run = layer_run  # type: ignore[attr-defined]
+
+    def bench_probe_read(self) -> dict[str, Any]:
+        """Timer totals (ns), the offload counters (if any) and the main-KV device bytes."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        from ascend_offload.models import attention as mod
+
+        ctx = self.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+        main_kv = 0
+        for layer in ctx.values():
+            if isinstance(layer, mod.SparseMLACache):
+                caches = layer.kv_cache if isinstance(layer.kv_cache, list) else [layer.kv_cache]
+                main_kv += sum(c.numel() * c.element_size() for c in caches)
+        out: dict[str, Any] = {"timers_ns": dict(getattr(mod, "_bench_totals", {})),
+                               "paged_main_kv_bytes": main_kv, "hot_buffer_bytes": 0, "counters": {}}
+        if has_kv_transfer_group():
+            decode = getattr(get_kv_transfer_group(), "decode", None)
+            if decode is not None:
+                out["counters"] = decode.counters()
+                out["hot_buffer_bytes"] = int(decode.manager.hot.nbytes)
+        return out
+
+
+# ---------------------------------------------------------------------- engines
+
+
+def _model(index_topk: int) -> str:
+    from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+
+    return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}",
+                                      index_topk=index_topk))
+
+
+def _pool_gb(a: argparse.Namespace, row_bytes: int, layers: int) -> float:
+    blocks = -(-(a.context + a.decode_tokens) // BLOCK_SIZE)
+    return a.batch * blocks * BLOCK_SIZE * layers * row_bytes / 2**30 + 1e-6
+
+
+@contextlib.contextmanager
+def _engine(a: argparse.Namespace, model: str, offload: bool) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.core
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    row_bytes = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    kw: dict[str, Any] = {}
+    if offload:
+        sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
+                  "dram_size_per_dp_GB": _pool_gb(a, row_bytes, cfg["num_hidden_layers"])}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="AscendSparseDecodeConnector", kv_role="kv_both",
+            kv_connector_extra_config={"sparse_offload": sparse})
+    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
+              enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=a.batch,
+              max_model_len=a.context + a.decode_tokens + BLOCK_SIZE,
+              max_num_batched_tokens=a.batch * a.context,
+              worker_extension_cls=f"{__name__}.WorkerProbe", **kw)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _prompts(a: argparse.Namespace, round_no: int) -> list[list[int]]:
+    """Fresh random prompts per round (same for both engines of a round)."""
+    rng = random.Random(1000 + round_no)
+    return [[rng.randrange(3, 512) for _ in range(a.context)] for _ in range(a.batch)]
+
+
+def _round(llm: Any, prompts: list[list[int]], decode_tokens: int) -> tuple[float, list[list[int]]]:
+    """One batch; returns the median per-request decode step time (ms) and the tokens."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    steps = []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m is None or n < 2 or not m.last_token_ts > m.first_token_ts:
+            raise RuntimeError(f"request {o.request_id}: no per-token timestamps "
+                               f"(metrics={m!r}, {n} tokens); log stats must be on")
+        steps.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
+    return statistics.median(steps), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _round_prefill(llm: Any, prompts: list[list[int]]) -> None:
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+
+
+def _probe(llm: Any) -> dict[str, Any]:
+    return llm.collective_rpc("bench_probe_read")[0]
+
+
+def _phases(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Nanoseconds spent per phase between two probes of one worker."""
+    t0, t1 = before["timers_ns"], after["timers_ns"]
+    c0, c1 = before["counters"], after["counters"]
+    out = {"indexer": sum(t1.get(k, 0) - t0.get(k, 0) for k in ("indexer_scores", "select_topk")),
+           "attention": t1.get("sparse_attention", 0) - t0.get("sparse_attention", 0)}
+    out["layer"] = t1.get("layer", 0) - t0.get("layer", 0)  # whole layers, decode-only steps
+    for phase, key in (("resolve", "resolve_ns"), ("miss_copy", "copy_ns"), ("offload", "offload_ns")):
+        if key in c1:
+            out[phase] = c1[key] - c0.get(key, 0)
+    return out
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+            "rounds": [round(x, 4) for x in xs]}
+
+
+# ---------------------------------------------------------------------- run
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    if not a.index_topk < a.context:
+        raise SystemExit(f"--index-topk {a.index_topk} must be < --context {a.context}")
+    if a.decode_tokens < 2 or a.rounds < 1 or a.batch < 1:
+        raise SystemExit("--decode-tokens >= 2, --rounds >= 1 and --batch >= 1")
+    model = _model(a.index_topk)
+    t_start = time.time()
+    steps: dict[str, list[float]] = {n: [] for n in ENGINES}
+    phase_ns: dict[str, dict[str, float]] = {n: {} for n in ENGINES}
+    probes: dict[str, dict[str, Any]] = {}
+    parity = True
+    load = [os.getloadavg()[0]]
+    with contextlib.ExitStack() as stack:
+        # baseline first, then the offload engine (vLLM's Prometheus loggers of a later
+        # engine replace an earlier one's; this bench reads the workers, not Prometheus)
+        llms = {"baseline": stack.enter_context(_engine(a, model, False)),
+                "offload": stack.enter_context(_engine(a, model, True))}
+        for name in ENGINES:  # warm-up (first-call allocations), not timed
+            _round(llms[name], _prompts(a, -1)[: max(1, a.batch // 2)], 4)
+            llms[name].collective_rpc("bench_probe_timers", args=(True,))
+        for r in range(a.rounds):
+            order = ENGINES if r % 2 == 0 else ENGINES[::-1]  # ABBA: drift hits both alike
+            prompts = _prompts(a, r)
+            toks: dict[str, list[list[int]]] = {}
+            for name in order:
+                llm = llms[name]
+                # the prefill-only pass of the same prompts is subtracted from the round's
+                # counters, so only the decode steps' offload/resolve/copy remain
+                b0 = _probe(llm)
+                _round_prefill(llm, prompts)
+                b1 = _probe(llm)
+                step, toks[name] = _round(llm, prompts, a.decode_tokens)
+                b2 = probes[name] = _probe(llm)
+                steps[name].append(step)
+                pre, full = _phases(b0, b1), _phases(b1, b2)
+                acc = phase_ns[name]
+                for k, v in full.items():
+                    acc[k] = acc.get(k, 0.0) + v - (pre[k] if k in _COUNTED else 0.0)
+            parity = parity and toks["baseline"] == toks["offload"]
+            load.append(os.getloadavg()[0])
+            if a.verbose:
+                print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
+                      file=sys.stderr, flush=True)
+    n_steps = a.rounds * (a.decode_tokens - 1)
+    breakdown: dict[str, dict[str, float]] = {}
+    for name in ENGINES:
+        bd = {k: v / n_steps / 1e6 for k, v in phase_ns[name].items()}
+        # the rest of the attention layer: cache writes, slot mapping and, offloading,
+        # the plan / pool-position building / top-k remap around the counted phases
+        bd["layer_rest"] = bd.pop("layer") - sum(bd.get(k, 0.0) for k in (*_COUNTED, "indexer",
+                                                                          "attention"))
+        bd["step"] = statistics.median(steps[name])
+        bd["other"] = bd["step"] - sum(v for k, v in bd.items() if k != "step")
+        breakdown[name] = bd
+    paired = [o / b for o, b in zip(steps["offload"], steps["baseline"], strict=True)]
+    medians = {n: statistics.median(steps[n]) for n in ENGINES}
+    kv_base = probes["baseline"]["paged_main_kv_bytes"]
+    kv_off = probes["offload"]["paged_main_kv_bytes"] + probes["offload"]["hot_buffer_bytes"]
+    ratio = statistics.median(paired)
+    return {
+        "bench": "sparse-e2e",
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
+        "config": {k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
+                                              "index_topk", "rounds", "core")},
+        "step_ms": {n: _spread(steps[n]) for n in ENGINES},
+        "step_ratio": ratio,
+        "step_ratio_rounds": _spread(paired),
+        "step_ratio_of_medians": medians["offload"] / medians["baseline"],
+        "target_step_ratio": TARGET_RATIO,
+        "target_met": ratio <= TARGET_RATIO,
+        "parity": parity,
+        "breakdown_ms_per_step": breakdown,
+        "decode_device_kv_ratio": kv_off / kv_base,
+        "main_kv_device_bytes": {
+            "baseline_paged": kv_base, "offload_paged": probes["offload"]["paged_main_kv_bytes"],
+            "offload_hot_buffers": probes["offload"]["hot_buffer_bytes"]},
+        "offload_counters": probes["offload"]["counters"],
+        "loadavg_1m": load,
+        "notes": ("colocated mode still allocates the full paged main KV on the device "
+                  "(prefill writes it); the allocation cut is not built, so "
+                  "decode_device_kv_ratio is (paged + hot buffers) / paged >= 1"),
+    }
+
+
+def report(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [f"sparse-e2e: batch {c['batch']} x {c['context']}-token contexts, {c['decode_tokens']} "
+             f"tokens each, hot buffer {c['hot']} rows, index_topk {c['index_topk']}, "
+             f"{c['rounds']} alternating rounds (worker core {c['core']})"]
+    for n in ENGINES:
+        s = res["step_ms"][n]
+        lines.append(f"  {n:9s} decode step {s['median']:.3f} ms median "
+                     f"(min {s['min']:.3f}, max {s['max']:.3f})")
+    verdict = "met" if res["target_met"] else "NOT met"
+    sr = res["step_ratio_rounds"]
+    lines.append(f"  step_ratio {res['step_ratio']:.3f} (median of per-round ratios, min "
+                 f"{sr['min']:.3f}, max {sr['max']:.3f}; ratio of medians "
+                 f"{res['step_ratio_of_medians']:.3f}); target <= {res['target_step_ratio']:.2f}: "
+                 f"{verdict}; greedy tokens identical: {res['parity']}")
+    keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "layer_rest", "other",
+            "step")
+    lines.append("  breakdown ms/step  " + "  ".join(f"{k:>9s}" for k in keys))
+    for n in ENGINES:
+        bd = res["breakdown_ms_per_step"][n]
+        lines.append(f"  {n:17s}  " + "  ".join(
+            f"{bd[k]:9.3f}" if k in bd else f"{'-':>9s}" for k in keys))
+    kv = res["main_kv_device_bytes"]
+    lines.append(f"  decode_device_kv_ratio {res['decode_device_kv_ratio']:.4f}: main KV on the "
+                 f"device {kv['offload_paged'] + kv['offload_hot_buffers']} B (paged "
+                 f"{kv['offload_paged']} + hot buffers {kv['offload_hot_buffers']}) vs "
+                 f"{kv['baseline_paged']} B")
+    lines.append("  (" + res["notes"] + ")")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ascend-offload bench sparse-e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8, help="concurrent decodes per round")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--decode-tokens", type=int, default=48, help="generated tokens per request")
+    p.add_argument("--hot", type=int, default=64, help="hot-buffer rows per request and layer")
+    p.add_argument("--index-topk", type=int, default=32, help="the model's index_topk")
+    p.add_argument("--rounds", type=int, default=12, help="rounds per engine (alternating)")
+    p.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines' workers")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each round")
+    a = p.parse_args(argv)
+    res = run(a)
+    print(report(res))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

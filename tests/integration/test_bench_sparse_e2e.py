@@ -1,0 +1,96 @@
+"""``bench sparse-e2e`` with tiny settings: two real vLLM CPU engines (about a minute).
+
+Checks what the JSON promises rather than any timing: the ratio is the ratio of
+the reported medians, both engines generated the same greedy tokens, every decode
+row of every layer was resolved through the hot buffers (exact count over the
+whole run), the breakdown has the offload phases only for the offload engine, and
+the main-KV device bytes are the paged cache plus exactly the hot buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ascend_offload import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, ROW_BYTES = 4, (64 + 16) * 4  # tiny sparse model: latent + rope, float32
+ARGS = dict(batch=2, context=160, decode_tokens=6, hot=32, index_topk=16, rounds=2)
+
+
+def test_sparse_e2e_is_registered_and_skipped_by_bench_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.BENCHES["sparse-e2e"] == "ascend_offload.bench.sparse_e2e"
+    ran: list[str] = []
+    monkeypatch.setattr(cli, "_run", lambda module, argv: ran.append(module) or 0)
+    assert cli.main(["bench", "all", "--out", "x"]) == 0
+    assert "ascend_offload.bench.sparse_e2e" not in ran and "ascend_offload.bench.e2e_pd" not in ran
+    assert "ascend_offload.bench.sparse" in ran
+
+
+def test_bad_settings_are_refused_before_any_engine_starts() -> None:
+    from ascend_offload.bench import sparse_e2e
+
+    with pytest.raises(SystemExit, match="index-topk"):
+        sparse_e2e.main(["--context", "32", "--index-topk", "32"])
+    with pytest.raises(SystemExit, match="decode-tokens"):
+        sparse_e2e.main(["--decode-tokens", "1"])
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+@pytest.mark.timeout(480)
+def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    out = tmp_path / "sparse-e2e.json"
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
+    proc = subprocess.run([sys.executable, "-m", "ascend_offload.cli", "bench", "sparse-e2e", *argv,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=450, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step_ratio" in proc.stdout and "decode_device_kv_ratio" in proc.stdout
+    res: dict[str, Any] = json.loads(out.read_text())
+
+    med = {n: res["step_ms"][n]["median"] for n in ("baseline", "offload")}
+    assert all(len(res["step_ms"][n]["rounds"]) == ARGS["rounds"] for n in med)
+    paired = [o / b for o, b in zip(res["step_ms"]["offload"]["rounds"],
+                                    res["step_ms"]["baseline"]["rounds"], strict=True)]
+    assert res["step_ratio"] == pytest.approx(statistics.median(paired), rel=1e-3)
+    assert res["step_ratio_of_medians"] == pytest.approx(med["offload"] / med["baseline"])
+    assert res["target_met"] == (res["step_ratio"] <= 1.10)
+    assert res["parity"] is True
+
+    bd = res["breakdown_ms_per_step"]
+    for phase in ("resolve", "miss_copy", "offload"):
+        assert phase not in bd["baseline"] and phase in bd["offload"], bd
+    # no prefill-pass subtraction touches these (a prefill resolves and copies nothing);
+    # offload and the offload engine's layer_rest are differences of two timings
+    assert bd["offload"]["resolve"] > 0 and bd["offload"]["miss_copy"] > 0, bd
+    assert bd["baseline"]["layer_rest"] > 0, bd
+    for n in med:
+        assert bd[n]["indexer"] > 0 and bd[n]["attention"] > 0, bd
+        parts = sum(v for k, v in bd[n].items() if k not in ("step", "other"))
+        assert bd[n]["other"] == pytest.approx(bd[n]["step"] - parts)
+
+    kv = res["main_kv_device_bytes"]
+    hot = LAYERS * ARGS["batch"] * ARGS["hot"] * ROW_BYTES
+    assert kv["offload_hot_buffers"] == hot
+    assert kv["offload_paged"] == kv["baseline_paged"] > 0  # colocated: still allocated
+    assert res["decode_device_kv_ratio"] == pytest.approx((kv["baseline_paged"] + hot)
+                                                          / kv["baseline_paged"])
+
+    # every decode row of every layer went through the hot buffers: warm-up (batch // 2
+    # requests, 4 tokens) and the rounds (their prefill-only passes decode nothing)
+    c = res["offload_counters"]
+    b, dt = ARGS["batch"], ARGS["decode_tokens"]
+    decode_rows = (b // 2) * 3 + ARGS["rounds"] * b * (dt - 1)
+    assert c["resolved_positions"] == LAYERS * ARGS["index_topk"] * decode_rows, c
+    assert c["admission_failures"] == 0 and c["unmatched_rows"] == 0, c
+    assert c["miss_rows"] > 0 and c["hit_positions"] > 0, c
