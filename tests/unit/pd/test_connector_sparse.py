@@ -142,7 +142,8 @@ def test_scheduler_asks_for_the_whole_prompt_and_reserves_max_tokens(monkeypatch
     monkeypatch.setenv(SPARSE_HOOK_ENV, "tests.unit.pd.pool_scenario:RecordingHook")
     conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=1), KVConnectorRole.SCHEDULER)
     submitted = []
-    monkeypatch.setattr(conn.scheduler.decode.registrar, "submit", lambda *a: submitted.append(a))
+    monkeypatch.setattr(conn.scheduler.decode.registrar, "submit",
+                        lambda *a, **kw: submitted.append((*a, kw)))
     try:
         req = SimpleNamespace(request_id="r", num_prompt_tokens=70, max_tokens=9, kv_transfer_params={
             "do_remote_prefill": True, "metaserver": "http://127.0.0.1:1", "proxy_request_id": "p"})
@@ -152,7 +153,8 @@ def test_scheduler_asks_for_the_whole_prompt_and_reserves_max_tokens(monkeypatch
         meta = conn.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
         # load errors name only the externally loaded device blocks; the pool gets the whole prompt
         assert meta.recv == [rd.RecvJob("r", (3, 5, 6, 2), 70, 79)]
-        (_rid, _url, _prid, registration), = submitted
+        (_rid, _url, _prid, registration, kw), = submitted
+        assert kw == {"registration_token": None}  # the proxy handed this request none
         params = registration.to_wire()  # the JSON object the metaserver receives
         assert params["remote_block_offset"] == 0 and params["remote_block_ids"] == [8, 3, 5, 6, 2]
     finally:
