@@ -118,8 +118,10 @@ class StoreScheduler(abc.ABC):
         return False, {"ascend_store": stats}
 
     def stats(self) -> StoreConnectorStats | None:
-        """Counter deltas since the last call."""
-        return self._deltas.take(self.book.counters())
+        """Counter deltas since the last call, and the index's pinned / pending objects."""
+        g = self.book.store_gauges()
+        return self._deltas.take(self.book.counters(),
+                                 {"pinned_objects": g["pinned_objects"], "pending_objects": g["pending_objects"]})
 
 
 class PrefixScheduler(StoreScheduler):

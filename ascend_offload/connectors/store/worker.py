@@ -220,7 +220,7 @@ class LayerwiseWorker(StoreWorker):
             "layerwise_gate_queued_waits": g.queued_waits,
             "layerwise_gate_timeouts": g.timeouts,
             "layerwise_native_copies": p.native_jobs,
-        })
+        }, {"layerwise_gate_consumers_held": self.pipeline.gate.consumers_held()})
 
     def close(self) -> None:
         if self.pipeline is not None:
