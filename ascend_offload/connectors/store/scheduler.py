@@ -119,9 +119,7 @@ class StoreScheduler(abc.ABC):
 
     def stats(self) -> StoreConnectorStats | None:
         """Counter deltas since the last call, and the index's pinned / pending objects."""
-        g = self.book.store_gauges()
-        return self._deltas.take(self.book.counters(),
-                                 {"pinned_objects": g["pinned_objects"], "pending_objects": g["pending_objects"]})
+        return self._deltas.take(*self.book.metrics())
 
 
 class PrefixScheduler(StoreScheduler):
