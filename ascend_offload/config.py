@@ -134,6 +134,9 @@ class StoreConnectorConfig(_Strict):
     model_tag: str = ""
     # Test hook: artificial delay per layer save, to prove the reuse gate holds.
     debug_save_delay_s: float = Field(0.0, ge=0, le=MAX_TIMEOUT_S)
+    # Test hook: the first N layerwise layer loads of each worker fail like a broken
+    # store read (their blocks become load errors), to prove a failed read ends cleanly.
+    debug_fail_layer_loads: int = Field(0, ge=0)
 
     @field_validator("layerwise_independent_layers")
     @classmethod

@@ -60,6 +60,20 @@ RD2H_COUNTERS: dict[str, str] = {
     "gate_hold_failures": "prefill, layer sharing: gate holds released with a failed or unanswered read",
 }
 
+# gauge name -> help text: state that must return to 0 when the engine is idle (leak checks).
+# Reported with the stats of a step, so they show the state at the engine's last step.
+RD2H_GAUGES: dict[str, str] = {
+    "pending_slot_uses": "prefill: published slot uses still waiting for decode's answers or their deadline",
+    "inflight_reads": "decode: reads submitted to reader threads and not answered yet",
+    "parked_messages": "decode: readiness messages parked for requests not started yet",
+    "active_requests": "decode: requests still being received",
+}
+STORE_GAUGES: dict[str, str] = {
+    "pinned_objects": "store objects pinned for a load",
+    "pending_objects": "store objects allocated for a save and not committed yet",
+    "layerwise_gate_consumers_held": "layerwise: reuse-gate consumers (saves, decode reads) holding a buffer",
+}
+
 
 @dataclasses.dataclass
 class CounterStats(KVConnectorStats):
@@ -79,33 +93,47 @@ class CounterStats(KVConnectorStats):
         return type(self)(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if v}
+        return {k: v for k, v in self.data.items() if v or k in self.GAUGES}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # a gauge back at 0 is news too: it must reach Prometheus
+        return not any(v or k in self.GAUGES for k, v in self.data.items())
 
 
 @dataclasses.dataclass
 class StoreConnectorStats(CounterStats):
-    """The store tier's counter deltas."""
+    """The store tier's counter deltas and gauges."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset(STORE_GAUGES)
 
 
 @dataclasses.dataclass
 class RD2HConnectorStats(CounterStats):
-    """The P/D pull's counter deltas."""
+    """The P/D pull's counter deltas and gauges."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset(RD2H_GAUGES)
 
 
 class CounterDeltas:
-    """Turns monotonically growing totals into per-report deltas."""
+    """Turns monotonically growing totals into per-report deltas, plus gauges: all of
+    them whenever a counter moved or a gauge changed since the last report (so a
+    gauge's return to 0 is reported too)."""
 
     def __init__(self, stats_cls: type[CounterStats] = StoreConnectorStats) -> None:
         self._last: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
         self._cls = stats_cls
 
-    def take(self, totals: dict[str, int]) -> CounterStats | None:
+    def take(self, totals: dict[str, int], gauges: dict[str, int] | None = None) -> CounterStats | None:
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         delta = {k: v for k, v in delta.items() if v}
+        gauges = gauges or {}
+        if gauges != self._last_gauges:
+            delta.update(gauges)
+            self._last_gauges = dict(gauges)
+        elif delta:
+            delta.update(gauges)
         return self._cls(data=delta) if delta else None
 
 
@@ -156,6 +184,7 @@ class StorePromMetrics(CounterPromMetrics):
 
     PREFIX = "vllm:ascend_offload_store_"
     COUNTERS = COUNTERS
+    GAUGES = STORE_GAUGES
 
 
 class RD2HPromMetrics(CounterPromMetrics):
@@ -163,6 +192,7 @@ class RD2HPromMetrics(CounterPromMetrics):
 
     PREFIX = "vllm:ascend_offload_rd2h_"
     COUNTERS = RD2H_COUNTERS
+    GAUGES = RD2H_GAUGES
 
 
 class ConnectorMetrics:

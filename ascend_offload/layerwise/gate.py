@@ -288,6 +288,11 @@ class ReuseGate:
         with self._cv:
             return not self._busy(self._slot(slot))
 
+    def consumers_held(self) -> int:
+        """Consumers currently holding any slot (0 when idle: a leak check and a gauge)."""
+        with self._cv:
+            return sum(len(s.consumers) for s in self._slots)
+
     def pending(self, slot: int) -> list[str]:
         with self._cv:
             return self._pending(self._slot(slot))

@@ -113,6 +113,9 @@ class LayerIO(abc.ABC):
         self._lock = lock
         self._drain_timeout_s = drain_timeout_s
         self._load_errors: set[int] = set()
+        # Test hook (the store's ``debug_fail_layer_loads``): this many next layer loads
+        # fail as a broken store read would; 0 in production.
+        self.fail_loads = 0
         self._jobs: collections.deque[LoadJob | SaveJob] = collections.deque()  # ticket order
         # one copy stream per direction, so a load never waits on an unrelated save's copies
         self._load_stream = device.new_stream()
@@ -138,6 +141,8 @@ class LayerIO(abc.ABC):
     def queue_load(self, layer: str, refs: Sequence[BlockRef]) -> int:
         """Pin ``layer``'s objects and queue their copy into its blocks; the ticket, or 0
         when nothing was queued (missing objects are load errors, counted now)."""
+        if self._injected_load_failure(layer, refs):
+            return 0
         pin, refs, keys, failed = self._pin(layer, refs)
         if failed:
             self._count_load(layer, 0, failed)
@@ -152,6 +157,16 @@ class LayerIO(abc.ABC):
             self.store.unpin(pin)
             raise
         return 0 if job is None else self._enqueue(job)
+
+    def _injected_load_failure(self, layer: str, refs: Sequence[BlockRef]) -> bool:
+        """The ``fail_loads`` test hook: fail this layer load whole (its blocks are load
+        errors, nothing copied) while the count lasts."""
+        if self.fail_loads <= 0 or not refs:
+            return False
+        self.fail_loads -= 1
+        log.warning("layerwise: load of layer %s failed: injected (debug_fail_layer_loads)", layer)
+        self._count_load(layer, 0, [r.block_id for r in refs])
+        return True
 
     def queue_save(self, layer: str, refs: Sequence[BlockRef], errors: list[BaseException],
                    delay_s: float) -> int:

@@ -146,6 +146,7 @@ class LayerwisePipeline:
         load_timeout_s: float = 30.0,
         save_timeout_s: float = 30.0,
         save_delay_s: float = 0.0,
+        fail_loads: int = 0,
         gate: ReuseGate | None = None,
         block_dim: int = 0,
         ready_before_hook: bool = True,
@@ -153,6 +154,8 @@ class LayerwisePipeline:
     ) -> None:
         """``save_delay_s`` delays each unit's store save by that long (the connector's
         ``debug_save_delay_s``: a slow store, to prove writers wait for the gate).
+        ``fail_loads``: the first that many layer loads fail as a broken store read
+        (the connector's ``debug_fail_layer_loads``, for fault tests).
         ``layer_io`` makes the copy path at the first step from the arguments of
         :class:`~ascend_offload.layerwise.layer_io.LayerIO` (default: the one that fits
         the tensors and the store)."""
@@ -165,6 +168,7 @@ class LayerwisePipeline:
         self.load_timeout_s = load_timeout_s
         self.save_timeout_s = save_timeout_s
         self.save_delay_s = save_delay_s
+        self.fail_loads = fail_loads
         self.block_dim = block_dim
         self.ready_before_hook = ready_before_hook
         self.defer_next_ready = False
@@ -390,6 +394,7 @@ class LayerwisePipeline:
                 block_dim=self.block_dim, key_fn=self.key_fn, gate=self.gate,
                 stats=self._stats, lock=self._lock,
                 drain_timeout_s=self.load_timeout_s + self.save_timeout_s)
+            self._lio.fail_loads = self.fail_loads
         return self._lio
 
     def _make_ready(self, unit: _Unit) -> None:

@@ -87,6 +87,8 @@ class RowLayerIO(LayerIO):
             self.store.abort(rc.handles)
 
     def queue_load(self, layer: str, refs: Sequence[BlockRef]) -> int:
+        if self._injected_load_failure(layer, refs):
+            return 0  # a planned load stays in the plan: end_plan releases its pin
         planned = self._plan.loads.pop(layer, None) if self._plan is not None else None
         if planned is not None:
             ticket = self.queue.submit(planned.job)

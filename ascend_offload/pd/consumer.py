@@ -311,6 +311,11 @@ class Consumer:
         with self._lock:
             return len(self._metas), len(self._readers)
 
+    def parked(self) -> int:
+        """Readiness messages parked for requests not started yet (bounded by ``max_parked``)."""
+        with self._lock:
+            return sum(len(ps) for ps in self._parked.values())
+
     def inflight(self) -> int:
         """Reads submitted to reader threads and not answered yet (for leak checks)."""
         with self._lock:

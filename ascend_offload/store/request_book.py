@@ -188,8 +188,13 @@ class RequestBook(Generic[E]):
 
     def counters(self) -> dict[str, int]:
         """Monotonic totals for the connector's metrics (turned into deltas there)."""
+        return self.metrics()[0]
+
+    def metrics(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(monotonic totals, idle gauges: objects pinned and pending now), from one
+        ``stats()`` of the index (it walks the objects: once per report)."""
         g = self.index.stats()
         totals = dict(self.totals)
         totals.update(lookups=g.lookups, hit_objects=g.hit_objects, miss_objects=g.miss_objects,
                       evicted_objects=g.evicted_objects)
-        return totals
+        return totals, {"pinned_objects": g.pinned_objects, "pending_objects": g.pending_objects}

@@ -181,12 +181,15 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         return (sending or None), (recving or None)
 
     def get_kv_connector_stats(self) -> RD2HConnectorStats | None:
-        """Counter deltas since the last call (workers; the scheduler has none)."""
+        """Counter deltas since the last call, and the idle gauges (workers; the scheduler
+        has none)."""
         totals: dict[str, int] = {}
+        gauges: dict[str, int] = {}
         for part in (self.decode, self.prefill):
             for k, v in (part.totals() if part is not None else {}).items():
                 totals[k] = totals.get(k, 0) + v
-        out = self._deltas.take(totals) if totals else None
+            gauges.update(part.gauges() if part is not None else {})
+        out = self._deltas.take(totals, gauges) if totals or gauges else None
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
 

@@ -237,6 +237,14 @@ class DecodeWorker:
         return {"layers_pulled": st.reads, "bytes_pulled": st.bytes_read, "read_descriptors": st.descriptors,
                 "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected}
 
+    def gauges(self) -> dict[str, int]:
+        """This rank's receive state (0 when idle): in-flight reads, parked messages,
+        requests being received."""
+        if self.consumer is None:
+            return {}
+        return {"inflight_reads": self.consumer.inflight(), "parked_messages": self.consumer.parked(),
+                "active_requests": len(self.consumer.active())}
+
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out

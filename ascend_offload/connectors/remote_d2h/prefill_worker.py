@@ -239,6 +239,10 @@ class PrefillWorker:
                 out[key] += value
         return out
 
+    def gauges(self) -> dict[str, int]:
+        """Published slot uses still waiting for decode's answers or their deadline (0 when idle)."""
+        return {"pending_slot_uses": sum(len(p.pending_slots()) for p in self._producers.values())}
+
     def close(self) -> None:
         for prod in self._producers.values():
             prod.close()

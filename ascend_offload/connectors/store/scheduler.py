@@ -118,8 +118,8 @@ class StoreScheduler(abc.ABC):
         return False, {"ascend_store": stats}
 
     def stats(self) -> StoreConnectorStats | None:
-        """Counter deltas since the last call."""
-        return self._deltas.take(self.book.counters())
+        """Counter deltas since the last call, and the index's pinned / pending objects."""
+        return self._deltas.take(*self.book.metrics())
 
 
 class PrefixScheduler(StoreScheduler):

@@ -171,6 +171,7 @@ class LayerwiseWorker(StoreWorker):
             load_timeout_s=cfg.load_timeout_s,
             save_timeout_s=cfg.save_timeout_s,
             save_delay_s=cfg.debug_save_delay_s,
+            fail_loads=cfg.debug_fail_layer_loads,
             block_dim=block_dim(kv_caches[plan.layers[0]], num_blocks),
         )
         self.pipeline.register_kv_caches(kv_caches)
@@ -219,7 +220,7 @@ class LayerwiseWorker(StoreWorker):
             "layerwise_gate_queued_waits": g.queued_waits,
             "layerwise_gate_timeouts": g.timeouts,
             "layerwise_native_copies": p.native_jobs,
-        })
+        }, {"layerwise_gate_consumers_held": self.pipeline.gate.consumers_held()})
 
     def close(self) -> None:
         if self.pipeline is not None:

@@ -89,6 +89,24 @@ def test_expire_fences_late_consumers() -> None:
     gate.release_write(lease_b)
 
 
+def test_consumers_held_counts_live_consumers_across_slots() -> None:
+    """The idle gauge: consumers holding any slot; released and expired ones do not count."""
+    gate = ReuseGate(2, default_timeout_s=0.02)
+    assert gate.consumers_held() == 0
+    leases = [gate.acquire_write(s, f"l{s}") for s in (0, 1)]
+    a = gate.add_consumer(0, leases[0].generation, "save")
+    gate.add_consumer(0, leases[0].generation, "read")
+    gate.add_consumer(1, leases[1].generation, "read")
+    for lease in leases:
+        gate.release_write(lease)
+    assert gate.consumers_held() == 3
+    gate.release_consumer(a)
+    assert gate.consumers_held() == 2
+    gate.expire_consumers(0)
+    gate.expire_consumers(1)
+    assert gate.consumers_held() == 0
+
+
 def test_stale_generation_refused() -> None:
     gate = ReuseGate(1, default_timeout_s=1.0)
     old = gate.acquire_write(0, "a")

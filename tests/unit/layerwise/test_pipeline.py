@@ -201,6 +201,25 @@ def test_missing_object_is_load_error_for_exactly_its_blocks(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", STORES)
+def test_injected_load_failure_fails_exactly_one_layer_load(kind: str) -> None:
+    """``fail_loads`` (the store's ``debug_fail_layer_loads`` test hook): the first layer
+    load fails whole, its blocks become load errors; later loads read exact KV."""
+    store = make_store(kind)
+    sim = Sim(plan_uniform(3, 1, [0]), store, fail_loads=1)
+    keys = ["a", "b"]
+    chunked_prefill(sim, keys, blocks=[0, 1], chunk=2)
+    sim.pipe.drain()
+    io = StepIO(load=tuple(BlockRef(b, k) for b, k in zip([4, 5], keys, strict=True)))
+    sim.step(io, [], [])
+    assert sim.pipe.take_load_errors() == {4, 5}
+    assert sim.pipe.stats().load_errors == 2
+    sim.step(io, [BlockRef(4, "a"), BlockRef(5, "b")], [])
+    assert sim.pipe.take_load_errors() == set()
+    assert sim.mismatches == []
+    sim.pipe.close()
+
+
+@pytest.mark.parametrize("kind", STORES)
 def test_store_full_is_counted_not_fatal(kind: str) -> None:
     store = (DictStore(capacity_objects=3) if kind == "dict"
              else LocalStore(capacity_bytes=3 * PAGE_BYTES, page_bytes=PAGE_BYTES))

@@ -94,6 +94,7 @@ def test_items_before_expect_are_parked(pair_factory):
     while pr.consumer.stats.parked < 1 and time.monotonic() < end:
         time.sleep(0.01)
     assert pr.consumer.stats.parked == 1  # received and held, not refused
+    assert pr.consumer.parked() == 1  # the idle gauge sees it held
     assert pr.consumer.finished() == [] and pr.producer.pending_slots() == {0: 1}
     pr.consumer.expect("r1", [5, 6])
     pr.producer.publish_layer(1)
@@ -101,6 +102,7 @@ def test_items_before_expect_are_parked(pair_factory):
     out = pr.consumer.wait_finished(1, WAIT)
     assert out and out[0].ok
     assert torch.equal(pr.dst[0][0][:, [5, 6]], pr.src[0][0][:, [1, 2]])
+    assert pr.consumer.parked() == 0 and pr.consumer.inflight() == 0 and pr.consumer.active() == []
 
 
 def test_size_mismatch_fails_exactly_that_request(pair_factory):

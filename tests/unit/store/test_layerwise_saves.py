@@ -139,9 +139,11 @@ def test_accepted_hit_is_pinned_until_the_request_ends() -> None:
     assert saves.accept_load("r", 2 * BS)
     assert saves.hit_keys("r") == ("a", "b")
     assert stats(saves) == (2, 2, 0)  # the pipeline loads them layer by layer
+    assert saves.metrics()[1] == {"pinned_objects": 2, "pending_objects": 0}  # the idle gauges
     counts = saves.finish("r")
     assert counts is not None and counts["loaded_blocks"] == 2
     assert stats(saves) == (2, 0, 0)
+    assert saves.metrics()[1] == {"pinned_objects": 0, "pending_objects": 0}
 
 
 def test_offer_taken_with_another_count_is_released() -> None:
