@@ -113,6 +113,9 @@ class LayerIO(abc.ABC):
         self._lock = lock
         self._drain_timeout_s = drain_timeout_s
         self._load_errors: set[int] = set()
+        # Layers whose load failed in the current step (added when counted; the pipeline
+        # clears it at each step start): saves from the first of them on are dropped.
+        self.step_failed_layers: set[str] = set()
         # Test hook (the store's ``debug_fail_layer_loads``): this many next layer loads
         # fail as a broken store read would; 0 in production.
         self.fail_loads = 0
@@ -342,6 +345,8 @@ class LayerIO(abc.ABC):
             self._stats.bytes_loaded += moved * self._page_bytes[layer]
             self._stats.load_errors += len(failed)
             self._load_errors.update(failed)
+            if failed:
+                self.step_failed_layers.add(layer)
 
     def _reap_save(self, job: SaveJob) -> None:
         try:

@@ -246,6 +246,7 @@ class LayerwisePipeline:
         # this step pins what it loads: its own earlier chunks are among them.
         self.drain()
         lio.end_plan()
+        lio.step_failed_layers.clear()
         self._step = io
         with self._lock:
             self._stats.steps += 1
@@ -290,7 +291,10 @@ class LayerwisePipeline:
         for listener in self._save_listeners:
             listener(layer, unit.gate_slot, st.lease.generation)
         if self._step.save:
-            self._queue_unit_save(unit, self._step.save, st.lease.generation)
+            if self._failed_at_or_before(unit):
+                self._drop_unit_save(unit, self._step.save)
+            else:
+                self._queue_unit_save(unit, self._step.save, st.lease.generation)
         st.released = True
         self.gate.release_write(st.lease)
         self._lio.reap()  # type: ignore[union-attr]  # made by start_step
@@ -472,6 +476,28 @@ class LayerwisePipeline:
             if refs:
                 last = lio.queue_load(layer, refs) or last
         return last
+
+    def _failed_at_or_before(self, unit: _Unit) -> bool:
+        """A load of this step failed for ``unit`` or a layer before it (its own load was
+        waited for, so reaping now counts it)."""
+        lio = self._lio
+        assert lio is not None  # made by start_step
+        lio.reap()
+        return any(self._unit_of[name].index <= unit.index for name in lio.step_failed_layers)
+
+    def _drop_unit_save(self, unit: _Unit, refs: Sequence[BlockRef]) -> None:
+        """Save nothing of ``unit`` in this step: a load earlier in the step failed, so this
+        layer's attention (or an earlier one's) read a buffer the load never filled and the
+        KV it handed on is wrong. vLLM recomputes the affected requests; committing these
+        objects would make the recompute's saves duplicates and serve the wrong KV to every
+        later load (planned objects are released at the next step start)."""
+        n = len(refs) * len(unit.members)
+        with self._lock:
+            first = self._stats.save_dropped == 0
+            self._stats.save_dropped += n
+        (log.warning if first else log.debug)(
+            "layerwise: %d objects of layer %s not saved: a load of this step failed before it",
+            n, unit.main)
 
     def _queue_unit_save(self, unit: _Unit, refs: Sequence[BlockRef], generation: int) -> None:
         """Queue the saves of ``unit``'s layers and register them as one queued consumer of

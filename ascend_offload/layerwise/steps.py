@@ -164,6 +164,9 @@ class PipelineStats:
     save_duplicates: int = 0  # objects already in the store
     save_skipped: int = 0  # objects not stored because the store was full
     save_errors: int = 0
+    # objects not saved because a load earlier in their step failed: that step's later
+    # layers computed over a buffer the load never filled (vLLM recomputes the request)
+    save_dropped: int = 0
     native_jobs: int = 0  # copies run by the native queue (the rest: the Python queue or inline)
 
     def as_dict(self) -> dict[str, float]:

@@ -43,9 +43,9 @@ def rd2h_config(role: str, port: int) -> dict[str, Any]:
 def prefill_config(port: int) -> dict[str, Any]:
     """Layer sharing (8 layers on 2 buffers) + store reads + the RD2H producer.
 
-    ``debug_fail_layer_loads`` stays 0: one failed store read changes the answer
-    (tests/reliability/test_store_read_failure.py, a known failure); set it to 1
-    here once that passes."""
+    ``debug_fail_layer_loads`` stays 0: with P/D the layers computed after a failed
+    store read are still published to decode, which then answers from them
+    (docs/reliability.md, "Known failure"); set it to 1 here once that is fixed."""
     store = {"use_layerwise": True, "layerwise_num_shared_buffers": 1, "layerwise_independent_layers": [0],
              "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 5.0,
              "load_timeout_s": 30.0, "debug_fail_layer_loads": 0}

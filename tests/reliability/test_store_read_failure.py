@@ -6,15 +6,11 @@ fails the first layer load of the worker, as a missing or broken store object
 would. vLLM reports "Recovered from KV load failure ... rescheduled" and recomputes;
 the greedy tokens must equal those of the same engine without the fault.
 
-Known failure (xfail, strict): the tokens after the failed load differ from the
-fault-free ones (measured: 97-token prompt, 16 tokens, the answer diverges at
-token 11; the same run without the fault gives identical tokens three times; the
-logprobs differ from the second generated token on, so this is not rounding; with
-every layer independent the same fault recomputes to identical tokens).
-Under P/D the soak saw the same: the one request whose prefix load failed on
-the prefill answered differently from the plain engine. When this passes, drop
-the marker and put the store-read fault back into the soak
-(``tests/reliability/conftest.py``, ``prefill_config``).
+Why it can go wrong: the layers after the failed one computed over a buffer the
+load never filled. If the step's saves of those layers were committed, the
+recompute's saves of the same keys would be duplicates and every later load would
+read the wrong KV (the answer then diverged at token 11 here); the pipeline drops
+them (``PipelineStats.save_dropped``).
 """
 
 from __future__ import annotations
@@ -39,8 +35,6 @@ def layer_sharing_store(fail_loads: int) -> dict[str, Any]:
             "kv_connector_module_path": "ascend_offload.connectors.store", "kv_connector_extra_config": store}
 
 
-@pytest.mark.xfail(strict=True, reason="a failed layerwise load recovered by vLLM's recompute changes the "
-                                       "greedy tokens (module docstring)")
 def test_one_failed_store_read_keeps_the_answer() -> None:
     with make_engine(num_layers=8, kv_transfer_config=layer_sharing_store(0), core=0,
                      disable_hybrid_kv_cache_manager=True) as llm:

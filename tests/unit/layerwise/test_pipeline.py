@@ -220,6 +220,33 @@ def test_injected_load_failure_fails_exactly_one_layer_load(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", STORES)
+def test_a_failed_load_drops_the_rest_of_its_steps_saves(kind: str) -> None:
+    """After a load of a step fails, the step's later layers computed over a buffer the
+    load never filled: their saves must not be committed (a recompute's saves of the same
+    keys would be duplicates and every later load would read the wrong KV)."""
+    store = make_store(kind)
+    plan = plan_uniform(4, 1, [0])  # layer 0 independent, layers 1-3 share one buffer
+    sim = Sim(plan, store, fail_loads=1)
+    a, b, c = BlockRef(0, "a"), BlockRef(1, "b"), BlockRef(2, "c")
+    sim.step(StepIO(save=(a, b)), [], [a, b])  # first chunk: nothing to load
+    sim.step(StepIO(load_shared=(a, b), save=(c,)), [a, b], [c])  # layer 1's load fails
+    sim.pipe.drain()
+    first, *shared = plan.layers
+    assert sim.pipe.take_load_errors() == {0, 1}
+    assert store.contains(f"c|{first}")  # computed before the failed load: kept
+    assert not any(store.contains(f"c|{layer}") for layer in shared)
+    assert sim.pipe.stats().save_dropped == len(shared)
+    sim.mismatches.clear()  # that step's later layers read garbage, as vLLM is told
+    sim.step(StepIO(load_shared=(a, b), save=(c,)), [a, b], [c])  # the recompute
+    sim.pipe.drain()
+    assert sim.pipe.take_load_errors() == set() and sim.mismatches == []
+    assert all(store.contains(f"c|{layer}") for layer in shared)
+    sim.step(StepIO(load_shared=(a, b, c)), [a, b, c], [])  # a later step reads exact KV
+    assert sim.mismatches == [] and sim.pipe.stats().save_dropped == len(shared)
+    sim.pipe.close()
+
+
+@pytest.mark.parametrize("kind", STORES)
 def test_store_full_is_counted_not_fatal(kind: str) -> None:
     store = (DictStore(capacity_objects=3) if kind == "dict"
              else LocalStore(capacity_bytes=3 * PAGE_BYTES, page_bytes=PAGE_BYTES))
