@@ -477,6 +477,12 @@ class LayerwisePipeline:
                 last = lio.queue_load(layer, refs) or last
         return last
 
+    def load_failed_at_or_before(self, layer: str) -> bool:
+        """A load of the current step failed for ``layer``'s unit or a layer before it: the
+        KV this step wrote from there on is wrong (a sibling must not hand it on either)."""
+        unit = self._unit_of.get(layer)
+        return unit is not None and self._lio is not None and self._failed_at_or_before(unit)
+
     def _failed_at_or_before(self, unit: _Unit) -> bool:
         """A load of this step failed for ``unit`` or a layer before it (its own load was
         waited for, so reaping now counts it)."""

@@ -43,12 +43,11 @@ def rd2h_config(role: str, port: int) -> dict[str, Any]:
 def prefill_config(port: int) -> dict[str, Any]:
     """Layer sharing (8 layers on 2 buffers) + store reads + the RD2H producer.
 
-    ``debug_fail_layer_loads`` stays 0: with P/D the layers computed after a failed
-    store read are still published to decode, which then answers from them
-    (docs/reliability.md, "Known failure"); set it to 1 here once that is fixed."""
+    ``debug_fail_layer_loads: 1``: the first layerwise store read fails; the layers
+    computed after it are neither saved nor published (docs/reliability.md)."""
     store = {"use_layerwise": True, "layerwise_num_shared_buffers": 1, "layerwise_independent_layers": [0],
              "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 5.0,
-             "load_timeout_s": 30.0, "debug_fail_layer_loads": 0}
+             "load_timeout_s": 30.0, "debug_fail_layer_loads": 1}
     return {
         "kv_connector": "AscendMultiConnector", "kv_role": "kv_producer", "kv_port": port,
         "kv_load_failure_policy": "recompute", "kv_connector_module_path": "ascend_offload.connectors.multi",

@@ -7,8 +7,7 @@ lengths, some streamed, some clients hanging up mid-stream -- while faults hit:
   (``ASCEND_OFFLOAD_PD_FAULTS=drop:2@7``: layer 2 never announced, the prefill holds
   the buffer until its ack deadline, decode recomputes), and the proxy's metaserver
   gets a garbled registration and a hijack attempt (a live request id, wrong token);
-  (not a *failing* store read: under P/D the producer still publishes the layers
-  computed after it, docs/reliability.md "A failing store read");
+  and the prefill's first layerwise store read fails (``debug_fail_layer_loads``);
 * phase "kill": decode is SIGKILLed mid-load and restarted;
 * phase "recovered": the same mix again, after the decode is back.
 

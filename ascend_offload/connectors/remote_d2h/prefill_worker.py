@@ -60,6 +60,7 @@ class PrefillWorker:
         self._gate_tokens: dict[str, tuple[int, dict[int, Any]]] = {}  # layer -> (slot, d_tp -> token)
         self.gate_holds = 0
         self.gate_hold_failures = 0
+        self.withheld_layers = 0  # layers not published after a failed store load of their step
 
     def start(self, region: KVRegion, names: Sequence[str]) -> None:
         """Publish from ``region``; ``names`` in model order give the layer indices on the wire."""
@@ -167,6 +168,8 @@ class PrefillWorker:
         self._step_sends = dict(step)
 
     def _publish(self, layer: int, name: str | None = None) -> None:
+        if name is not None and self._withhold(name):
+            return
         device.synchronize()  # the layer's KV must be in memory before decode may read it
         held = self._gate_tokens.pop(name, None) if name is not None else None
         if self._gate is not None and held is None:
@@ -182,6 +185,25 @@ class PrefillWorker:
             assert self._gate is not None
             for tok in held[1].values():  # a decode TP size with nothing to send this layer
                 self._gate.release_consumer(tok, None)
+
+    def _withhold(self, name: str) -> bool:
+        """Do not publish ``name`` when a store load of this step failed at it or before
+        (layer sharing): its KV was computed over a buffer the load never filled. Decode
+        then never reads it: it gives the request up at its deadline and recomputes, or
+        reads it after the prefill's own recompute publishes it. The slot is freed now."""
+        pipe = self._gate_pipeline
+        if pipe is None or not pipe.load_failed_at_or_before(name):
+            return False
+        held = self._gate_tokens.pop(name, None)
+        if held is not None:
+            assert self._gate is not None
+            for tok in held[1].values():
+                self._gate.release_consumer(tok, None)
+        self.withheld_layers += 1
+        (log.warning if self.withheld_layers == 1 else log.debug)(
+            "%s: layer %s not published: a store load of this step failed before it "
+            "(decode recomputes what it lacks)", NAME, name)
+        return True
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""

@@ -25,6 +25,10 @@ class _Pipeline:
     def __init__(self) -> None:
         self.gate = ReuseGate(2, default_timeout_s=0.2)
         self.listeners: list[Any] = []
+        self.failed_from: int | None = None  # index of the first layer whose load failed
+
+    def load_failed_at_or_before(self, layer: str) -> bool:
+        return self.failed_from is not None and int(layer[1:]) >= self.failed_from
 
     def add_save_listener(self, fn: Any) -> None:
         self.listeners.append(fn)
@@ -74,6 +78,26 @@ def test_decode_reads_hold_the_slot_until_the_producer_releases(monkeypatch) -> 
     # The producer's release (every read answered) reopens the slot.
     gate_listener(pipe.gate)(SlotRelease(slot=1, generation=1, layer=1, ok=True, tag=pub["tag"]))
     pipe.gate.release_write(pipe.gate.acquire_write(1, "l3", timeout_s=0.05))
+
+
+def test_layers_after_a_failed_store_load_are_withheld(monkeypatch) -> None:
+    """A store load of the step failed at l1: l0 is published, l1 is not (its KV is
+    wrong) and its slot is free at once; decode recomputes what it never got."""
+    conn = _connector(monkeypatch)
+    pipe = _Pipeline()
+    conn.attach_reuse_gate(pipe)
+    prod = _Producer()
+    conn.prefill._producers[1] = prod
+    conn.prefill._step_sends = {1: ["r1"]}
+    pipe.failed_from = 1
+    for layer, slot in (("l0", 0), ("l1", 1)):
+        lease = pipe.gate.acquire_write(slot, layer)
+        pipe.listeners[0](layer, slot, lease.generation)
+        pipe.gate.release_write(lease)
+        conn.prefill._publish(int(layer[1:]), layer)
+    assert [p["layer"] for p in prod.published] == [0]
+    assert conn.prefill.withheld_layers == 1 and "l1" not in conn.prefill._gate_tokens
+    pipe.gate.release_write(pipe.gate.acquire_write(1, "l3", timeout_s=0.05))  # slot 1 free
 
 
 def test_tokens_of_unpublished_layers_are_released_at_step_end(monkeypatch) -> None:
