@@ -18,7 +18,8 @@ connector names; the planning it applies is ``layerwise.plan``'s, vLLM-free.
 ``install_layout_hook()`` wraps the name in ``vllm.v1.engine.core``; the wrapper
 is a no-op (vLLM's result returned unchanged, invariant I6) unless the
 kv_transfer_config selects ``AscendStoreConnector`` - directly or as a child of
-a multi connector - with ``use_layerwise: true``. Then it also enforces what
+a multi connector - with ``use_layerwise: true``, or sparse decode offload
+(the same wrapper applies that cut: ``sparse_decode/kv_cut.py``). Then it also enforces what
 aliasing needs (device prefix caching off, no full CUDA graphs) with a startup
 error instead of wrong answers.
 
@@ -242,8 +243,21 @@ def rewrite_kv_cache_configs(
 
 def _wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any) -> list[Any]:
+        from ascend_offload.connectors.sparse_decode.kv_cut import (
+            cut_kv_cache_configs,
+            sparse_decode_settings,
+        )
+
         configs = original(vllm_config, kv_cache_specs, available_memory)
         cfg = layerwise_settings(vllm_config)
+        sparse = sparse_decode_settings(vllm_config)
+        if cfg is not None and sparse is not None:
+            raise LayerwiseStartupError(
+                "layerwise sharing (use_layerwise=true) and sparse decode offload "
+                "('sparse_offload.enabled') in one engine: one instance prefills layerwise, "
+                "another decodes from the host pool")
+        if sparse is not None:
+            return cut_kv_cache_configs(vllm_config, configs, available_memory, sparse)
         if cfg is None:
             return configs
         check_engine_constraints(vllm_config)

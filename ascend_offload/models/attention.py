@@ -221,14 +221,10 @@ class SparseMLACache(_CacheLayer):
             self._run_offloaded(meta, q, new_kv, index_q, index_k, index_w, out)
             return
         kv_rows, key_rows = self._write_new_rows(meta, new_kv, index_k)
+        assert kv_rows is not None
         for req in meta.requests:
             sl = slice(req.start, req.end)
-            seq = req.slots.shape[0]
-            if self.index_topk is None or self.index_topk >= seq:
-                positions = causal_positions(req.q_pos, seq)
-            else:
-                scores = indexer_scores(index_q[sl], index_w[sl], key_rows[req.slots])
-                positions = select_topk(scores, req.q_pos, self.index_topk)
+            positions = self._positions(req, index_q, index_w, key_rows)
             rows = positions_to_slots(positions, req.slots)
             out[sl] = sparse_attention(q[sl], kv_rows, rows, scale=self.scale,
                                        v_dim=self.kv_lora_rank)
@@ -250,44 +246,48 @@ class SparseMLACache(_CacheLayer):
         scores = indexer_scores(index_q[sl], index_w[sl], key_rows[req.slots])
         return select_topk(scores, req.q_pos, self.index_topk)
 
-    def _write_new_rows(self, meta: Any, new_kv: torch.Tensor, index_k: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's new main-KV and indexer rows into the paged caches at their
-        slots; returns both caches as ``[slots, row]`` views."""
+    def _write_new_rows(self, meta: Any, new_kv: torch.Tensor | None, index_k: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Write the step's new indexer rows, and main-KV rows unless ``new_kv`` is None
+        (offloaded: the device has no main KV), into the paged caches at their slots;
+        returns the caches as ``[slots, row]`` views."""
         n = meta.num_actual_tokens
-        kv_rows = as_rows(self.kv_cache)
         key_rows = as_rows(self.indexer.kv_cache)
         slots = meta.slot_mapping
         ok = slots >= 0
-        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
         key_rows[slots[ok]] = index_k[:n][ok].to(key_rows.dtype)
+        if new_kv is None:
+            return None, key_rows
+        kv_rows = as_rows(self.kv_cache)
+        kv_rows[slots[ok]] = new_kv[:n][ok].to(kv_rows.dtype)
         return kv_rows, key_rows
 
     def _run_offloaded(self, meta: SparseMLAMetadata, q: torch.Tensor, new_kv: torch.Tensor,
                        index_q: torch.Tensor, index_k: torch.Tensor, index_w: torch.Tensor,
                        out: torch.Tensor) -> None:
-        """Sparse decode offload (colocated): the step's main-KV rows also go to the host
-        pool; one-token rows attend over the hot buffer the manager fills with the
-        selected positions' misses; longer rows (prefill chunks) over the paged cache.
-
-        The main KV is still written to the paged cache: prefill reads it, and a row the
-        offload side cannot serve falls back to it.
-        """
+        """Sparse decode offload: the device holds the indexer cache and the hot buffers,
+        the host pool every main-KV row. The step's new main-KV rows go to the pool;
+        one-token rows attend over the hot buffer the manager fills with the selected
+        positions' misses, longer rows (prefill chunks) over the pool's rows of the
+        same positions (:meth:`SparseDecodeAdapter.context_rows`)."""
         adapter, layer = self._offload
         assert self.index_topk is not None
-        kv_rows, key_rows = self._write_new_rows(meta, new_kv, index_k)
+        _, key_rows = self._write_new_rows(meta, None, index_k)
         plan = adapter.plan_step([r.row for r in meta.requests])
-        # rows the pool lacks, read back from the paged cache just written (one gather)
         src, pos = [], []
         for i, req in enumerate(meta.requests):
-            b = plan.batch_index[i]
-            if b >= 0:
-                first = plan.offload_from[i]
-                src.append(req.slots[first:])
-                pos.append(torch.stack((torch.full((req.slots.shape[0] - first,), b),
-                                        torch.arange(first, req.slots.shape[0])), dim=1))
+            b, first = plan.batch_index[i], plan.offload_from[i]
+            seq, n_new = req.slots.shape[0], req.end - req.start
+            if b < 0 or first != seq - n_new:
+                raise RuntimeError(
+                    f"{self.layer_name}: batch row {i} ({seq} tokens, {n_new} new) "
+                    + ("is not offloaded" if b < 0 else
+                       f"lacks pool rows {first}..{seq - n_new - 1} this step did not compute")
+                    + ": the device has no main KV to attend over instead")
+            src.append(torch.arange(req.start, req.end))
+            pos.append(torch.stack((torch.full((n_new,), b), torch.arange(first, seq)), dim=1))
         if src:
-            adapter.offload_new_kv(layer, kv_rows[torch.cat(src)], torch.cat(pos))
+            adapter.offload_new_kv(layer, new_kv[torch.cat(src)], torch.cat(pos))
         selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
         hot_slots = None
         if plan.any_decode:
@@ -299,14 +299,15 @@ class SparseMLACache(_CacheLayer):
             hot = adapter.hot_buffer(layer)
         for i, (req, positions) in enumerate(zip(meta.requests, selected, strict=True)):
             sl = slice(req.start, req.end)
+            b = plan.batch_index[i]
             if hot_slots is not None and plan.decode[i]:
                 # the same positions in the same order: the same rows reach attention
-                rows = hot_slots[plan.batch_index[i] : plan.batch_index[i] + 1, : positions.shape[1]]
+                rows = hot_slots[b : b + 1, : positions.shape[1]]
                 out[sl] = sparse_attention(q[sl], hot, rows, scale=self.scale,
                                            v_dim=self.kv_lora_rank)
             else:
-                rows = positions_to_slots(positions, req.slots)
-                out[sl] = sparse_attention(q[sl], kv_rows, rows, scale=self.scale,
+                store, rows = adapter.context_rows(layer, b, positions)
+                out[sl] = sparse_attention(q[sl], store, rows, scale=self.scale,
                                            v_dim=self.kv_lora_rank)
 
 

@@ -14,6 +14,7 @@ Per layer and step the attention calls, in this order::
     adapter.offload_new_kv(layer, kv, positions)   # rows plan.offload_from..num_tokens
     slots = adapter.onload_topk(layer, topk)       # [B, K] logical positions -> hot rows
     ... sparse attention over adapter.hot_buffer(layer)[slots] for plan.decode rows ...
+    store, rows = adapter.context_rows(layer, b, positions)  # other (multi-token) rows
 
 ``B`` is :attr:`SparseStepPlan.num_entries` (the offloaded requests of the
 step, in the order of :attr:`SparseStepPlan.batch_index`), ``K`` the model's
@@ -47,7 +48,7 @@ class SparseStepPlan:
     """What the attention does with each of its batch rows this step."""
 
     # per batch row: index into the manager's step batch (the row of top-k to fill),
-    # -1 = not offloaded (attend over the paged cache as without offload)
+    # -1 = not offloaded (the engine has no main KV for it on the device: an error)
     batch_index: tuple[int, ...]
     # per batch row: first position whose main-KV row goes to the host pool this step
     # (the pool lacks it: new tokens, prefix-cache hits not yet pooled, recomputation)
@@ -86,6 +87,13 @@ class SparseDecodeAdapter(Protocol):
 
     def hot_buffer(self, layer: int) -> torch.Tensor:
         """The layer's device hot buffer ``[rows, row]`` the slots index."""
+        ...
+
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a multi-token row (prefill chunk, recomputation): a row store and the rows
+        ``[T, K]`` in it of the logical ``positions`` ``[T, K]`` (``-1`` padded) of step
+        entry ``batch_index``, after this step's :meth:`offload_new_kv` of the layer."""
         ...
 
 

@@ -9,11 +9,15 @@ instead of being computed, and positions recomputed after a preemption.
 
 Which request a batch row is comes from the scheduler as ``key -> request id``
 (the block holding the request's newest position, see
-:class:`~ascend_offload.sparse.adapter.BatchRow`). A row that cannot be
-matched or a request the pool could not admit attends over the engine's paged
-cache, which this mode still allocates: output stays right, the counters
-(``unmatched_rows``, ``admission_failures``) say it happened, and it is logged
-once per request.
+:class:`~ascend_offload.sparse.adapter.BatchRow`). The engine keeps no main KV
+on the device, so every row must be served from the pool: the scheduler side
+admits a request only once its pool rows are reserved (the same count this
+side reserves), and a row that still cannot be matched is a broken invariant,
+raised, never attended over wrong rows.
+
+Requests arrive two ways: :meth:`ColocatedSparseDecode.admit` (this engine
+prefills them) or :meth:`ColocatedSparseDecode.attach` (the remote-D2H consumer
+already reserved their rows and filled the prompt's KV).
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ class ColocatedSparseDecode:
         self._plan_rows: tuple[BatchRow, ...] = ()
         self._open = False
         self._warned: set[str] = set()  # admitted-or-refused requests only: bounded by finish
-        self._warned_unmatched = False
         self.admission_failures = 0
         self.unmatched_rows = 0
 
@@ -55,19 +58,27 @@ class ColocatedSparseDecode:
 
     def admit(self, req_id: str, max_tokens: int) -> bool:
         """Reserve pool rows for ``max_tokens`` positions and a hot row; ``False`` (logged,
-        counted) when the pool or the hot rows are exhausted: the request then attends
-        over the paged cache. A request already admitted (resumed after preemption)
-        keeps its rows."""
+        counted) when the pool or the hot rows are exhausted (the scheduler's ledger
+        should have prevented it; its rows then fail in :meth:`plan_step`). A request
+        already admitted (resumed after preemption) keeps its rows."""
         if req_id in self._pooled:
             return True
         try:
             self.manager.admit(req_id, max_tokens)
         except PoolCapacityError as exc:
             self.admission_failures += 1
-            self._warn(req_id, f"not offloaded, attends over the paged cache: {exc}")
+            self._warn(req_id, f"not admitted to the host pool: {exc}")
             return False
         self._pooled[req_id] = 0
         return True
+
+    def attach(self, req_id: str, max_tokens: int, pooled: int) -> None:
+        """A request whose pool rows another party reserved and whose first ``pooled``
+        positions it filled (remote-D2H prompt KV): take a hot row for it."""
+        if req_id in self._pooled:
+            return
+        self.manager.attach(req_id, max_tokens)
+        self._pooled[req_id] = pooled
 
     def finish(self, req_id: str) -> None:
         """Free the request's pool rows, hot row and residency state (idempotent)."""
@@ -106,17 +117,12 @@ class ColocatedSparseDecode:
         for row in rows:
             req = self._keys.get(row.key)
             if req is None or req not in self._pooled:
-                if req is None:
-                    self.unmatched_rows += 1
-                    if not self._warned_unmatched:  # once: keys are not bounded
-                        self._warned_unmatched = True
-                        logger.warning("sparse decode: batch row with key block %d matches no "
-                                       "scheduled request; it attends over the paged cache "
-                                       "(counted in unmatched_rows)", row.key)
-                index.append(-1)
-                start.append(0)
-                decode.append(False)
-                continue
+                self.unmatched_rows += int(req is None)
+                raise RuntimeError(
+                    f"sparse decode: batch row (key block {row.key}, {row.num_tokens} tokens) "
+                    + ("matches no scheduled request" if req is None else
+                       f"is request {req!r}, which holds no host pool rows")
+                    + "; the device has no main KV to attend over instead")
             first = min(self._pooled[req], row.num_tokens - row.num_new)
             index.append(len(entries))
             start.append(first)
@@ -147,6 +153,10 @@ class ColocatedSparseDecode:
     def hot_buffer(self, layer: int) -> torch.Tensor:
         return self.manager.hot_buffer(layer)
 
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.manager.context_rows(layer, batch_index, positions)
+
     # ------------------------------------------------------------------ reporting
 
     def counters(self) -> dict[str, int]:
@@ -163,6 +173,7 @@ class ColocatedSparseDecode:
             "offload_ns": st.offload_ns,
             "resolve_ns": st.resolve_ns,
             "copy_ns": st.copy_ns,
+            "context_rows": st.context_rows,
             "admission_failures": self.admission_failures,
             "unmatched_rows": self.unmatched_rows,
         }

@@ -67,6 +67,7 @@ class SparseStats:
     offload_ns: int = 0  # offload_new_kv: D2H + scatter into the pool
     resolve_ns: int = 0  # onload_topk: residency resolve
     copy_ns: int = 0  # onload_topk: miss rows H2D (issue time off CPU)
+    context_rows: int = 0  # rows copied H2D for multi-token rows (0 when the pool is host-addressable)
 
     @property
     def hits(self) -> int:
@@ -85,7 +86,8 @@ class SparseOffloadManager:
                  index_topk: int | None = None, pool: HostKVPool | None = None,
                  pool_rows: int | None = None, device: torch.device | None = None,
                  tp_rank: int = 0, fence_timeout_s: float = 30.0, nthreads: int = 1,
-                 residency: Residency | None = None) -> None:
+                 residency: Residency | None = None,
+                 hot_buffers: Sequence[torch.Tensor] | None = None) -> None:
         if not cfg.enabled:
             raise ConfigError("key 'enabled'=False: sparse offload is off (the default); "
                               "set it to true to build the offload manager")
@@ -106,7 +108,7 @@ class SparseOffloadManager:
             raise ValueError("host pool layout does not match the manager (layers/block_size)")
         self.pool = pool
         self.hot = HotBuffers(num_layers, max_requests, self.hot_size, pool.row_shape, dtype,
-                              device)
+                              device, buffers=hot_buffers)
         self.residency = residency if residency is not None else make_residency(
             num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads,
             policy=cfg.residency_policy)
@@ -314,6 +316,39 @@ class SparseOffloadManager:
 
     def hot_buffer(self, layer: int) -> torch.Tensor:
         return self.hot.layer(layer)
+
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row store and row indices holding the main KV of ``positions`` ``[T, K]``
+        (``-1`` padded) of step entry ``batch_index``: what a multi-token row (a prefill
+        chunk on the decode node) attends over, since the device has no main KV.
+
+        With the hot buffers in host memory (CPU) the pool itself is the row store;
+        on an accelerator the distinct selected rows are gathered on the host and
+        copied to the device once (what crosses: those rows, per layer and chunk).
+        """
+        if not 0 <= batch_index < len(self._step):
+            raise IndexError(f"batch index {batch_index} outside the step batch of "
+                             f"{len(self._step)}")
+        if self.tp_rank != 0 and self.pool.shared_name is not None:
+            self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
+        blocks = self._batch["block_table"][batch_index].to(torch.int64)
+        pos = positions.to("cpu", torch.int64)
+        valid = pos >= 0
+        if bool((pos >= self._step_lens[batch_index]).any()):
+            raise IndexError(f"context positions beyond num_tokens={self._step_lens[batch_index]}")
+        p = pos.clamp(min=0)
+        host = torch.where(valid, blocks[p // self.block_size] * self.block_size
+                           + p % self.block_size, -1)
+        src = self.pool.layer(layer)
+        if self._hot_on_host:
+            return src, host
+        uniq, inverse = torch.unique(host[valid], return_inverse=True)
+        rows = torch.full_like(host, -1)
+        rows[valid] = inverse
+        gathered = src.index_select(0, uniq).to(self.hot.device)
+        self.stats.context_rows += int(uniq.numel())
+        return gathered, rows.to(self.hot.device)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

@@ -233,12 +233,26 @@ class HotBuffers:
     ``[r * hot_size, (r + 1) * hot_size)``."""
 
     def __init__(self, num_layers: int, max_rows: int, hot_size: int, row_shape: Sequence[int],
-                 dtype: torch.dtype, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | None = None,
+                 buffers: Sequence[torch.Tensor] | None = None) -> None:
+        """``buffers``: per-layer storage the engine already allocated (its KV cache
+        regions for the main-KV layers, see ``connectors/sparse_decode/kv_cut.py``);
+        by default the buffers are allocated here."""
         self.num_layers, self.max_rows, self.hot_size = num_layers, max_rows, hot_size
-        self.device = device if device is not None else dev.device()
         shape = (max_rows * hot_size, *tuple(row_shape))
-        self.buffers = [torch.zeros(shape, dtype=dtype, device=self.device)
-                        for _ in range(num_layers)]
+        if buffers is None:
+            self.device = device if device is not None else dev.device()
+            self.buffers = [torch.zeros(shape, dtype=dtype, device=self.device)
+                            for _ in range(num_layers)]
+            return
+        if len(buffers) != num_layers:
+            raise ValueError(f"{len(buffers)} hot buffers for {num_layers} layers")
+        for i, b in enumerate(buffers):
+            if tuple(b.shape) != shape or b.dtype != dtype:
+                raise ValueError(f"hot buffer {i}: {tuple(b.shape)} {b.dtype}, expected "
+                                 f"{shape} {dtype}")
+        self.device = buffers[0].device
+        self.buffers = list(buffers)
 
     def layer(self, layer: int) -> torch.Tensor:
         return self.buffers[layer]

@@ -27,8 +27,10 @@ COUNTERS: dict[str, str] = {
     "offload_seconds": "host time in offload_new_kv (D2H + pool scatter)",
     "resolve_seconds": "host time in the residency resolve",
     "copy_seconds": "host time in the miss copies",
-    "admission_failures": "requests the host pool could not admit (they use the paged cache)",
-    "unmatched_rows": "batch rows matched to no request (they use the paged cache)",
+    "context_rows": "pool rows copied to the device for multi-token rows (0 on CPU)",
+    "admission_failures": "requests the worker's host pool could not admit (0 unless the "
+                          "scheduler's pool ledger and the pool disagree)",
+    "unmatched_rows": "batch rows matched to no request (an engine error)",
 }
 GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_offload.config import ConfigError, parse_extra_config
-from ascend_offload.connectors.sparse_decode.connector import model_index_topk
 from ascend_offload.connectors.sparse_decode.metrics import SparseDecodeStats, StatsReporter
+from ascend_offload.connectors.sparse_decode.settings import model_index_topk
 
 
 def _vllm_config(**hf: object) -> SimpleNamespace:

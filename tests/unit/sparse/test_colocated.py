@@ -1,5 +1,5 @@
 """Colocated sparse decode bookkeeping (the adapter behind AscendSparseDecodeConnector):
-request naming by key block, what each step writes to the pool, fallbacks, and the
+request naming by key block, what each step writes to the pool, refusals, and the
 data path through the real manager (rows reach the hot buffer bit for bit)."""
 
 from __future__ import annotations
@@ -56,20 +56,49 @@ def test_plan_writes_what_the_pool_lacks_and_decodes_one_token_rows() -> None:
     assert d.plan_step([BatchRow(11, 6, 6)]).offload_from == (0,)
 
 
-def test_unmatched_rows_and_refused_admissions_fall_back_to_the_paged_cache() -> None:
+def test_unmatched_rows_and_unadmitted_requests_are_errors_naming_the_row() -> None:
+    """No main KV on the device: a row the pool cannot serve has nowhere to attend."""
     d = _decode(pool_rows=16, max_requests=1)
     assert d.admit("a", 16)
     assert not d.admit("b", 4)  # hot rows exhausted (max_requests=1)
     assert d.admission_failures == 1
     d.begin(1, {3: "a", 4: "b"})
-    plan = d.plan_step([BatchRow(3, 2, 1), BatchRow(4, 2, 1), BatchRow(99, 2, 1)])
-    assert plan.batch_index == (0, -1, -1) and plan.decode == (True, False, False)
+    with pytest.raises(RuntimeError, match="request 'b', which holds no host pool rows"):
+        d.plan_step([BatchRow(3, 2, 1), BatchRow(4, 2, 1)])
+    d.begin(2, {3: "a"})
+    with pytest.raises(RuntimeError, match=r"key block 99, 2 tokens\).*matches no scheduled"):
+        d.plan_step([BatchRow(3, 2, 1), BatchRow(99, 2, 1)])
     assert d.unmatched_rows == 1
     d.finish("a")
     d.finish("b")
     assert d.admitted == [] and d.manager.pool_rows_used == 0
     assert d.admit("c", 16)  # freed rows are reused
     assert d.gauges() == {"pool_rows_used": 16, "admitted_requests": 1}
+
+
+def test_attach_takes_a_hot_row_for_rows_another_party_filled() -> None:
+    d = _decode()
+    d.manager.pool.admit("r", 12)  # what the remote-D2H consumer does
+    d.attach("r", 12, pooled=9)
+    d.begin(1, {5: "r"})
+    plan = d.plan_step([BatchRow(5, 10, 1)])
+    assert plan.offload_from == (9,) and plan.decode == (True,)
+    d.finish("r")
+    assert d.manager.pool.admitted() == []
+
+
+def test_context_rows_address_the_pool_rows_of_the_positions() -> None:
+    d = _decode()
+    assert d.admit("a", 20)
+    d.begin(1, {0: "a"})
+    d.plan_step([BatchRow(0, 10, 10)])
+    kv = torch.arange(30, dtype=torch.float32).view(10, ROW)
+    d.offload_new_kv(0, kv, torch.tensor([[0, p] for p in range(10)]))
+    store, rows = d.context_rows(0, 0, torch.tensor([[0, 3, 9, -1]]))
+    got = store[rows[0, :3]]
+    assert torch.equal(got, kv[[0, 3, 9]]) and int(rows[0, 3]) == -1
+    with pytest.raises(IndexError, match="beyond num_tokens=10"):
+        d.context_rows(0, 0, torch.tensor([[10]]))
 
 
 @pytest.mark.parametrize("use_native", ["auto", "off"])

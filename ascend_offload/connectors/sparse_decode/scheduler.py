@@ -1,0 +1,77 @@
+"""Scheduler side of sparse decode offload: which request is which, and pool admission.
+
+Per step it tells the workers which requests are new (with the rows to
+reserve), which finished, and how to name each scheduled request from the
+attention's batch (the block holding its newest position -> request id). It
+also keeps the host pool's ledger (:class:`~ascend_offload.sparse.admission.PoolLedger`):
+a request enters vLLM's running set only when its pool rows are reserved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
+from ascend_offload.sparse.admission import PoolLedger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SparseDecodeMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, one per step."""
+
+    new: dict[str, int]  # newly scheduled request -> positions to reserve
+    keys: dict[int, str]  # block holding a scheduled request's newest position -> request
+    finished: tuple[str, ...]  # finished or aborted since the last step
+
+
+class SparseDecodeScheduler:
+    """Request naming and host-pool admission for one engine."""
+
+    def __init__(self, settings: SparseDecodeSettings) -> None:
+        self.s = settings
+        self.ledger = PoolLedger(settings.pool_blocks, settings.block_size)
+        self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
+
+    def admit(self, request: Request) -> bool:
+        """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step)."""
+        sp = request.sampling_params
+        prompt = request.prompt_token_ids
+        tokens = self.s.reservation(None if prompt is None else len(prompt),
+                                    None if sp is None else sp.max_tokens)
+        return self.ledger.reserve(request.request_id, tokens)
+
+    def finished(self, request_id: str) -> None:
+        self.ledger.release(request_id)
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
+        finished = tuple(sorted(scheduler_output.finished_req_ids))
+        new: dict[str, int] = {}
+        computed: dict[str, int] = {}
+        for r in scheduler_output.scheduled_new_reqs:
+            computed[r.req_id] = r.num_computed_tokens
+            sp = r.sampling_params
+            new[r.req_id] = self.s.reservation(
+                None if r.prompt_token_ids is None else len(r.prompt_token_ids),
+                None if sp is None else sp.max_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        keys: dict[int, str] = {}
+        assert self.kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
+        bs = self.s.block_size
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            blocks = self.kv_cache_manager.get_block_ids(req_id)[self.s.group]
+            last = (computed[req_id] + n - 1) // bs
+            if last < len(blocks):
+                keys[blocks[last]] = req_id
+        return SparseDecodeMetadata(new, keys, finished)

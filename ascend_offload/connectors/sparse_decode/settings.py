@@ -1,0 +1,92 @@
+"""Startup facts and checks of sparse decode offload, shared by every connector that
+decodes from a host pool (``AscendSparseDecodeConnector``, ``SfaRemoteD2HConnector``'s
+decode side). Every role runs them, so a bad config fails at startup everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.kv_layout import layer_order
+from ascend_offload.sparse.pools import GiB, rows_for_budget
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def model_index_topk(vllm_config: VllmConfig) -> int:
+    """The model's indexer top-k; startup error naming the key if it has no sparse attention."""
+    hf = vllm_config.model_config.hf_config
+    topk = getattr(hf, "index_topk", None)
+    if topk is None or not getattr(hf, "use_sparse_attention", True):
+        raise ConfigError(
+            f"key 'sparse_offload.enabled'=True: model {vllm_config.model_config.model!r} "
+            f"({getattr(hf, 'architectures', None)}) has no sparse attention (no 'index_topk', "
+            "or 'use_sparse_attention' false), so there is no top-k to decode from a host pool "
+            "(accepted: False for this model)")
+    return int(topk)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeSettings:
+    """What both sides of sparse decode offload derive from the engine config."""
+
+    cfg: SparseOffloadConfig
+    index_topk: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    layers: tuple[str, ...]  # main-KV layers (as the cut found them)
+    group: int  # their KV cache group (block ids for the request keys)
+    row_bytes: int
+    pool_blocks: int  # host pool blocks per layer (the worker computes the same)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, cfg: SparseOffloadConfig,
+                  kv_cache_config: KVCacheConfig | None) -> SparseDecodeSettings:
+        block = vllm_config.cache_config.block_size
+        topk = model_index_topk(vllm_config)
+        cfg.check_against(block_size=block, index_topk=topk)
+        if vllm_config.speculative_config is not None:
+            raise ConfigError("key 'sparse_offload.enabled'=True with speculative decoding: "
+                              "decode rows of more than one token are not supported "
+                              "(accepted: False, or no speculative_config)")
+        max_len = vllm_config.model_config.max_model_len
+        layers: list[str] = []
+        group, row_bytes, pool_blocks = 0, 0, 0
+        if kv_cache_config is not None:
+            from ascend_offload.connectors.sparse_decode.kv_cut import cut_facts
+
+            facts = cut_facts(kv_cache_config)
+            if facts is None:
+                raise ConfigError(
+                    "key 'sparse_offload.enabled'=True: the engine's KV cache config was not cut "
+                    "(main KV still allocated on the device); the ascend_offload plugin must be "
+                    "installed in the engine core process (vLLM entry point "
+                    "'vllm.general_plugins')")
+            layers = layer_order(facts.layers)
+            group = next(g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
+                         if layers[0] in grp.layer_names)
+            row_bytes = facts.row_bytes
+            rows = rows_for_budget(cfg.dram_size_per_dp_GB * GiB, len(layers), row_bytes, block)
+            pool_blocks = rows // block
+            if rows < max_len:
+                raise ConfigError(
+                    f"key 'sparse_offload.dram_size_per_dp_GB'={cfg.dram_size_per_dp_GB}: the host "
+                    f"pool holds {rows} tokens x {len(layers)} layers x {row_bytes} B, less than "
+                    f"one request of max_model_len={max_len}; raise it or lower max_model_len")
+        return cls(cfg, topk, block, max_len, vllm_config.scheduler_config.max_num_seqs,
+                   tuple(layers), group, row_bytes, pool_blocks)
+
+    def reservation(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
+        """Positions a request may ever need (prompt + new tokens, capped)."""
+        if prompt_tokens is None or max_tokens is None:
+            return self.max_model_len
+        return min(prompt_tokens + max_tokens, self.max_model_len)
+
+
+def sampling_max_tokens(request: Any) -> int | None:
+    sp = getattr(request, "sampling_params", None)
+    return None if sp is None else sp.max_tokens

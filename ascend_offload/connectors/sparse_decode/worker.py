@@ -1,0 +1,112 @@
+"""Worker side of sparse decode offload: the manager over the engine's hot regions.
+
+One per TP rank. It builds a :class:`~ascend_offload.sparse.manager.SparseOffloadManager`
+whose hot buffers are the engine's own KV allocation for the main-KV layers
+(the regions :mod:`.kv_cut` reserved), with its own host pool or the one a
+remote-D2H consumer fills, and a
+:class:`~ascend_offload.sparse.colocated.ColocatedSparseDecode` for the
+request bookkeeping. It is the :class:`~ascend_offload.sparse.adapter.SparseDecodeAdapter`
+the model's attention calls, through the connector that owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ascend_offload.config import ConfigError
+from ascend_offload.connectors.sparse_decode.kv_cut import hot_buffer_view
+from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
+from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
+from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
+from ascend_offload.sparse.colocated import ColocatedSparseDecode
+from ascend_offload.sparse.manager import SparseOffloadManager
+from ascend_offload.sparse.pools import HostKVPool
+
+log = logging.getLogger(__name__)
+
+
+def main_kv_rows(kv_caches: Mapping[str, torch.Tensor], names: Sequence[str]
+                 ) -> tuple[int, torch.dtype]:
+    """The one row shape of the main-KV layers (one host pool needs one)."""
+    first = kv_caches[names[0]]
+    row, dtype = first.shape[-1], first.dtype
+    for n in names:
+        if kv_caches[n].shape[-1] != row or kv_caches[n].dtype != dtype:
+            raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layer {n} has rows of "
+                              f"{kv_caches[n].shape[-1]} x {kv_caches[n].dtype}, {names[0]} of "
+                              f"{row} x {dtype}: one host pool needs one row shape")
+    return row, dtype
+
+
+class SparseDecodeWorker:
+    """Per-rank sparse decode state; applies the scheduler's metadata once per step."""
+
+    def __init__(self, settings: SparseDecodeSettings, kv_caches: Mapping[str, torch.Tensor], *,
+                 tp_rank: int = 0, pool: HostKVPool | None = None) -> None:
+        names = [n for n in settings.layers if n in kv_caches]
+        if not names:
+            raise ConfigError("key 'sparse_offload.enabled'=True: the model registered no sparse "
+                              "main-KV cache layer (cache_role SPARSE); accepted: False")
+        row, dtype = main_kv_rows(kv_caches, names)
+        rows = settings.max_num_seqs * settings.cfg.topk_buffer_size
+        hot = [hot_buffer_view(kv_caches[n], rows) for n in names]
+        self.manager = SparseOffloadManager(
+            settings.cfg, num_layers=len(names), row_shape=(row,), dtype=dtype,
+            block_size=settings.block_size, max_requests=settings.max_num_seqs,
+            index_topk=settings.index_topk, pool=pool, hot_buffers=hot, tp_rank=tp_rank)
+        if self.manager.pool.num_blocks != settings.pool_blocks and pool is None:
+            raise ConfigError(f"host pool of {self.manager.pool.num_blocks} blocks, the scheduler "
+                              f"counts {settings.pool_blocks}: the roles disagree on the config")
+        if settings.max_model_len > self.manager.residency.max_positions:
+            raise ConfigError(
+                f"key 'sparse_offload.topk_buffer_size'={settings.cfg.topk_buffer_size}: the "
+                f"{self.manager.residency.kind} residency table indexes "
+                f"{self.manager.residency.max_positions} positions, less than "
+                f"max_model_len={settings.max_model_len}")
+        self.decode = ColocatedSparseDecode(self.manager, names)
+        self._applied: object = None
+        kv = self.manager.pool.kv
+        log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
+                 "hot buffers %d rows per request x %d requests in the engine's KV allocation "
+                 "(%.1f MiB), residency %s (%s)", len(names), kv.shape[1], row, dtype,
+                 kv.numel() * kv.element_size() / 2**30, self.manager.hot_size,
+                 self.manager.max_requests, self.manager.hot.nbytes / 2**20,
+                 self.manager.residency.kind, settings.cfg.residency_policy)
+
+    def apply(self, meta: SparseDecodeMetadata) -> None:
+        """This step's facts, once: finishes first (their rows are free again), then admissions."""
+        if meta is self._applied:
+            return
+        self._applied = meta
+        for rid in meta.finished:
+            self.decode.finish(rid)
+        for rid, max_tokens in meta.new.items():
+            self.decode.admit(rid, max_tokens)
+        self.decode.begin(meta, meta.keys)
+
+    def end_step(self) -> None:
+        self.decode.end_step()
+
+    # ------------------------------------------------------------------ adapter
+
+    def sparse_layer_index(self, layer_name: str) -> int | None:
+        return self.decode.sparse_layer_index(layer_name)
+
+    def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
+        return self.decode.plan_step(rows)
+
+    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        self.decode.offload_new_kv(layer, new_kv, positions)
+
+    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        return self.decode.onload_topk(layer, topk)
+
+    def hot_buffer(self, layer: int) -> torch.Tensor:
+        return self.decode.hot_buffer(layer)
+
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode.context_rows(layer, batch_index, positions)
