@@ -75,10 +75,12 @@ class DecodeRequests:
     """Requests whose prompt KV this decode pulls: registration, expected loads, cancels."""
 
     def __init__(self, endpoint: DecodeEndpoint, *, block_size: int, sparse: bool,
-                 registrar: Registrar) -> None:
+                 registrar: Registrar, max_model_len: int | None = None) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
         self.sparse = sparse  # pool destination: the whole prompt is pulled (see after_alloc)
+        # pool reservations are capped like the scheduler's pool ledger counts them
+        self.max_model_len = max_model_len
         self.registrar = registrar
         self._new: list[RecvJob] = []
         self._fail: dict[str, str] = {}
@@ -118,8 +120,10 @@ class DecodeRequests:
         if self.sparse:
             # The host pool needs the whole prompt: local prefix hits are device blocks, not pool rows.
             wire_first, wire_dst = 0, tuple(block_ids[:first + n])
-            self._new.append(RecvJob(rid, dst, request.num_prompt_tokens,
-                                     request.num_prompt_tokens + request.max_tokens))
+            reserve = request.num_prompt_tokens + request.max_tokens
+            if self.max_model_len is not None:
+                reserve = min(reserve, self.max_model_len)
+            self._new.append(RecvJob(rid, dst, request.num_prompt_tokens, reserve))
         else:
             self._new.append(RecvJob(rid, dst))
         self._recving.add(rid)

@@ -7,7 +7,7 @@ with another model, dtype or block size fails the read instead of scribbling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ascend_offload.pd.protocol import LayerDesc, TensorDesc
@@ -88,39 +88,6 @@ def pool_layer_descs(kv: torch.Tensor, block_size: int, indexers: Sequence[Any |
         raise ValueError(f"{len(idx)} indexer tensors for {num_layers} pool layers")
     blocks = kv.shape[1] // block_size
     return [layer_desc([kv[i].view(blocks, block_size, *kv.shape[2:])], idx[i]) for i in range(num_layers)]
-
-
-def pool_row_shape(layers: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
-                   ) -> tuple[tuple[int, ...], torch.dtype]:
-    """Per-token main-KV row shape shared by every layer (MLA: one latent row per token).
-
-    The host pool holds one row per token and layer; a K/V pair or layers of
-    different widths cannot be pooled, which is a startup error naming both.
-    """
-    # Imported here: torch and pydantic stay off the rank processes' import path.
-    from ascend_offload.config import ConfigError
-    from ascend_offload.kv_layout import block_dim, block_views
-
-    shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-    first = ""
-    for name, t in layers.items():
-        views = block_views(t, block_dim(t, num_blocks))
-        if len(views) != 1 or views[0].dim() < 2 or views[0].shape[1] != block_size:
-            raise ConfigError(
-                f"key 'sparse_offload.enabled'=True: KV cache of {name} {tuple(t.shape)} is not one "
-                f"[num_blocks, block_size={block_size}, ...] tensor (MLA); the host pool holds one "
-                "main-KV row per token")
-        row, dt = tuple(views[0].shape[2:]), views[0].dtype
-        if shape is None:
-            shape, dtype, first = row, dt, name
-        elif (row, dt) != (shape, dtype):
-            raise ConfigError(
-                f"key 'sparse_offload.enabled'=True: KV row of {name} is {row} {dt}, of {first} "
-                f"{shape} {dtype}; one host pool needs the same row in every layer")
-    if shape is None or dtype is None:
-        raise ConfigError("key 'sparse_offload.enabled'=True: no KV cache layers registered")
-    return shape, dtype
 
 
 def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:

@@ -143,6 +143,9 @@ class HostKVPool:
         del self._table_tensors[req_id]
         self._free = sorted(self._free + blocks)
 
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._tables
+
     def admitted(self) -> list[str]:
         """Requests holding rows (leak checks: the remote-D2H consumer releases on every path)."""
         return sorted(self._tables)

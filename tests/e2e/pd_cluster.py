@@ -34,8 +34,8 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
-               prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None
-               ) -> Iterator[dict[str, Any]]:
+               prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
+               decode_args: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
     are functions of the role's kv port returning the transfer config dict."""
@@ -51,7 +51,7 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
         servers.append(Server("prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
                                           *prefill_args, "--kv-transfer-config", json.dumps(prefill_kv(p_kv))],
                               dict(env, VLLM_CPU_OMP_THREADS_BIND="0", **(prefill_env or {})), log_dir))
-        servers.append(Server("decode", [*common, "--port", str(d_port), "--kv-transfer-config",
+        servers.append(Server("decode", [*common, "--port", str(d_port), *decode_args, "--kv-transfer-config",
                                          json.dumps(decode_kv(d_kv))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
                               log_dir))
         servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",

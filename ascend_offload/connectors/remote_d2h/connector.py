@@ -11,6 +11,7 @@ dispatches vLLM's hooks to them and applies each step's metadata once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,14 +29,21 @@ from ascend_offload.connectors.metrics import (
     RD2HConnectorStats,
     RD2HPromMetrics,
 )
-from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker, sparse_hook_from_env
-from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_layers, open_region
+from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker
+from ascend_offload.connectors.remote_d2h.kv_region import (
+    KVRegion,
+    device_layers,
+    indexer_layers,
+    open_region,
+    pair_layers,
+)
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.prefill_worker import PrefillWorker
 from ascend_offload.connectors.remote_d2h.scheduler import RemoteD2HScheduler
 from ascend_offload.connectors.remote_d2h.settings import NAME, build_settings, parse_config
-from ascend_offload.kv_layout import layer_order
+from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.pd.slot_sharing import SlotSharing
+from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,6 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +70,12 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         wire_logging()
         self.cfg: RemoteD2HConfig = parse_config(vllm_config)
-        # Checked in every role: a decode without the hook fails at startup, scheduler included.
-        sparse_hook = sparse_hook_from_env() if self.cfg.sparse_offload.enabled else None
         self.settings = build_settings(vllm_config, self.cfg)
+        # Checked in every role, so a bad sparse config fails at startup, scheduler included.
+        self.sparse_settings: SparseDecodeSettings | None = None
+        if self.settings.sparse and self.settings.is_consumer:
+            self.sparse_settings = SparseDecodeSettings.from_vllm(
+                vllm_config, self.cfg.sparse_offload, kv_cache_config)
         self.is_producer = self.settings.is_producer
         self.is_consumer = self.settings.is_consumer
         self.scheduler: RemoteD2HScheduler | None = None
@@ -72,13 +85,13 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         self._prepared: KVConnectorMetadata | None = None
         self._deltas = CounterDeltas(RD2HConnectorStats)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = RemoteD2HScheduler(self.settings)
+            self.scheduler = RemoteD2HScheduler(self.settings, self.sparse_settings)
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank()
         if self.is_consumer:
-            self.decode = DecodeWorker(self.settings, tp_rank, sparse_hook=sparse_hook, vllm_config=vllm_config)
+            self.decode = DecodeWorker(self.settings, tp_rank, sparse=self.sparse_settings)
         if self.is_producer:
             self.prefill = PrefillWorker(self.settings, tp_rank, prepare=self._prepare)
 
@@ -115,16 +128,16 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        names = layer_order(kv_caches)
-        if self.decode is not None and self.settings.sparse:
-            layers = self.decode.pool_layers(kv_caches, names, num_blocks)
+        pairs = pair_layers(list(kv_caches), indexer_layers(self._kv_cache_config))
+        if self.decode is not None and self.sparse_settings is not None:
+            layers = self.decode.pool_layers(kv_caches, pairs, num_blocks)
         else:
-            layers = device_layers(kv_caches, names, num_blocks, connector=NAME)
+            layers = device_layers(kv_caches, pairs, num_blocks, connector=NAME)
         self._region = open_region(layers, self.cfg, self.settings.host)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:
-            self.prefill.start(self._region, names)
+            self.prefill.start(self._region, [main for main, _ in pairs])
 
     def attach_reuse_gate(self, pipeline: SlotSharing) -> None:
         """Layer sharing on this prefill: decode's reads hold each layer's buffer
@@ -170,6 +183,8 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         self._prepare()
         if self.prefill is not None:
             self.prefill.wait_for_save()
+        if self.decode is not None and self.decode.sparse is not None:
+            self.decode.sparse.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
@@ -193,6 +208,38 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
 
+
+    # ======================================================================= sparse decode adapter
+    # (the model's attention finds the active connector; see sparse/adapter.py)
+
+    def _sparse(self) -> SparseDecodeWorker:
+        assert self.decode is not None and self.decode.sparse is not None, \
+            f"{NAME}: sparse decode call without sparse offload on this decode"
+        self._prepare()
+        return self.decode.sparse
+
+    def sparse_layer_index(self, layer_name: str) -> int | None:
+        if self.decode is None or self.decode.sparse is None:
+            return None
+        return self.decode.sparse.sparse_layer_index(layer_name)
+
+    def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
+        return self._sparse().plan_step(rows)
+
+    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
+        self._sparse().offload_new_kv(layer, new_kv, positions)
+
+    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        return self._sparse().onload_topk(layer, topk)
+
+    def hot_buffer(self, layer: int) -> torch.Tensor:
+        return self._sparse().hot_buffer(layer)
+
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sparse().context_rows(layer, batch_index, positions)
+
+    # ======================================================================= load errors
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.decode.take_load_errors() if self.decode is not None else set()

@@ -5,73 +5,42 @@ every layer straight into the rank's own KV blocks and reports the request
 received once every layer is terminal; failed blocks become vLLM load errors
 (``kv_load_failure_policy`` recomputes or fails them).
 
-Sparse decode offload (``sparse_offload.enabled``): the main KV goes into a
-host KV pool instead. Each request is admitted to the pool when this worker
-expects it (prompt + max new tokens; exhaustion fails that request as load
-errors, never an overwrite), and its rows are released once vLLM finished the
-request and no read into them is in flight. vLLM has no sparse-attention
-backend that decodes from the pool, so this mode requires an explicit
-attention-backend hook (``ASCEND_OFFLOAD_SPARSE_ATTENTION_HOOK``, see
-docs/sparse.md "Integration seam").
+Sparse decode offload (``sparse_offload.enabled``): the engine has no main KV
+on the device (``connectors/sparse_decode/kv_cut.py``), so the main KV goes
+into the host pool of a :class:`~ascend_offload.connectors.sparse_decode.worker.SparseDecodeWorker`
+and each layer's indexer cache into vLLM's device blocks (one wire layer: main
++ indexer). Each request is admitted to the pool when this worker expects it
+(prompt + max new tokens, counted beforehand by the scheduler's pool ledger),
+attached to a hot-buffer row when vLLM first schedules it, and its rows are
+released once vLLM finished it and no read into them is in flight. The
+connector facade hands the model's attention this worker's sparse decode
+adapter.
 """
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 import logging
-import math
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ascend_offload.config import ConfigError
-from ascend_offload.connectors.remote_d2h.kv_region import KVRegion
+from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_view
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
-from ascend_offload.pd.layout import pool_layer_descs, pool_row_shape
+from ascend_offload.pd.layout import pool_layer_descs
 from ascend_offload.pd.protocol import LayerDesc
 from ascend_offload.pd.topology import decode_port
 
 if TYPE_CHECKING:
+    from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
+    from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
     from ascend_offload.pd.consumer import Consumer
     from ascend_offload.sparse.pools import HostKVPool
 
 log = logging.getLogger(__name__)
-
-# "<module>:<callable>" of the attention-backend hook that decodes from the host pool
-# (required with sparse_offload.enabled on decode; see load_sparse_hook).
-SPARSE_HOOK_ENV = "ASCEND_OFFLOAD_SPARSE_ATTENTION_HOOK"
-
-SparseHook = Callable[..., Any]
-
-
-def load_sparse_hook(spec: str | None) -> SparseHook:
-    """Resolve the attention-backend hook ``"<module>:<callable>"`` (startup error if unusable).
-
-    Why required: with sparse offload on, the prompt KV lands in the host
-    pool, not in vLLM's KV blocks; only a sparse-attention backend that drives
-    :class:`~ascend_offload.sparse.manager.SparseOffloadManager` over that pool
-    can decode correctly. vLLM (CPU here) has none, so without a hook decoding
-    would silently read empty blocks: refused instead.
-    """
-    if not spec:
-        raise ConfigError(
-            "key 'sparse_offload.enabled'=True on decode: the prompt KV goes to the host pool and "
-            "only a sparse-attention backend that decodes from it can use it; vLLM provides none. "
-            f"Set {SPARSE_HOOK_ENV}=<module>:<factory> (docs/sparse.md 'Integration seam') or set "
-            "'sparse_offload.enabled' to False")
-    mod, _, attr = spec.partition(":")
-    try:
-        hook = getattr(importlib.import_module(mod), attr) if attr else None
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{SPARSE_HOOK_ENV}={spec!r}: cannot load it ({exc})") from None
-    if not callable(hook):
-        raise ConfigError(f"{SPARSE_HOOK_ENV}={spec!r}: expected '<module>:<callable>'")
-    return hook
-
 
 def _loopback(host: str) -> bool:
     try:
@@ -80,53 +49,47 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def sparse_hook_from_env() -> SparseHook:
-    """The hook named by :data:`SPARSE_HOOK_ENV` (checked in every role, so a scheduler fails too)."""
-    return load_sparse_hook(os.environ.get(SPARSE_HOOK_ENV))
-
-
 class DecodeWorker:
-    """Decode state of one rank: the consumer, and with sparse offload the pool and its hook."""
+    """Decode state of one rank: the consumer, and with sparse offload the pool's worker."""
 
-    def __init__(self, settings: Settings, tp_rank: int, *, sparse_hook: SparseHook | None = None,
-                 vllm_config: Any = None) -> None:
+    def __init__(self, settings: Settings, tp_rank: int, *,
+                 sparse: SparseDecodeSettings | None = None) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.consumer: Consumer | None = None
-        self._sparse_hook = sparse_hook
-        self._vllm_config = vllm_config  # handed to the sparse hook
+        self._sparse_settings = sparse
         self._load_errors: set[int] = set()
         self._cancelled: set[str] = set()  # vLLM finished them before their KV arrived
         self._recv_failed: set[str] = set()  # refused when expected: reported received (failed)
-        # Sparse offload: the host pool, the backend hook's object, per-request state.
+        # Sparse offload: the pool's worker (the model's adapter), per-request state.
+        self.sparse: SparseDecodeWorker | None = None
         self.pool: HostKVPool | None = None
-        self._hook_obj: Any = None
-        self._pool_names: list[str] = []
         self._pool_jobs: dict[str, tuple[int, ...]] = {}  # loading into the pool -> device load-error set
         self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
 
     # ------------------------------------------------------------------ startup
 
-    def pool_layers(self, kv_caches: Mapping[str, torch.Tensor], names: Sequence[str],
-                    num_blocks: int) -> list[LayerDesc]:
-        """Sparse offload: build the host KV pool (main KV only); its layouts are the destination.
+    def pool_layers(self, kv_caches: Mapping[str, torch.Tensor],
+                    pairs: Sequence[tuple[str, str | None]], num_blocks: int) -> list[LayerDesc]:
+        """Sparse offload: the wire destination is the host pool for the main KV and
+        vLLM's device blocks for each layer's indexer cache."""
+        from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
 
-        Every registered KV tensor must hold one row per token (MLA); an
-        indexer cache registered as its own layer cannot be pooled and fails
-        here (the core supports a device-side indexer, ``Consumer.expect_pool``
-        ``index_blocks``; this adapter does not separate it yet).
-        """
-        from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
-
-        block_size = self.settings.block_size
-        row_shape, dtype = pool_row_shape({n: kv_caches[n] for n in names}, num_blocks, block_size)
-        rows = pool_rows_from_config(self.settings.cfg.sparse_offload, num_layers=len(names),
-                                     row_shape=row_shape, dtype=dtype, block_size=block_size)
-        # One private pool per TP rank: MLA main KV is replicated, each rank's consumer fills its own.
-        self.pool = HostKVPool(len(names), rows, row_shape, dtype, block_size)
-        self._pool_names = list(names)
-        row_bytes = math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
-        return pool_layer_descs(self.pool.kv, block_size, kv_row_bytes=row_bytes)
+        assert self._sparse_settings is not None
+        if any(idx is None for _, idx in pairs):
+            missing = [m for m, idx in pairs if idx is None]
+            raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layers {missing[:4]} have "
+                              "no indexer cache; nothing would select their rows")
+        self.sparse = SparseDecodeWorker(self._sparse_settings, kv_caches, tp_rank=self.tp_rank)
+        self.pool = self.sparse.manager.pool
+        names = [m for m, _ in pairs]
+        if list(self.sparse.decode.layer_names) != names:
+            raise ConfigError(f"sparse main-KV layers {self.sparse.decode.layer_names} != wire layers "
+                              f"{names}")
+        indexers = [device_view(kv_caches[idx], num_blocks, idx, NAME)[0]
+                    for _, idx in pairs if idx is not None]
+        return pool_layer_descs(self.pool.kv, self.settings.block_size, indexers,
+                                kv_row_bytes=self.pool.row_bytes)
 
     def start(self, region: KVRegion) -> None:
         """Listen for prefill's layers: into ``region`` (vLLM's blocks, or the pool's)."""
@@ -152,14 +115,11 @@ class DecodeWorker:
             log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
                      len(region.layers), self.consumer.address)
             return
-        assert self._sparse_hook is not None
-        self._hook_obj = self._sparse_hook(pool=self.pool, layer_names=self._pool_names,
-                                           vllm_config=self._vllm_config)
         kv = self.pool.kv
         log.info("%s: decode rank %d pulls main KV of %d layers into a host pool of %d rows x %s %s "
-                 "(%.2f GiB), listening on %s", NAME, self.tp_rank, len(self._pool_names), kv.shape[1],
-                 tuple(kv.shape[2:]), kv.dtype, kv.numel() * kv.element_size() / 2**30,
-                 self.consumer.address)
+                 "(%.2f GiB) and their indexer caches into device blocks, listening on %s", NAME,
+                 self.tp_rank, kv.shape[0], kv.shape[1], tuple(kv.shape[2:]), kv.dtype,
+                 kv.numel() * kv.element_size() / 2**30, self.consumer.address)
 
     # ------------------------------------------------------------------ per step
 
@@ -167,13 +127,17 @@ class DecodeWorker:
         """Start, fail and cancel this step's pulls."""
         if self.consumer is None:
             return
+        if self.pool is not None and meta.sparse is not None:
+            # vLLM finished these last step: free their rows before this step admits others
+            for rid in meta.sparse.finished:
+                self._finish_pool(rid)
         for job in meta.recv:
             try:
                 if self.pool is not None:
                     # Admission failure ends the request as a failed outcome (load errors below).
                     self._pool_jobs[job.request_id] = job.block_ids
                     self.consumer.expect_pool(job.request_id, self.pool, prompt_tokens=job.prompt_tokens,
-                                              max_tokens=job.max_tokens)
+                                              max_tokens=job.max_tokens, index_blocks=job.block_ids)
                 else:
                     self.consumer.expect(job.request_id, job.block_ids)
             except ValueError as exc:
@@ -186,6 +150,8 @@ class DecodeWorker:
         for rid in meta.cancel_recv:
             self._cancelled.add(rid)
             self.consumer.fail(rid, "request finished on decode before its KV arrived")
+        if self.sparse is not None and meta.sparse is not None:
+            self.sparse.apply(meta.sparse)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(cancelled pulls now stopped: blocks may be freed, requests received)."""
@@ -212,21 +178,20 @@ class DecodeWorker:
             self._recv_failed.clear()
         if self.pool is not None:
             for rid in finished_req_ids:
-                if rid in self._pool_jobs:
-                    self._pool_finished.add(rid)  # released when its outcome arrives
-                else:
-                    self._release_pool(rid)
+                self._finish_pool(rid)
         return sending, recving
+
+    def _finish_pool(self, rid: str) -> None:
+        """vLLM finished ``rid``: free its rows now, or when its reads' outcome arrives."""
+        if rid in self._pool_jobs:
+            self._pool_finished.add(rid)
+        else:
+            self._release_pool(rid)
 
     def _release_pool(self, rid: str) -> None:
         """vLLM finished ``rid`` and no read into its rows is in flight: free them (idempotent)."""
-        assert self.pool is not None
-        done = getattr(self._hook_obj, "request_finished", None)
-        if done is not None:
-            try:
-                done(rid)
-            except Exception:  # the backend's bookkeeping must not leak our rows
-                log.exception("%s: sparse hook request_finished(%s) failed", NAME, rid)
+        assert self.pool is not None and self.sparse is not None
+        self.sparse.decode.finish(rid)  # hot row and residency, if it was attached
         self.pool.release(rid)
 
     def totals(self) -> dict[str, int]:

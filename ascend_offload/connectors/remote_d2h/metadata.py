@@ -6,6 +6,7 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.pd.decode_requests import RecvJob
 from ascend_offload.pd.prefill_requests import SendJob
 
@@ -20,7 +21,8 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     fail_recv: dict[str, str] = dataclasses.field(default_factory=dict)
     cancel_recv: list[str] = dataclasses.field(default_factory=list)
     send: list[SendJob] = dataclasses.field(default_factory=list)
+    sparse: SparseDecodeMetadata | None = None  # decode with sparse offload: request names, finishes
 
     @property
     def empty(self) -> bool:
-        return not (self.recv or self.fail_recv or self.cancel_recv or self.send)
+        return not (self.recv or self.fail_recv or self.cancel_recv or self.send or self.sparse)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import Settings
+from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeScheduler
+from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
 from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
 from ascend_offload.pd.registration import Registrar
@@ -27,14 +29,28 @@ if TYPE_CHECKING:
 class RemoteD2HScheduler:
     """Scheduler state of one connector: decode's pulls and/or prefill's sends."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, sparse: SparseDecodeSettings | None = None) -> None:
         cfg = settings.cfg
         self.decode = DecodeRequests(
             settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
             registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
+            max_model_len=None if sparse is None else sparse.max_model_len,
         ) if settings.is_consumer else None
         self.prefill = PrefillRequests() if settings.is_producer else None
-        self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
+        # Decode with sparse offload: request names for the attention, and the host-pool ledger.
+        self.sparse = SparseDecodeScheduler(sparse) if sparse is not None and self.decode else None
+        self._ledger_after_pull: set[str] = set()  # finished while pulling: released once stopped
+        self._kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager | None:
+        return self._kv_cache_manager
+
+    @kv_cache_manager.setter
+    def kv_cache_manager(self, mgr: KVCacheManager | None) -> None:
+        self._kv_cache_manager = mgr
+        if self.sparse is not None:
+            self.sparse.kv_cache_manager = mgr
 
     def _block_ids(self, request_id: str) -> list[int] | None:
         mgr = self.kv_cache_manager
@@ -43,6 +59,8 @@ class RemoteD2HScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.decode is None:
             return 0, False
+        if self.sparse is not None and not self.sparse.admit(request):
+            return None, False  # its host pool rows are not free yet: wait
         return self.decode.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -64,6 +82,8 @@ class RemoteD2HScheduler:
         if self.decode is not None:
             step = self.decode.take_step()
             meta.recv, meta.fail_recv, meta.cancel_recv = step.recv, step.fail, step.cancel
+        if self.sparse is not None:
+            meta.sparse = self.sparse.build_meta(scheduler_output)
         if self.prefill is not None:
             meta.send = self.prefill.take_sends(scheduler_output.num_scheduled_tokens, self._block_ids)
         return meta
@@ -74,6 +94,11 @@ class RemoteD2HScheduler:
         reading = self.prefill.request_finished(rid) if self.prefill is not None else False
         pulling = self.decode.request_finished(rid) if self.decode is not None else False
         error = self.prefill.take_error(rid) if self.prefill is not None else None
+        if self.sparse is not None:
+            if pulling:  # a read may still write its pool rows: the worker frees them once stopped
+                self._ledger_after_pull.add(rid)
+            else:
+                self.sparse.finished(rid)
         return pulling or reading, error
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -82,6 +107,10 @@ class RemoteD2HScheduler:
         if self.decode is not None:
             self.decode.workers_done(recved)
             self.decode.workers_done(sent)  # a cancelled pull reports "sent"
+        if self.sparse is not None:
+            for rid in self._ledger_after_pull & set(sent):
+                self._ledger_after_pull.discard(rid)
+                self.sparse.finished(rid)
         if self.prefill is not None:
             self.prefill.workers_done(sent)
 

@@ -217,6 +217,9 @@ def cut_facts(config: Any) -> CutFacts | None:
 def cut_kv_cache_configs(vllm_config: Any, configs: list[Any], available_memory: Sequence[int],
                          cfg: SparseOffloadConfig) -> list[Any]:
     """Rewrite every worker's config; all keep the smallest worker's ``num_blocks``."""
+    from ascend_offload.connectors.logging_setup import wire_logging
+
+    wire_logging()  # the engine core builds no connector before this runs
     check_engine_constraints(vllm_config)
     out = [c if not c.kv_cache_tensors else cut_kv_cache_config(vllm_config, c, mem, cfg)
            for c, mem in zip(configs, available_memory, strict=True)]

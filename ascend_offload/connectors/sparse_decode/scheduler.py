@@ -33,6 +33,9 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     new: dict[str, int]  # newly scheduled request -> positions to reserve
     keys: dict[int, str]  # block holding a scheduled request's newest position -> request
     finished: tuple[str, ...]  # finished or aborted since the last step
+    # new requests' computed tokens when scheduled (remote-D2H: the prompt rows the
+    # consumer already put in the pool)
+    computed: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class SparseDecodeScheduler:
@@ -74,4 +77,5 @@ class SparseDecodeScheduler:
             last = (computed[req_id] + n - 1) // bs
             if last < len(blocks):
                 keys[blocks[last]] = req_id
-        return SparseDecodeMetadata(new, keys, finished)
+        return SparseDecodeMetadata(new, keys, finished,
+                                    {r: computed[r] for r in new})

@@ -84,7 +84,11 @@ class SparseDecodeWorker:
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():
-            self.decode.admit(rid, max_tokens)
+            if self.manager.pool.holds(rid):  # a remote-D2H consumer filled its prompt rows
+                self.decode.attach(rid, min(max_tokens, self.manager.pool.capacity(rid)),
+                                   meta.computed.get(rid, 0))
+            else:
+                self.decode.admit(rid, max_tokens)
         self.decode.begin(meta, meta.keys)
 
     def end_step(self) -> None:

@@ -181,16 +181,3 @@ def prefill_process(conn, reqs: dict[str, list[int]], host: str, kv_port: int) -
     finally:
         prod.close()
         eng.close()
-
-
-class RecordingHook:
-    """Attention-backend hook for connector tests: records what the connector hands it."""
-
-    made: list[RecordingHook] = []
-
-    def __init__(self, *, pool: HostKVPool, layer_names: list[str], vllm_config: object) -> None:
-        self.pool, self.layer_names, self.finished = pool, layer_names, []
-        RecordingHook.made.append(self)
-
-    def request_finished(self, req_id: str) -> None:
-        self.finished.append(req_id)
