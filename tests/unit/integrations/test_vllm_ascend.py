@@ -592,3 +592,25 @@ def test_vllm032_descriptors_are_checked_not_rewritten() -> None:
     assert after.kv_cache_tensors == tensors
     with pytest.raises(LayerwiseStartupError, match="did not run in the engine core"):
         runner.apply_our_plan(before, _store_vcfg(True))
+
+
+def test_plugin_entry_point_registers_the_integration() -> None:
+    """vLLM's general-plugin loading with vllm-ascend importable leaves the patches pending;
+    vllm-ascend's own import of its SFA module applies them."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "print('LOADED', 'vllm_ascend.attention.sfa_v1' in sys.modules)\n"
+        "from vllm_ascend.attention import sfa_v1\n"
+        "from ascend_offload.integrations.vllm_ascend import sfa\n"
+        "print('PATCHED', sfa._MARK in sfa_v1.AscendSFABackend.__dict__)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False, env=env)
+    assert "LOADED False" in proc.stdout and "PATCHED True" in proc.stdout, proc.stderr[-3000:]

@@ -1,6 +1,8 @@
 """Fake of ``vllm_ascend/device/device_op.py`` (vllm-ascend main 182b75ea).
 
-``DeviceOperator.execute_sparse_flash_attention_process`` keeps the published
+``DeviceOperator`` is ``get_device_adaptor()`` there: ``BaseDeviceAdaptor`` on A2/A3
+(A5 and 310P subclasses do not override this method).
+``BaseDeviceAdaptor.execute_sparse_flash_attention_process`` keeps the published
 signature; its body is a torch reference of what it calls,
 ``torch.ops._C_ascend.npu_sparse_flash_attention`` with ``layout_query="TND"``,
 ``layout_kv="PA_BSND"``, ``sparse_block_size=1`` and MLA absorbed attention
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 
-class DeviceOperator:
+class BaseDeviceAdaptor:
     calls: list[dict[str, Any]] = []  # test hook: what each kernel call was given
 
     @classmethod
@@ -58,3 +60,6 @@ class DeviceOperator:
             s = (ql_nope[t] @ k.T + q_pe[t] @ kr.T) * sfa_impl.scale  # [H, n]
             out[t] = torch.softmax(s, dim=-1) @ k
         return out
+
+
+DeviceOperator: type[BaseDeviceAdaptor] = BaseDeviceAdaptor
