@@ -18,29 +18,47 @@ from typing import Any
 Callback = Callable[[ModuleType], None]
 
 
+class _CallbackLoader(importlib.abc.Loader):
+    """Delegates to the module's own loader; runs the callback once the module executed."""
+
+    def __init__(self, loader: Any, callback: Callback) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real loader
+        return getattr(self._loader, name)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Wraps the found loader of the watched modules so ``callback`` runs after exec."""
+    """Finds a watched module with the other finders and wraps its loader."""
 
     def __init__(self) -> None:
         self.watched: dict[str, Callback] = {}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> Any:
-        callback = self.watched.get(fullname)
+        callback = self.watched.pop(fullname, None)
         if callback is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            self.watched[fullname] = callback  # not importable (yet): keep watching
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            self.watched.pop(fullname, None)
-            callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader = _CallbackLoader(spec.loader, callback)
         return spec
 
 

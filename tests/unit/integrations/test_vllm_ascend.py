@@ -614,3 +614,33 @@ def test_plugin_entry_point_registers_the_integration() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False, env=env)
     assert "LOADED False" in proc.stdout and "PATCHED True" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_when_imported_runs_after_first_import(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    from ascend_offload.integrations.vllm_ascend import _imports
+
+    pkg = tmp_path / "ao_watch_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[Any] = []
+    try:
+        _imports.when_imported("ao_watch_pkg.mod", seen.append)
+        assert not seen
+        mod = importlib.import_module("ao_watch_pkg.mod")
+        assert seen == [mod] and mod.VALUE == 1
+        assert "VALUE = 1" in inspect.getsource(mod)  # the real loader still answers
+        _imports.when_imported("ao_watch_pkg.mod", seen.append)  # loaded: at once
+        assert seen == [mod, mod]
+        _imports.when_imported("ao_watch_pkg.other", seen.append)
+        _imports.forget("ao_watch_pkg.other")
+        (pkg / "other.py").write_text("")
+        importlib.import_module("ao_watch_pkg.other")
+        assert len(seen) == 2
+    finally:
+        for name in ("ao_watch_pkg", "ao_watch_pkg.mod", "ao_watch_pkg.other"):
+            sys.modules.pop(name, None)
