@@ -644,3 +644,29 @@ def test_when_imported_runs_after_first_import(tmp_path: Path,
     finally:
         for name in ("ao_watch_pkg", "ao_watch_pkg.mod", "ao_watch_pkg.other"):
             sys.modules.pop(name, None)
+
+
+def test_hot_view_pads_topk_to_whole_pages() -> None:
+    """K not a multiple of the kernel block: the view pads with -1 indices; every valid
+    index names exactly the hot row the adapter returned, split into nope / rope."""
+    impl = object.__new__(sfa.SparseOffloadSFAMixin)  # the view needs only the two dims
+    impl.kv_lora_rank, impl.qk_rope_head_dim = R, P  # type: ignore[attr-defined]
+    hot = torch.randn(40, R + P)
+    slots = torch.tensor([[3, 17, -1, 5, 9, 0], [39, -1, -1, 2, 2, 11]], dtype=torch.int32)
+    (nope, rope), idx = impl._ao_hot_view(hot, slots, KERNEL_BS)
+    pages = 2  # ceil(6 / 4)
+    assert nope.shape == (2 * pages, KERNEL_BS, 1, R) and rope.shape == (2 * pages, KERNEL_BS, 1, P)
+    assert idx.shape == (2, 1, pages * KERNEL_BS)
+    table = impl._ao_hot_table(2, 6, SimpleNamespace(kernel_block_size=KERNEL_BS),  # type: ignore[arg-type]
+                               hot.device)
+    for i in range(2):
+        for j in range(pages * KERNEL_BS):
+            pos = int(idx[i, 0, j])
+            if j >= 6 or int(slots[i, j]) < 0:
+                assert pos == -1
+                continue
+            page = int(table[i, pos // KERNEL_BS])
+            row = torch.cat((nope[page, pos % KERNEL_BS, 0], rope[page, pos % KERNEL_BS, 0]))
+            assert torch.equal(row, hot[int(slots[i, j])])
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        impl._ao_hot_view(torch.zeros(4, R), slots, KERNEL_BS)
