@@ -204,10 +204,11 @@ class SparseOffloadSFAMixin:
         # top-k of the offloaded one-token rows, in the adapter's batch order
         topk = topk_indices.reshape(topk_indices.shape[0], -1)
         k = topk.shape[1]
+        sel = topk[dec_tok.to(topk.device)].to("cpu", torch.int32)  # one copy per layer
+        lens = torch.tensor([step.seq_lens[r] for r in dec], dtype=torch.int32).unsqueeze(1)
         request = torch.full((plan.num_entries, k), -1, dtype=torch.int32)
-        for r in dec:
-            t = topk[step.starts[r]].to("cpu", torch.int32)
-            request[plan.batch_index[r]] = torch.where((t >= 0) & (t < step.seq_lens[r]), t, -1)
+        request[torch.tensor([plan.batch_index[r] for r in dec])] = torch.where(
+            (sel >= 0) & (sel < lens), sel, -1)
         hot_slots = adapter.onload_topk(layer, request)
         hot = adapter.hot_buffer(layer)
         entries = torch.tensor([plan.batch_index[r] for r in dec], device=hot_slots.device)
