@@ -66,3 +66,7 @@ def register() -> None:
         hook = getattr(kv_layout_hook, "install_layout_hook", None)
         if hook is not None:
             hook()
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        from ascend_offload.integrations import vllm_ascend
+
+        vllm_ascend.install()
