@@ -89,6 +89,10 @@ class Recorder:
     def hot_buffer(self, layer: int) -> torch.Tensor:
         return self.decode.hot_buffer(layer)
 
+    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode.context_rows(layer, batch_index, positions)
+
 
 def _adapter() -> Recorder:
     cfg = SparseOffloadConfig(enabled=True, topk_buffer_size=HOT, index_topk=TOPK)
