@@ -29,7 +29,7 @@ from ascend_offload.connectors.metrics import (
     RD2HPromMetrics,
 )
 from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker, sparse_hook_from_env
-from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_layers, open_region
+from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, open_kv_region, open_region
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.prefill_worker import PrefillWorker
 from ascend_offload.connectors.remote_d2h.scheduler import RemoteD2HScheduler
@@ -118,9 +118,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         names = layer_order(kv_caches)
         if self.decode is not None and self.settings.sparse:
             layers = self.decode.pool_layers(kv_caches, names, num_blocks)
-        else:
-            layers = device_layers(kv_caches, names, num_blocks, connector=NAME)
-        self._region = open_region(layers, self.cfg, self.settings.host)
+            self._region = open_region(layers, self.cfg, self.settings.host)
+        else:  # vLLM's KV, in place or staged through host memory (kv_region)
+            self._region = open_kv_region(kv_caches, names, num_blocks, self.cfg, self.settings.host)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:
