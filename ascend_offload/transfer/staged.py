@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class _Span:
     """One device tensor (block index on dim 0) and the address range of its host twin."""
 
-    __slots__ = ("dev", "start", "end", "stride", "num_blocks")
+    __slots__ = ("dev", "end", "num_blocks", "start", "stride")
 
     def __init__(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         self.dev = dev

@@ -175,8 +175,8 @@ class PrefillWorker:
         if name is not None and self._withhold(name):
             return
         device.synchronize()  # the layer's KV must be in memory before decode may read it
-        assert self._region is not None
-        self._region.stage_out(layer, self._step_blocks)  # device KV behind a host-only engine
+        if self._region is not None:  # device KV behind a host-only engine: copy the blocks out
+            self._region.stage_out(layer, self._step_blocks)
         held = self._gate_tokens.pop(name, None) if name is not None else None
         if self._gate is not None and held is None:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
