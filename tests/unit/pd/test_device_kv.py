@@ -25,7 +25,12 @@ from ascend_offload import device
 from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector, kv_region
 from ascend_offload.connectors.remote_d2h.metadata import RecvJob, RemoteD2HMetadata, SendJob
 from ascend_offload.pd.layout import extents, layer_desc
-from ascend_offload.testing.fake_device import FakeDevice, FakeDeviceAccess, GuardedEngine, installed
+from ascend_offload.testing.fake_device import (
+    FakeDevice,
+    FakeDeviceAccess,
+    GuardedEngine,
+    installed,
+)
 from ascend_offload.testing.servers import free_port
 from ascend_offload.transfer.base import TransferError
 from ascend_offload.transfer.staged import StagedEngine
