@@ -29,15 +29,20 @@ if TYPE_CHECKING:
 class _Span:
     """One device tensor (block index on dim 0) and the address range of its host twin."""
 
-    __slots__ = ("dev", "end", "num_blocks", "start", "stride")
+    __slots__ = ("block_bytes", "dev", "end", "num_blocks", "start", "stride")
 
     def __init__(self, dev: torch.Tensor, host: torch.Tensor) -> None:
         self.dev = dev
         self.num_blocks = host.shape[0]
-        self.stride = host.stride(0) * host.element_size()
-        block_bytes = host[0].numel() * host.element_size() if self.num_blocks else 0
+        self.stride = max(1, host.stride(0) * host.element_size())
+        self.block_bytes = host[0].numel() * host.element_size() if self.num_blocks else 0
         self.start = host.data_ptr()
-        self.end = self.start + max(0, self.num_blocks - 1) * self.stride + block_bytes
+        self.end = self.start + max(0, self.num_blocks - 1) * self.stride + self.block_bytes
+
+    def holds(self, addr: int) -> bool:
+        """``addr`` lies inside one of this tensor's blocks (not in a gap between them,
+        where an interleaved tensor's blocks may be)."""
+        return self.start <= addr < self.end and (addr - self.start) % self.stride < self.block_bytes
 
 
 class StagedEngine(TransferEngine):
@@ -89,16 +94,24 @@ class StagedEngine(TransferEngine):
         for op in ops:
             if op.length <= 0:
                 continue
-            i = bisect.bisect_right(self._starts, op.local_addr) - 1
-            span = self._spans[i] if i >= 0 else None
-            if span is None or not span.start <= op.local_addr < span.end:
+            i = self._find(op.local_addr)
+            if i is None:
                 raise TransferError(f"read into [{op.local_addr:#x}, +{op.length}) outside the staged KV")
+            span = self._spans[i]
             first = (op.local_addr - span.start) // span.stride
             last = min((op.local_addr + op.length - 1 - span.start) // span.stride, span.num_blocks - 1)
             blocks[i].update(range(first, last + 1))
         for i, ids in blocks.items():
             self.mirror.from_host(self._spans[i].dev, sorted(ids))
             self.landed_blocks += len(ids)
+
+    def _find(self, addr: int) -> int | None:
+        """The span whose blocks hold ``addr``: the nearest start below it, else (tensors
+        whose blocks interleave, e.g. per-head views of one buffer) a scan of all."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and self._spans[i].holds(addr):
+            return i
+        return next((j for j, s in enumerate(self._spans) if s.holds(addr)), None)
 
     def close(self) -> None:
         self.inner.close()
