@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from ascend_offload import device
-from ascend_offload.testing.fake_device import FakeDevice, FakeDeviceAccess, GuardedEngine, installed
+from ascend_offload.testing.fake_device import (
+    FakeDevice,
+    FakeDeviceAccess,
+    GuardedEngine,
+    installed,
+)
 from ascend_offload.transfer.base import LoopbackEngine, ReadOp, TransferError
 from ascend_offload.transfer.staged import StagedEngine
 
