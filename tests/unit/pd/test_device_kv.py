@@ -11,6 +11,7 @@ produces, byte for byte.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -83,13 +84,16 @@ class _Engines:
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, *, on_device: bool, device_memory: bool = False,
-         refuse_device: bool = False, layerwise: bool = True) -> dict[str, Any]:
-    """One request's prompt KV from a prefill rank to a decode rank; decode's KV after."""
+         refuse_device: bool = False, layerwise: bool = True,
+         engines: Callable[[FakeDevice], Any] | None = None) -> dict[str, Any]:
+    """One request's prompt KV from a prefill rank to a decode rank; decode's KV after.
+    ``engines`` makes the engine factory (with a ``made`` list) for the fake device;
+    default: guarded loopback engines."""
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
     src, dst = _kv(P_BLOCKS, seed=3), _kv(D_BLOCKS, seed=None)
     with installed() as fake:
-        engines = _Engines(fake, device_memory, refuse_device)
-        monkeypatch.setattr(kv_region, "_engine", engines)
+        factory = engines(fake) if engines else _Engines(fake, device_memory, refuse_device)
+        monkeypatch.setattr(kv_region, "_engine", factory)
         place = fake.place if on_device else (lambda t: t)
         port = free_port()
         dec = SfaRemoteD2HConnector(_config(producer=False, port=port, layerwise=layerwise),
@@ -118,7 +122,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, *, on_device: bool, device_memory: boo
                 time.sleep(0.01)
             assert "p1" in sent
             regions = [dec._region, pre._region]
-            return {"dst": [t.clone() for t in dst], "src": src, "fake": fake, "engines": engines.made,
+            return {"dst": [t.clone() for t in dst], "src": src, "fake": fake, "engines": factory.made,
                     "errors": dec.decode.take_load_errors(), "regions": regions,
                     "staged": [r is not None and r.mirror is not None for r in regions]}
         finally:
