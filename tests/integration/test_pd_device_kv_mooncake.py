@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from ascend_offload.connectors.remote_d2h import kv_region
 from ascend_offload.testing.fake_device import FakeDevice
 from ascend_offload.transfer.mooncake import MooncakeEngine
-from tests.unit.pd.test_device_kv import DST, LAYERS, SRC, _run
+from tests.unit.pd.test_rd2h_device_kv import DST, LAYERS, SRC, _run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
