@@ -253,8 +253,10 @@ class HostMirror:
 
     :meth:`to_host` (publisher: before peers may read) and :meth:`from_host` (reader:
     after a read landed) move whole blocks, one copy per run of consecutive block ids on
-    the mirror's own stream, finished when they return. Thread-safe (decode's reader
-    threads land reads concurrently; copies run one at a time).
+    the mirror's own stream, finished when they return. A reader's copy does not wait for
+    the compute stream (the blocks it fills belong to no running request), so a read never
+    queues behind a forward. Thread-safe (decode's reader threads land reads concurrently;
+    copies run one at a time). Cost: pinned host memory equal to the mirrored KV.
     """
 
     def __init__(self) -> None:
@@ -292,7 +294,8 @@ class HostMirror:
         with self._lock, _memory.device_access():
             if self._stream is None:
                 self._stream = new_stream()
-            self._stream.wait_stream(current_stream())
+            if to_host:  # the blocks were written by compute queued on the current stream
+                self._stream.wait_stream(current_stream())
             with stream_context(self._stream):
                 for _, first, k in runs(sorted(set(block_ids))):
                     dev, hst = t[first : first + k], host[first : first + k]
