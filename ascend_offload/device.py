@@ -242,6 +242,13 @@ def blocks_to_host(kv: torch.Tensor, dim: int, block_ids: Sequence[int], stream:
     return host
 
 
+# Above this many runs of consecutive blocks a mirror copy gathers (one index kernel, one
+# transfer) instead of copying each run: on a device every copy is a launch, the reason
+# blocks_to_host gathers too. Not measured on an accelerator here; on the CPU fake device
+# the per-run copies are memcpy-bound and no slower.
+_MIRROR_RUNS = 8
+
+
 class HostMirror:
     """Pinned host twins of device KV tensors, for transports that reach host memory only.
 
@@ -296,8 +303,17 @@ class HostMirror:
                 self._stream = new_stream()
             if to_host:  # the blocks were written by compute queued on the current stream
                 self._stream.wait_stream(current_stream())
+            spans = runs(sorted(set(block_ids)))
+            if len(spans) > _MIRROR_RUNS:  # scattered: one gather and one transfer, not a copy per run
+                ids = [b for _, first, k in spans for b in range(first, first + k)]
+                index = torch.tensor(ids, dtype=torch.long)
+                if to_host:
+                    host.index_copy_(0, index, blocks_to_host(t, 0, ids, self._stream))
+                else:
+                    blocks_from_host(host.index_select(0, index), t, 0, ids, self._stream)
+                return
             with stream_context(self._stream):
-                for _, first, k in runs(sorted(set(block_ids))):
+                for _, first, k in spans:
                     dev, hst = t[first : first + k], host[first : first + k]
                     if to_host:
                         hst.copy_(dev, non_blocking=True)

@@ -54,6 +54,22 @@ def test_mirror_twins_share_storage_and_copy_only_listed_blocks() -> None:
         assert fake.accesses == 2
 
 
+def test_mirror_scattered_blocks_gather_in_one_transfer() -> None:
+    """More runs than per-run copies are worth: the gather path moves the same blocks."""
+    base = torch.randn(40, 3, 2)
+    orig = base.clone()
+    with installed() as fake:
+        kv = fake.place(base)
+        mirror = device.HostMirror()
+        twin = mirror.twin(kv)
+        odd = list(range(1, 40, 2))  # 20 runs of one block
+        mirror.to_host(kv, odd)
+        assert torch.equal(twin[odd], orig[odd]) and not twin[0::2].any()
+        twin.neg_()
+        mirror.from_host(kv, odd[::-1])
+        assert torch.equal(base[odd], -orig[odd]) and torch.equal(base[0::2], orig[0::2])
+
+
 def test_staged_engine_lands_interleaved_tensors_block_by_block() -> None:
     """Two tensors whose blocks interleave in one buffer (per-head views): a read into one
     lands only that tensor's blocks on the device."""
