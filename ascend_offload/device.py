@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib.util
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -52,19 +53,49 @@ def device() -> torch.device:
     return torch.device(p, 0) if p != "cpu" else torch.device("cpu")
 
 
-def is_accelerator(t: torch.Tensor) -> bool:
-    return t.device.type in ("npu", "cuda")
+class MemoryModel:
+    """Which tensors live in host memory, and the scope in which this module touches the
+    others. The one seam for "where is this tensor": every residency question in the
+    package is :func:`is_host`, answered here.
+
+    Why an object: tests run the device paths on a machine without an accelerator by
+    installing a model that declares chosen CPU tensors device-resident and refuses any
+    access to their bytes outside this module's copy functions
+    (``ascend_offload.testing.fake_device``). The default answers by ``t.device``.
+    """
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu"
+
+    def device_access(self) -> contextlib.AbstractContextManager[None]:
+        """Entered by this module around every op that reads or writes device memory."""
+        return contextlib.nullcontext()
+
+
+_memory: MemoryModel = MemoryModel()
+
+
+def install_memory_model(model: MemoryModel) -> MemoryModel:
+    """Replace the residency model (a fake device in tests); returns the previous one."""
+    global _memory
+    old, _memory = _memory, model
+    return old
 
 
 def is_host(t: torch.Tensor) -> bool:
-    """``t`` is in host memory (addressable by native code and by stores)."""
-    return t.device.type == "cpu"
+    """``t`` is in host memory (addressable by native code, stores and host-only transports)."""
+    return _memory.is_host(t)
+
+
+def is_accelerator(t: torch.Tensor) -> bool:
+    """``t`` is device memory: reach it only through this module's copies."""
+    return not _memory.is_host(t)
 
 
 def host_addressable_pages(kv: torch.Tensor, dim: int) -> bool:
     """Each page ``kv.select(dim, b)`` is contiguous memory the host can address: stores
     and native copies move it in place, with no staging through a host buffer."""
-    return not is_accelerator(kv) and kv.select(dim, 0).is_contiguous()
+    return is_host(kv) and kv.select(dim, 0).is_contiguous()
 
 
 _HUGE_PAGE = 2 << 20
@@ -189,7 +220,7 @@ def blocks_from_host(rows: torch.Tensor, kv: torch.Tensor, dim: int, block_ids: 
     Why: a layer's store objects are read into one host staging buffer, then moved to
     the device KV tensor in one transfer instead of one small copy per block.
     """
-    with stream_context(stream):
+    with _memory.device_access(), stream_context(stream):
         idx = torch.tensor(block_ids, dtype=torch.long)
         kv.index_copy_(dim, idx.to(kv.device), rows.to(kv.device, non_blocking=True).movedim(0, dim))
         stream.synchronize()
@@ -202,13 +233,93 @@ def blocks_to_host(kv: torch.Tensor, dim: int, block_ids: Sequence[int], stream:
     Why: a layer's save reads all its blocks off the device in one transfer; the store
     then writes each object from the host rows.
     """
-    with stream_context(stream):
+    with _memory.device_access(), stream_context(stream):
         idx = torch.tensor(block_ids, dtype=torch.long)
         picked = kv.index_select(dim, idx.to(kv.device)).movedim(dim, 0)
         host = empty_host(tuple(picked.shape), kv.dtype)
         host.copy_(picked, non_blocking=True)
         stream.synchronize()
     return host
+
+
+# Above this many runs of consecutive blocks a mirror copy gathers (one index kernel, one
+# transfer) instead of copying each run: on a device every copy is a launch, the reason
+# blocks_to_host gathers too. Not measured on an accelerator here; on the CPU fake device
+# the per-run copies are memcpy-bound and no slower.
+_MIRROR_RUNS = 8
+
+
+class HostMirror:
+    """Pinned host twins of device KV tensors, for transports that reach host memory only.
+
+    A twin has its tensor's exact layout (shape, strides, offset) over a pinned copy of
+    the tensor's whole storage, so a wire layout described on the twin addresses block
+    ``b`` exactly where the device tensor has it: the P/D protocol is unchanged and peers
+    cannot tell a staged rank from a direct one. Tensors sharing a storage (layers that
+    alias one buffer) share one twin, so the host memory equals the device KV's.
+
+    :meth:`to_host` (publisher: before peers may read) and :meth:`from_host` (reader:
+    after a read landed) move whole blocks, one copy per run of consecutive block ids on
+    the mirror's own stream, finished when they return. A reader's copy does not wait for
+    the compute stream (the blocks it fills belong to no running request), so a read never
+    queues behind a forward. Thread-safe (decode's reader threads land reads concurrently;
+    copies run one at a time). Cost: pinned host memory equal to the mirrored KV.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, torch.Tensor] = {}  # device storage address -> host bytes
+        self._stream: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._storages.values())
+
+    def twin(self, t: torch.Tensor) -> torch.Tensor:
+        """The host tensor with ``t``'s layout over the mirror of ``t``'s storage."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            host = self._storages.get(key)
+            if host is None:
+                host = self._storages[key] = empty_host((storage.nbytes(),), torch.uint8)
+        return host.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def to_host(self, t: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """``twin(t)[b] = t[b]`` for ``b`` in ``block_ids`` (dim 0), after the work already
+        queued on the current stream (the compute that wrote them)."""
+        self._copy(t, block_ids, to_host=True)
+
+    def from_host(self, t: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """``t[b] = twin(t)[b]`` for ``b`` in ``block_ids`` (dim 0); on device when this returns."""
+        self._copy(t, block_ids, to_host=False)
+
+    def _copy(self, t: torch.Tensor, block_ids: Sequence[int], *, to_host: bool) -> None:
+        if not len(block_ids):
+            return
+        host = self.twin(t)
+        with self._lock, _memory.device_access():
+            if self._stream is None:
+                self._stream = new_stream()
+            if to_host:  # the blocks were written by compute queued on the current stream
+                self._stream.wait_stream(current_stream())
+            spans = runs(sorted(set(block_ids)))
+            if len(spans) > _MIRROR_RUNS:  # scattered: one gather and one transfer, not a copy per run
+                ids = [b for _, first, k in spans for b in range(first, first + k)]
+                index = torch.tensor(ids, dtype=torch.long)
+                if to_host:
+                    host.index_copy_(0, index, blocks_to_host(t, 0, ids, self._stream))
+                else:
+                    blocks_from_host(host.index_select(0, index), t, 0, ids, self._stream)
+                return
+            with stream_context(self._stream):
+                for _, first, k in spans:
+                    dev, hst = t[first : first + k], host[first : first + k]
+                    if to_host:
+                        hst.copy_(dev, non_blocking=True)
+                    else:
+                        dev.copy_(hst, non_blocking=True)
+                self._stream.synchronize()
 
 
 # ----------------------------------------------------------------- batched copies
@@ -226,23 +337,25 @@ def _as_index(idx: torch.Tensor | list[int], like: torch.Tensor) -> torch.Tensor
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor | list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = src[idx[i]]`` along dim 0, one batched op."""
-    index = _as_index(idx, src)
-    if out is None:
-        return torch.index_select(src, 0, index)
-    if out.device == src.device:
-        torch.index_select(src, 0, index, out=out)
-    else:
-        out.copy_(torch.index_select(src, 0, index), non_blocking=True)
-    return out
+    with _memory.device_access():
+        index = _as_index(idx, src)
+        if out is None:
+            return torch.index_select(src, 0, index)
+        if out.device == src.device:
+            torch.index_select(src, 0, index, out=out)
+        else:
+            out.copy_(torch.index_select(src, 0, index), non_blocking=True)
+        return out
 
 
 def scatter_rows(src: torch.Tensor, idx: torch.Tensor | list[int], dst: torch.Tensor) -> torch.Tensor:
     """``dst[idx[i]] = src[i]`` along dim 0, one batched op (indices must be unique)."""
-    index = _as_index(idx, dst)
-    if src.device != dst.device:
-        src = src.to(dst.device, non_blocking=True)
-    dst.index_copy_(0, index, src)
-    return dst
+    with _memory.device_access():
+        index = _as_index(idx, dst)
+        if src.device != dst.device:
+            src = src.to(dst.device, non_blocking=True)
+        dst.index_copy_(0, index, src)
+        return dst
 
 
 def copy_rows(
@@ -263,7 +376,7 @@ def copy_rows(
 
 def _host_row_bytes(t: torch.Tensor) -> int:
     """Bytes per dim-0 row of a contiguous host tensor with rows, else 0."""
-    if t.device.type != "cpu" or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
+    if not is_host(t) or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
         return 0
     return t.numel() // t.shape[0] * t.element_size()
 
@@ -406,6 +519,11 @@ def move_rows(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
         return
     if copy_host_rows(src, plan.src32, dst, plan.dst32):
         return
+    with _memory.device_access():
+        _move_rows_torch(src, dst, plan)
+
+
+def _move_rows_torch(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
     if plan.gathers:
         for first, k, index in plan.gathers:
             piece = dst[first : first + k]
@@ -416,7 +534,7 @@ def move_rows(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
             else:
                 piece.copy_(torch.index_select(src, 0, index), non_blocking=True)
         return
-    if src.device.type == "cpu" and dst.device.type == "cpu":
+    if is_host(src) and is_host(dst):
         dv, sv = _void_rows(dst), _void_rows(src)
         if plan.src_run is not None:
             first, n = plan.src_run
@@ -429,7 +547,7 @@ def move_rows(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous host tensor (for stores and transports)."""
-    if t.device.type != "cpu":
+    if not is_host(t):
         raise ValueError(f"tensor_bytes needs a host tensor, got {t.device}")
     if not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous tensor")

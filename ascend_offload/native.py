@@ -345,7 +345,9 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     lib = load()
     if lib is None:
         raise RuntimeError("native row copy unavailable")
-    if src.device.type != "cpu" or dst.device.type != "cpu":
+    from ascend_offload import device  # imports this module: resolved at call time
+
+    if not (device.is_host(src) and device.is_host(dst)):
         raise ValueError("native copy_rows needs host tensors")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("native copy_rows needs contiguous tensors")

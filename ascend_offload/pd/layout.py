@@ -20,10 +20,10 @@ def tensor_desc(t: torch.Tensor) -> TensorDesc:
     """Wire description of a KV tensor whose dim 0 is the block index.
 
     Each block must be contiguous (the read copies it as one byte run); blocks
-    may be strided, e.g. the K half of vLLM's ``(2, num_blocks, ...)`` cache.
+    may be strided, e.g. the K half of vLLM's ``(2, num_blocks, ...)`` cache. The
+    addresses are the tensor's own, host or device: whether the transfer engine can
+    reach them is the caller's decision (``connectors/remote_d2h/kv_region.py``).
     """
-    if t.device.type != "cpu":
-        raise ValueError(f"KV tensor on {t.device}: the transfer engine here reads host memory")
     if t.dim() < 1:
         raise ValueError("KV tensor needs a block dimension")
     inner = t[0] if t.shape[0] else t.new_empty(t.shape[1:])

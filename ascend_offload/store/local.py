@@ -343,7 +343,7 @@ class LocalStore(KVStore):
 
     def _row_words(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` as page-sized word rows, or None (other row size, not contiguous, device)."""
-        if t.device.type != "cpu" or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
+        if not device.is_host(t) or t.dim() < 1 or t.shape[0] == 0 or not t.is_contiguous():
             return None
         if t[0].numel() * t.element_size() != self.page_bytes:
             return None

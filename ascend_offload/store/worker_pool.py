@@ -26,6 +26,10 @@ class _Layer:
         self.block_bytes = kv.numel() // num_blocks * kv.element_size()
         self.plane = device.empty_host((num_pages, self.block_bytes), torch.uint8)
         self.plane_words = device.as_words(self.plane)
+        # Device KV: block-first moves run through device.move_rows (gather on the device,
+        # one copy across), other layouts through device.blocks_to_host / blocks_from_host.
+        self.on_device = device.is_accelerator(kv)
+        self.stream = device.new_stream() if self.on_device else None
         # Block-first with contiguous blocks (vLLM's CPU layout): copy without temporaries.
         self.kv_words = None
         if self.dim == 0 and kv.is_contiguous():
@@ -36,6 +40,10 @@ class _Layer:
     def save(self, block_ids: Sequence[int], pages: Sequence[int], plan: device.RowPlan) -> None:
         if self.kv_words is not None:
             device.move_rows(self.kv_words, self.plane_words, plan)
+            return
+        if self.on_device:  # one gather + one D2H copy, then pages from host rows
+            rows = device.blocks_to_host(self.kv, self.dim, block_ids, self.stream)
+            device.scatter_rows(device.as_words(rows.view(len(block_ids), -1)), list(pages), self.plane_words)
             return
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         rows = self.kv.index_select(self.dim, ids).movedim(self.dim, 0).contiguous()
@@ -48,7 +56,10 @@ class _Layer:
         data = device.gather_rows(self.plane, list(pages))
         shape = list(self.kv.shape)
         shape.pop(self.dim)
-        rows = data.view(self.kv.dtype).view(len(pages), *shape).to(self.kv.device)
+        rows = data.view(self.kv.dtype).view(len(pages), *shape)
+        if self.on_device:  # one H2D copy + one scatter
+            device.blocks_from_host(rows, self.kv, self.dim, block_ids, self.stream)
+            return
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(self.dim, ids, rows.movedim(0, self.dim))
 
@@ -69,6 +80,7 @@ class WorkerPagePool:
         self.layer_names = list(kv_caches)
         self._layers = [_Layer(t, num_blocks, num_pages) for t in kv_caches.values()]
         self.page_bytes = sum(layer.block_bytes for layer in self._layers)
+        self._on_device = any(layer.on_device for layer in self._layers)
         if expected_page_bytes is not None and expected_page_bytes != self.page_bytes:
             raise ValueError(
                 f"KV block bytes across layers = {self.page_bytes} on this rank, but the "
@@ -87,6 +99,8 @@ class WorkerPagePool:
         plan = device.plan_rows(block_ids, pages)
         for layer in self._layers:
             layer.save(block_ids, pages, plan)
+        if self._on_device:
+            device.synchronize()  # device -> host copies are asynchronous: the pages are read next
 
     def load(self, pages: Sequence[int], block_ids: Sequence[int]) -> None:
         """``block block_ids[i] <- pages[i]`` for every layer."""
@@ -94,3 +108,5 @@ class WorkerPagePool:
         plan = device.plan_rows(pages, block_ids)
         for layer in self._layers:
             layer.load(pages, block_ids, plan)
+        if self._on_device:
+            device.synchronize()  # the pages may be reused once the job is reported done

@@ -65,6 +65,10 @@ class TransferEngine(abc.ABC):
     """One endpoint of a one-sided transfer engine."""
 
     name: str = "abstract"
+    #: :meth:`register` may be given accelerator memory (RDMA with GPUDirect, MemFabric).
+    #: False: the engine moves host memory only, and device-resident KV is staged
+    #: through pinned host twins (``transfer/staged.py``).
+    device_memory: bool = False
 
     @property
     @abc.abstractmethod

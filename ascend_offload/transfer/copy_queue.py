@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
-from ascend_offload import native
+from ascend_offload import device, native
 
 # The int32 index buffers NativeRowQueue.submit_rows takes (re-exported for callers).
 int32_array = native.int32_array
@@ -147,7 +147,7 @@ class NativeRowQueue:
         tensors until it is done (the worker copies the indices at submit)."""
         row_bytes = src.stride(0) * src.element_size()
         if (dst.stride(0) * dst.element_size() != row_bytes or len(src_idx) != len(dst_idx)
-                or src.device.type != "cpu" or dst.device.type != "cpu"):
+                or not device.is_host(src) or not device.is_host(dst)):
             raise ValueError("submit_rows: host tensors with equal row bytes and index counts")
         return RowJob(
             src.data_ptr(), src.shape[0], src_idx.buffer_info()[0], dst.data_ptr(),

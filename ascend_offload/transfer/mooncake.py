@@ -64,6 +64,10 @@ class MooncakeEngine(TransferEngine):
             ) from exc
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol={protocol!r} (accepted: 'tcp', 'rdma')")
+        # TCP moves bytes with the host CPU: host memory only. RDMA registers device
+        # memory where the NIC can reach it (GPUDirect RDMA: nvidia-peermem / the NPU's
+        # peer-memory driver); where it cannot, registration fails and the caller stages.
+        self.device_memory = protocol == "rdma"
         self._eng = _MC()
         rc = self._eng.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:

@@ -32,8 +32,8 @@ from ascend_offload.connectors.metrics import (
 from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker
 from ascend_offload.connectors.remote_d2h.kv_region import (
     KVRegion,
-    device_layers,
     indexer_layers,
+    open_kv_region,
     open_region,
     pair_layers,
 )
@@ -131,9 +131,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         pairs = pair_layers(list(kv_caches), indexer_layers(self._kv_cache_config))
         if self.decode is not None and self.sparse_settings is not None:
             layers = self.decode.pool_layers(kv_caches, pairs, num_blocks)
-        else:
-            layers = device_layers(kv_caches, pairs, num_blocks, connector=NAME)
-        self._region = open_region(layers, self.cfg, self.settings.host)
+            self._region = open_region(layers, self.cfg, self.settings.host)
+        else:  # vLLM's KV, in place or staged through host memory (kv_region)
+            self._region = open_kv_region(kv_caches, pairs, num_blocks, self.cfg, self.settings.host)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:

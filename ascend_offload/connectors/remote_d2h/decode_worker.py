@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ascend_offload import device
 from ascend_offload.config import ConfigError
-from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, device_view
+from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, paged_views
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
 from ascend_offload.pd.layout import pool_layer_descs
@@ -86,8 +87,11 @@ class DecodeWorker:
         if list(self.sparse.decode.layer_names) != names:
             raise ConfigError(f"sparse main-KV layers {self.sparse.decode.layer_names} != wire layers "
                               f"{names}")
-        indexers = [device_view(kv_caches[idx], num_blocks, idx, NAME)[0]
-                    for _, idx in pairs if idx is not None]
+        indexers = [paged_views(kv_caches[idx], num_blocks)[0] for _, idx in pairs if idx is not None]
+        if any(device.is_accelerator(t) for t in indexers):
+            raise ConfigError("key 'sparse_offload.enabled'=True: the indexer caches are device "
+                              "memory; pulling them into device blocks needs a transfer engine that "
+                              "reaches device memory (MemFabric), not staged host reads")
         return pool_layer_descs(self.pool.kv, self.settings.block_size, indexers,
                                 kv_row_bytes=self.pool.row_bytes)
 

@@ -50,6 +50,7 @@ class PrefillWorker:
         self._layer_index: dict[str, int] = {}
         self._producers: dict[int, Producer] = {}  # decode TP size -> producer
         self._step_sends: dict[int, list[str]] = {}  # decode TP size -> decode ids sent this step
+        self._step_blocks: list[int] = []  # blocks of this step's sends (staged KV: copied out per layer)
         self._by_remote: dict[tuple[int, str], str] = {}  # (decode tp, decode id) -> our id
         self._own: dict[str, tuple[int, str]] = {}  # our id -> (decode tp, decode id)
         self._send_done: set[str] = set()
@@ -154,6 +155,7 @@ class PrefillWorker:
         from ascend_offload.pd.producer import DecodeTarget
 
         step: defaultdict[int, list[str]] = defaultdict(list)
+        blocks: set[int] = set()
         for job in meta.send:
             try:
                 self._producer(job.d_tp).add_request(
@@ -165,12 +167,16 @@ class PrefillWorker:
             self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
             self._own[job.request_id] = (job.d_tp, job.remote_request_id)
             step[job.d_tp].append(job.remote_request_id)
+            blocks.update(job.block_ids)
         self._step_sends = dict(step)
+        self._step_blocks = sorted(blocks)
 
     def _publish(self, layer: int, name: str | None = None) -> None:
         if name is not None and self._withhold(name):
             return
         device.synchronize()  # the layer's KV must be in memory before decode may read it
+        if self._region is not None:  # device KV behind a host-only engine: copy the blocks out
+            self._region.stage_out(layer, self._step_blocks)
         held = self._gate_tokens.pop(name, None) if name is not None else None
         if self._gate is not None and held is None:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
@@ -223,6 +229,7 @@ class PrefillWorker:
         if self._gate_tokens:
             self._release_gate_tokens()
         self._step_sends = {}
+        self._step_blocks = []
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: vLLM finished them *and* decode answered every

@@ -30,7 +30,7 @@ def test_each_process_holds_only_its_roles(monkeypatch, producer: bool, consumer
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
     sched = SfaRemoteD2HConnector(_config(producer, consumer), KVConnectorRole.SCHEDULER)
     worker = SfaRemoteD2HConnector(_config(producer, consumer), KVConnectorRole.WORKER,
-                                   SimpleNamespace(num_blocks=4))
+                                   SimpleNamespace(num_blocks=4, kv_cache_groups=[]))
     try:
         assert sched.decode is None and sched.prefill is None and sched.scheduler is not None
         assert isinstance(sched.scheduler.decode, DecodeRequests) is consumer

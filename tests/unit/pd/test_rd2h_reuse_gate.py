@@ -54,7 +54,7 @@ def _connector(monkeypatch: pytest.MonkeyPatch, **extra: Any) -> rd.SfaRemoteD2H
     cfg = SimpleNamespace(kv_transfer_config=tc, cache_config=SimpleNamespace(block_size=16),
                           parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
                           model_config=SimpleNamespace(use_mla=True))
-    conn = rd.SfaRemoteD2HConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=8))
+    conn = rd.SfaRemoteD2HConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=8, kv_cache_groups=[]))
     conn.prefill._layer_index = {"l0": 0, "l1": 1}
     return conn
 
