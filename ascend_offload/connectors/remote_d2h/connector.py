@@ -204,6 +204,10 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
             for k, v in (part.totals() if part is not None else {}).items():
                 totals[k] = totals.get(k, 0) + v
             gauges.update(part.gauges() if part is not None else {})
+        sparse = self.decode.sparse if self.decode is not None else None
+        if sparse is not None:
+            totals.update({f"sparse_{k}": v for k, v in sparse.decode.counters().items()})
+            gauges.update({f"sparse_{k}": v for k, v in sparse.decode.gauges().items()})
         out = self._deltas.take(totals, gauges) if totals or gauges else None
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
