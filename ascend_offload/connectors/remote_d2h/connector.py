@@ -120,7 +120,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
             layers = self.decode.pool_layers(kv_caches, names, num_blocks)
         else:
             layers = device_layers(kv_caches, names, num_blocks, connector=NAME)
-        self._region = open_region(layers, self.cfg, self.settings.host)
+        first = next(iter(kv_caches.values()), None)
+        self._region = open_region(layers, self.cfg, self.settings.host, is_producer=self.settings.is_producer,
+                                   device_id=(first.device.index or 0) if first is not None else 0)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:

@@ -48,12 +48,14 @@ def device_layers(kv_caches: Mapping[str, torch.Tensor], names: Sequence[str], n
     return layers
 
 
-def open_region(layers: list[LayerDesc], cfg: RemoteD2HConfig, host: str) -> KVRegion:
-    """The transfer engine, with every extent of ``layers`` registered."""
-    from ascend_offload.transfer.base import create_engine
+def open_region(layers: list[LayerDesc], cfg: RemoteD2HConfig, host: str, *,
+                is_producer: bool = False, device_id: int = 0) -> KVRegion:
+    """The transfer engine ``transfer_backend`` names, with every extent of ``layers``
+    registered (``is_producer``, ``device_id``: MemFabric's role and the rank's NPU)."""
+    from ascend_offload.transfer.base import create_engine_for
 
-    engine = create_engine("mooncake", host=host, protocol=cfg.mooncake_protocol,
-                           device_name=cfg.mooncake_device_name, timeout_s=cfg.read_timeout_s)
+    engine = create_engine_for(cfg, host=host, role="Prefill" if is_producer else "Decode",
+                               device_id=device_id)
     region = KVRegion(layers, engine, [])
     for addr, length in extents(layers):
         engine.register(addr, length)

@@ -16,6 +16,7 @@ from ascend_offload.connectors.remote_d2h.settings import Settings
 from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
 from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
 from ascend_offload.pd.registration import Registrar
+from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -33,7 +34,7 @@ class RemoteD2HScheduler:
             settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
             registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
         ) if settings.is_consumer else None
-        self.prefill = PrefillRequests() if settings.is_producer else None
+        self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
 
     def _block_ids(self, request_id: str) -> list[int] | None:
