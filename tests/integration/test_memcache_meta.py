@@ -1,0 +1,130 @@
+"""The real Memcache metadata path on loopback: a ``memcache_hybrid`` meta service on
+127.0.0.1 and a metadata-only client (``init_bm=False``, no Ascend driver needed)
+answering existence lookups, directly and through ``MemcacheStore``; the meta service
+killed mid-run turns lookups into misses (one log line), and they answer again when it
+is back. The data path (puts, gets) needs the driver: tests/npu covers it.
+
+The client runs in a child process: the library's client, when a call is in flight
+as its link breaks, waits up to 60 s and drains for 120 s on close; the child exits
+with ``os._exit`` and the test bounds it with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ascend_offload.store.memcache_meta import MemcacheMeta, available
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not available(), reason="memcache_hybrid not installed (pip install 'ascend-offload[ascend]')"),
+]
+
+CHILD = textwrap.dedent("""
+    import json, logging, os, sys, time
+    from ascend_offload.store.memcache import MemcacheStore
+    from ascend_offload.store.memcache_meta import metadata_client
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
+
+    def say(**kw):
+        print("@@" + json.dumps(kw), flush=True)  # the library logs on stdout too
+
+    class MetadataOnly:
+        # The real client with its data path off: existence and size lookups reach the real
+        # meta service; register_buffer is skipped (it needs the data path).
+        def __init__(self, client):
+            self.client = client
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+        def register_buffer(self, ptr, size):
+            return 0
+
+    client = metadata_client(sys.argv[1], sys.argv[2])
+    raw = client.batch_is_exist(["k0", "k1"])
+    sizes = [i.size() for i in client.batch_get_key_info(["k0"])]
+    store = MemcacheStore(MetadataOnly(client), page_bytes=4096, staging_bytes=1 << 16,
+                          call_timeout_s=3.0, retry_interval_s=0.2)
+    hs = store.allocate(["k0", "k1"], [4096, 4096])
+    allocated = hs is not None and all(h is not None for h in hs)
+    store.abort(hs or [])
+    say(step="up", raw=raw, sizes=sizes, lookup=store.lookup_prefix(["k0", "k1"]),
+        pin=store.pin(["k0"]) is not None, allocated=allocated, down=store.down,
+        misses=store.stats().miss_objects)
+    sys.stdin.readline()  # the meta service was killed
+    end = time.monotonic() + 20
+    while not store.down and time.monotonic() < end:
+        store.lookup_prefix(["k0"])
+        time.sleep(0.1)
+    t = time.monotonic()
+    hits = [store.lookup_prefix(["k0"]) for _ in range(5)]  # answered from the outage state
+    say(step="down", down=store.down, outages=store.outages, hits=hits,
+        allocate=store.allocate(["k2"], [4096]), pin=store.pin(["k0"]) is not None,
+        fast=time.monotonic() - t < 3.0)
+    sys.stdin.readline()  # the meta service is back
+    end = time.monotonic() + 60
+    while store.down and time.monotonic() < end:
+        store.lookup_prefix(["k0"])
+        time.sleep(0.2)
+    say(step="back", down=store.down, outages=store.outages, raw=client.batch_is_exist(["k0"]))
+    os._exit(0)
+""")
+
+
+@pytest.fixture
+def meta(tmp_path: Path) -> Iterator[MemcacheMeta]:
+    with MemcacheMeta(tmp_path / "meta") as m:
+        yield m
+
+
+def _line(proc: subprocess.Popen[str]) -> dict:
+    """The child's next report (its other stdout lines are the library's log)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    raise AssertionError(f"client exited early: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: MemcacheMeta) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, meta.meta_service_url, meta.config_store_url],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        up = _line(proc)
+        assert up["raw"] == [0, 0]  # a real answer: absent (not an error code)
+        assert up["sizes"] == [0]
+        assert up["lookup"] == 0 and up["misses"] == 2 and not up["down"]
+        assert up["pin"] is False  # absent: a miss
+        assert up["allocated"] is True  # absent keys get pending staging objects
+
+        meta.stop()
+        assert proc.stdin is not None
+        proc.stdin.write("killed\n")
+        proc.stdin.flush()
+        down = _line(proc)
+        assert down["down"] and down["outages"] == 1
+        assert down["hits"] == [0] * 5 and down["allocate"] is None and down["pin"] is False
+        assert down["fast"], "lookups during an outage must not wait on the dead service"
+
+        meta.start()
+        proc.stdin.write("back\n")
+        proc.stdin.flush()
+        back = _line(proc)
+        assert not back["down"] and back["outages"] == 1 and back["raw"] == [0]
+        proc.wait(30)
+        logs = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if ln.startswith("LOG")]
+        assert sum("unreachable" in ln for ln in logs) == 1, logs
+        assert sum("resumed" in ln for ln in logs) == 1, logs
+        print(f"memcache meta: lookups answered, outage logged once, resumed after restart ({meta.meta_service_url})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
