@@ -12,9 +12,13 @@ with ``os._exit`` and the test bounds it with a deadline.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +132,51 @@ def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: Mem
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+CONFS = Path(__file__).resolve().parents[2] / "configs" / "ascend"
+
+
+def test_shipped_memcache_confs_start_the_real_service_and_client(tmp_path: Path) -> None:
+    """configs/ascend/mmc-meta.conf starts the real meta service, and mmc-local.conf sets up
+    a real (metadata-only) client against it: Memcache's own parsers accept both files.
+    Only the ports (and the log directory) are moved, so the test can run beside others."""
+    from ascend_offload.store.memcache_meta import _free_port
+
+    ports = {":5000": f":{_free_port()}", ":6000": f":{_free_port()}", ":8000": f":{_free_port()}"}
+
+    def moved(name: str, extra: str = "") -> Path:
+        text = (CONFS / name).read_text()
+        for a, b in ports.items():
+            text = text.replace(a, b)
+        out = tmp_path / name
+        out.write_text(text + extra)
+        return out
+
+    # (the client's parser refuses keys it does not know, log_path among them)
+    meta_conf = moved("mmc-meta.conf", f"\nock.mmc.log_path = {tmp_path}\n")
+    local_conf = moved("mmc-local.conf")
+    meta = subprocess.Popen([sys.executable, "-c", "from memcache_hybrid import MetaService; MetaService.main()"],
+                            env={**os.environ, "MMC_META_CONFIG_PATH": str(meta_conf)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port = int(ports[":5000"][1:])
+        end = time.monotonic() + 30
+        while True:
+            assert meta.poll() is None, "the meta service refused configs/ascend/mmc-meta.conf"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < end, "meta service did not listen"
+                time.sleep(0.1)
+        client = subprocess.run(
+            [sys.executable, "-c", "import os\nfrom memcache_hybrid import DistributedObjectStore\n"
+             "s = DistributedObjectStore()\nprint('@@', s.init(0, False), s.batch_is_exist(['k']), flush=True)\n"
+             "os._exit(0)"],
+            env={**os.environ, "MMC_LOCAL_CONFIG_PATH": str(local_conf)}, capture_output=True, text=True, timeout=60)
+        got = [ln for ln in client.stdout.splitlines() if ln.startswith("@@")]
+        assert got == ["@@ 0 [0]"], client.stdout[-2000:] + client.stderr[-2000:]
+    finally:
+        os.killpg(meta.pid, signal.SIGKILL)
+        meta.wait(10)
