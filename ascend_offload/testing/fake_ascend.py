@@ -19,7 +19,7 @@ What the fakes model, because the backends depend on it:
   every call with the link error a dead meta service gives (measured on the real
   client: ``-3014`` once its link broke); ``hang`` blocks calls until released
   (the real client's first call after the meta service died blocked 60 s).
-* **MemFabric.** Engines register memory under their session (``host:rpc_port``)
+* **MemFabric.** Engines register memory under their session id
   in a process-global table; ``batch_transfer_sync_read`` copies from a peer's
   registered memory, and fails (non-zero) for an unknown peer, an unregistered
   range, or a peer initialized with another data-op type (the two sides of a
@@ -270,17 +270,9 @@ class _Fabric:
         self.lock = threading.Lock()
         self.sessions: dict[str, tuple[int, dict[int, int]]] = {}
         self.ports = itertools.count(40000)
-        self.config_stores: set[str] = set()
 
 
 FABRIC = _Fabric()
-
-
-def fake_create_config_store(store_url: str) -> int:
-    """``memfabric_hybrid.create_config_store``."""
-    with FABRIC.lock:
-        FABRIC.config_stores.add(store_url)
-    return 0
 
 
 class FakeTransferEngine:
@@ -293,6 +285,7 @@ class FakeTransferEngine:
         self.session = ""
         self.op_type = 0
         self.role = ""
+        self.init_args: tuple[Any, ...] = ()
         self.regions: dict[int, int] = {}
         self.reads = 0
 
@@ -301,7 +294,8 @@ class FakeTransferEngine:
                    nic: str = "") -> int:
         if role not in ("Prefill", "Decode") or not store_url.startswith("tcp://"):
             return -1
-        self.session = f"{session_id}:{self._port}"
+        self.init_args = (store_url, session_id, role, device_id, data_op_type, store_server_role, nic)
+        self.session = session_id
         self.op_type = int(data_op_type)
         self.role = role
         with FABRIC.lock:

@@ -1,11 +1,13 @@
 """MemFabric transfer engine backend (``memfabric_hybrid``, Ascend NPUs).
 
 Decode pulls prefill's KV with ``batch_transfer_sync_read`` from the peer's registered
-memory (device HBM or pinned host pages alike: MemFabric moves both). The
-session a peer reads from is ``host:rpc_port``, where ``rpc_port`` is what the engine
-chose (``get_rpc_port``), following vllm-ascend's MemFabric glue: ``initialize`` gets
-``tcp://<host>`` as the config-store template and ``host`` as the session id, and the
-prefill side serves the config store (``store_server_role="Prefill"``).
+memory (device HBM or pinned host pages alike: MemFabric moves both). Set-up follows
+vllm-ascend's MemFabric glue (``distributed/kv_transfer/.../transfer_engine`` on its
+main branch, memfabric_hybrid 1.x): the session a peer reads from is
+``host:rpc_port`` with the port the engine picked at construction
+(``get_rpc_port``); ``initialize`` gets ``tcp://<session>`` (only its ``tcp://`` part
+is used), the session as its unique id, the role, and ``store_server_role="Prefill"``
+(the prefill side serves MemFabric's config store).
 
 ``memfabric_transfer_protocol`` picks the data-op type; both ends of a transfer must
 use the same one, which is why decode advertises its protocol in its registration
@@ -51,35 +53,29 @@ def _module() -> Any:
 class MemFabricEngine(TransferEngine):
     """One MemFabric endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
-    ``engine`` / ``op_types`` / ``create_config_store`` replace the library's objects
+    ``engine`` / ``op_types`` replace the library's objects
     (tests pass the fakes of ``ascend_offload.testing.fake_ascend``)."""
 
     name = "memfabric"
 
     def __init__(self, *, host: str = "127.0.0.1", protocol: str = "sdma", role: str = "Decode",
-                 device_id: int = 0, nic: str = "", serve_config_store: bool | None = None,
-                 engine: Any = None, op_types: Any = None, create_config_store: Any = None) -> None:
+                 device_id: int = 0, nic: str = "", engine: Any = None, op_types: Any = None) -> None:
         if role not in ROLES:
             raise ValueError(f"MemFabric role={role!r} (accepted: {', '.join(ROLES)})")
         if engine is None:
             mod = _module()
             engine = mod.TransferEngine()
             op_types = mod.TransDataOpType
-            create_config_store = mod.create_config_store
         op = data_op_type(protocol, op_types)
         self.protocol = protocol
         self.role = role
-        store_url = f"tcp://{host}"
-        if serve_config_store if serve_config_store is not None else role == "Prefill":
-            rc = create_config_store(store_url) if create_config_store is not None else 0
-            if rc != 0:
-                raise TransferError(f"MemFabric create_config_store({store_url!r}) failed with rc={rc}")
         self._eng = engine
-        rc = engine.initialize(store_url, host, role, device_id, op, "Prefill", nic)
+        session = f"{host}:{engine.get_rpc_port()}"
+        rc = engine.initialize(f"tcp://{session}", session, role, device_id, op, "Prefill", nic)
         if rc != 0:
-            raise TransferError(f"MemFabric initialize(host={host!r}, role={role!r}, device_id={device_id}, "
+            raise TransferError(f"MemFabric initialize(session={session!r}, role={role!r}, device_id={device_id}, "
                                 f"protocol={protocol!r}) failed with rc={rc}")
-        self._endpoint = f"{host}:{engine.get_rpc_port()}"
+        self._endpoint = session
         self._regions: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False

@@ -27,7 +27,7 @@ from ascend_offload.transfer.memfabric import PROTOCOLS, MemFabricEngine, data_o
 
 def engine(role: str, protocol: str = "sdma", **kw: Any) -> MemFabricEngine:
     return MemFabricEngine(host="10.0.0.9", protocol=protocol, role=role, engine=fa.FakeTransferEngine(),
-                           op_types=fa.FakeTransDataOpType, create_config_store=fa.fake_create_config_store, **kw)
+                           op_types=fa.FakeTransDataOpType, **kw)
 
 
 def test_layer_pull_is_byte_equal_and_coalesced() -> None:
@@ -45,12 +45,16 @@ def test_layer_pull_is_byte_equal_and_coalesced() -> None:
     d.close()
 
 
-def test_prefill_serves_the_config_store() -> None:
-    fa.FABRIC.config_stores.clear()
-    engine("Decode")
-    assert fa.FABRIC.config_stores == set()
-    engine("Prefill")
-    assert fa.FABRIC.config_stores == {"tcp://10.0.0.9"}
+def test_session_is_host_and_the_engines_port() -> None:
+    """As vllm-ascend sets MemFabric up: session host:rpc_port, tcp://session as the store
+    template, prefill serving the config store, the data-op type of the protocol."""
+    raw = fa.FakeTransferEngine()
+    e = MemFabricEngine(host="10.0.0.9", protocol="device_urma", role="Decode", device_id=5, nic="n",
+                        engine=raw, op_types=fa.FakeTransDataOpType)
+    session = f"10.0.0.9:{raw.get_rpc_port()}"
+    assert e.endpoint == session
+    assert raw.init_args == (f"tcp://{session}", session, "Decode", 5, fa.FakeTransDataOpType.DEVICE_URMA,
+                             "Prefill", "n")
 
 
 def test_mismatched_protocols_cannot_read() -> None:
