@@ -172,3 +172,24 @@ def test_advertised_protocol_is_bounded_at_the_boundary() -> None:
 
     with pytest.raises(ParamsError, match="transfer_protocol"):
         DecodeRegistration.from_params(_params(transfer_protocol="x" * 65))
+
+
+def _vllm_config(extra: dict[str, Any], role: str) -> Any:
+    tc = SimpleNamespace(kv_connector_extra_config=extra, is_kv_producer=role == "kv_producer",
+                         is_kv_consumer=role == "kv_consumer", engine_id="E", kv_port=7000)
+    return SimpleNamespace(kv_transfer_config=tc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           model_config=SimpleNamespace(use_mla=True), cache_config=SimpleNamespace(block_size=16))
+
+
+def test_settings_select_memfabric_and_advertise_its_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ascend_offload.config import ConfigError
+    from ascend_offload.connectors.remote_d2h import settings as st
+
+    extra = {"transfer_backend": "memfabric", "memfabric_transfer_protocol": "device_rdma", "host": "10.0.0.3"}
+    vc = _vllm_config(extra, "kv_consumer")
+    monkeypatch.setattr(st.importlib.util, "find_spec", lambda name: object())
+    s = st.build_settings(vc, st.parse_config(vc))
+    assert s.endpoint.transfer_protocol == "memfabric/device_rdma"
+    monkeypatch.setattr(st.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="key 'transfer_backend'='memfabric'"):
+        st.build_settings(vc, st.parse_config(vc))
