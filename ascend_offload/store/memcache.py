@@ -62,6 +62,8 @@ OUTAGE_CODES = frozenset({-3004, -3014, -3017, -3018, -3019})
 # Get failures after which no transfer can still be writing into our pages.
 _SAFE_GET_FAILURES = frozenset({-3007, -3102, -1, *OUTAGE_CODES})
 TIMED_OUT = -3004  # our own deadline passed: reported like the library's MMC_TIMEOUT
+NOT_SENT = -3017  # no call thread free of an overrun call: never submitted (pages untouched)
+_NOT_SENT = object()
 
 _W = "w|"  # staging name of a pending object; pins use "r<token>|"
 
@@ -187,13 +189,14 @@ class MemcacheStore(KVStore):
             return self._down
 
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a call thread, waited for at most ``call_timeout_s``; None when
-        it overran (an outage) or no thread is free of an overrun call."""
+        """``fn(*args)`` on a call thread, waited for at most ``call_timeout_s``: its result,
+        None when it overran (an outage; it may still run), or ``_NOT_SENT`` when no thread
+        is free of an overrun call (nothing was submitted)."""
         with self._lock:
             busy = self._overrun >= self._threads
         if busy:
             self._outage(op, TIMED_OUT)
-            return None
+            return _NOT_SENT
         fut = self._pool.submit(fn, *args)
         try:
             return fut.result(timeout=self.call_timeout_s)
@@ -209,13 +212,14 @@ class MemcacheStore(KVStore):
             self._overrun -= 1
 
     def _codes(self, op: str, got: Any, n: int) -> list[int]:
-        """Per-key codes of a batch call (a missing answer: ``TIMED_OUT`` for every key);
-        records an outage or a recovery."""
-        codes = [TIMED_OUT] * n if got is None else [int(c) for c in got]
+        """Per-key codes of a batch call (an overrun call: ``TIMED_OUT`` for every key, one
+        never sent: ``NOT_SENT``); records an outage or a recovery."""
+        if got is None or got is _NOT_SENT:  # _call already recorded the outage
+            return [TIMED_OUT if got is None else NOT_SENT] * n
+        codes = [int(c) for c in got]
         bad = next((c for c in codes if c in OUTAGE_CODES), None)
         if bad is not None:
-            if got is not None:
-                self._outage(op, bad)
+            self._outage(op, bad)
         else:
             self._answered()
         return codes
@@ -402,7 +406,7 @@ class MemcacheStore(KVStore):
         if not self._reachable():
             return None
         infos = self._call("batch_get_key_info", self._client.batch_get_key_info, keys)
-        if infos is None:
+        if infos is None or infos is _NOT_SENT:
             return None
         sizes = [int(i.size()) for i in infos]
         if any(s <= 0 for s in sizes):  # not held (or the service did not answer)

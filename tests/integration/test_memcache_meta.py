@@ -56,7 +56,7 @@ CHILD = textwrap.dedent("""
     raw = client.batch_is_exist(["k0", "k1"])
     sizes = [i.size() for i in client.batch_get_key_info(["k0"])]
     store = MemcacheStore(MetadataOnly(client), page_bytes=4096, staging_bytes=1 << 16,
-                          call_timeout_s=3.0, retry_interval_s=0.2)
+                          call_timeout_s=3.0, retry_interval_s=2.0)
     hs = store.allocate(["k0", "k1"], [4096, 4096])
     allocated = hs is not None and all(h is not None for h in hs)
     store.abort(hs or [])
@@ -69,10 +69,10 @@ CHILD = textwrap.dedent("""
         store.lookup_prefix(["k0"])
         time.sleep(0.1)
     t = time.monotonic()
-    hits = [store.lookup_prefix(["k0"]) for _ in range(5)]  # answered from the outage state
+    hits = [store.lookup_prefix(["k0"]) for _ in range(5)]  # answered from the outage state (retry_interval_s)
     say(step="down", down=store.down, outages=store.outages, hits=hits,
         allocate=store.allocate(["k2"], [4096]), pin=store.pin(["k0"]) is not None,
-        fast=time.monotonic() - t < 3.0)
+        fast=time.monotonic() - t < 1.0)
     sys.stdin.readline()  # the meta service is back
     end = time.monotonic() + 60
     while store.down and time.monotonic() < end:

@@ -187,19 +187,25 @@ def test_while_down_calls_do_not_reach_the_service(cluster: FakeMemcacheCluster)
 def test_a_service_that_stops_answering_is_bounded(cluster: FakeMemcacheCluster,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A call that does not come back within call_timeout_s is an outage; a put that
-    overran quarantines its staging pages (the library may still read them)."""
+    overran quarantines its staging pages (the library may still read them), a put
+    never sent (no call thread free) frees them."""
     a = make(cluster, call_timeout_s=0.05, retry_interval_s=0.0, call_threads=1)
     put(a, ["h0"], payload(10, 1))
-    hs = a.allocate(["h1"], [PAGE])
-    assert hs and hs[0]
-    a.write_batch(hs, payload(11, 1))  # type: ignore[arg-type]
+    h1, h2 = a.allocate(["h1"], [PAGE]), a.allocate(["h2"], [PAGE])
+    assert h1 and h1[0] and h2 and h2[0]
+    a.write_batch(h1, payload(11, 1))  # type: ignore[arg-type]
+    a.write_batch(h2, payload(12, 1))  # type: ignore[arg-type]
     cluster.hang()
     try:
         with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
-            a.commit(hs)  # type: ignore[arg-type]
+            a.commit(h1)  # type: ignore[arg-type]
             assert a.stats().skipped_stores == 1 and a.quarantined_pages == 1
-            # the only call thread is held: further calls fail at once, not after a deadline
+            # the only call thread is held: calls fail at once, not after a deadline
             assert a.lookup_prefix(["h0"]) == 0 and a.pin(["h0"]) is None
+            a.commit(h2)  # type: ignore[arg-type]
+            st = a.stats()
+            assert st.skipped_stores == 2 and a.quarantined_pages == 1
+            assert st.free_pages == st.total_pages - 1  # only the overrun put's page is held
         assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
     finally:
         cluster.unhang()
