@@ -64,6 +64,9 @@ _SAFE_GET_FAILURES = frozenset({-3007, -3102, -1, *OUTAGE_CODES})
 TIMED_OUT = -3004  # our own deadline passed: reported like the library's MMC_TIMEOUT
 NOT_SENT = -3017  # no call thread free of an overrun call: never submitted (pages untouched)
 _NOT_SENT = object()
+MMC_ERROR = -1
+# Keys per client call: the client refuses larger batches up front (MAX_BATCH_OP_COUNT).
+MAX_BATCH = 1024
 
 _W = "w|"  # staging name of a pending object; pins use "r<token>|"
 
@@ -217,12 +220,33 @@ class MemcacheStore(KVStore):
         if got is None or got is _NOT_SENT:  # _call already recorded the outage
             return [TIMED_OUT if got is None else NOT_SENT] * n
         codes = [int(c) for c in got]
+        if len(codes) != n:  # the client refused the batch as a whole (empty, too large)
+            log.warning("%s: %s answered %d codes for %d keys", self.name, op, len(codes), n)
+            return [MMC_ERROR] * n
         bad = next((c for c in codes if c in OUTAGE_CODES), None)
         if bad is not None:
             self._outage(op, bad)
         else:
             self._answered()
         return codes
+
+    def _batched(self, op: str, fn: Callable[..., Any], n: int,
+                 args: Callable[[int, int], list[Any]]) -> list[int]:
+        """Per-key codes of ``fn`` over ``n`` keys in calls of at most ``MAX_BATCH``
+        (``args(lo, hi)``: the call's arguments for keys ``lo:hi``); once the service
+        is found down, the rest are not sent."""
+        out: list[int] = []
+        for lo in range(0, n, MAX_BATCH):
+            hi = min(n, lo + MAX_BATCH)
+            if lo and not self._reachable():
+                out.extend([NOT_SENT] * (n - lo))
+                break
+            out.extend(self._codes(op, self._call(op, fn, *args(lo, hi)), hi - lo))
+        return out
+
+    def _exists(self, keys: list[str]) -> list[int]:
+        return self._batched("batch_is_exist", self._client.batch_is_exist, len(keys),
+                             lambda lo, hi: [keys[lo:hi]])
 
     # ------------------------------------------------------------------ staging
 
@@ -259,22 +283,24 @@ class MemcacheStore(KVStore):
         multi = [i for i, s in enumerate(spans) if len(s[0]) != 1]
         c = self._client
         put = op == "put"
-        if single:
-            fn = c.batch_put_from if put else c.batch_get_into
-            args: list[Any] = [[keys[i] for i in single], [spans[i][0][0] for i in single],
-                               [spans[i][1][0] for i in single], direct]
-            if put:
-                args.append(self._replicate)
-            name = "batch_put_from" if put else "batch_get_into"
-            for i, code in zip(single, self._codes(name, self._call(name, fn, *args), len(single)), strict=True):
-                codes[i] = code
-        if multi:
-            fn = c.batch_put_from_layers if put else c.batch_get_into_layers
-            args = [[keys[i] for i in multi], [spans[i][0] for i in multi], [spans[i][1] for i in multi], direct]
-            if put:
-                args.append(self._replicate)
-            name = "batch_put_from_layers" if put else "batch_get_into_layers"
-            for i, code in zip(multi, self._codes(name, self._call(name, fn, *args), len(multi)), strict=True):
+        for group, layers in ((single, False), (multi, True)):
+            if not group:
+                continue
+            if layers:
+                fn = c.batch_put_from_layers if put else c.batch_get_into_layers
+                name = "batch_put_from_layers" if put else "batch_get_into_layers"
+            else:
+                fn = c.batch_put_from if put else c.batch_get_into
+                name = "batch_put_from" if put else "batch_get_into"
+
+            def args(lo: int, hi: int, group: list[int] = group, layers: bool = layers) -> list[Any]:
+                part = group[lo:hi]
+                ptrs = [spans[i][0] if layers else spans[i][0][0] for i in part]
+                lens = [spans[i][1] if layers else spans[i][1][0] for i in part]
+                out: list[Any] = [[keys[i] for i in part], ptrs, lens, direct]
+                return [*out, self._replicate] if put else out
+
+            for i, code in zip(group, self._batched(name, fn, len(group), args), strict=True):
                 codes[i] = code
         return codes
 
@@ -289,8 +315,7 @@ class MemcacheStore(KVStore):
         uniq = list(dict.fromkeys(keys))
         if not uniq:
             return []
-        codes = (self._codes("batch_is_exist", self._call("batch_is_exist", self._client.batch_is_exist, uniq),
-                             len(uniq)) if self._reachable() else None)
+        codes = self._exists(uniq) if self._reachable() else None
         if codes is None or any(c in OUTAGE_CODES for c in codes):
             with self._lock:
                 self._stats.skipped_stores += len(uniq)
@@ -390,8 +415,7 @@ class MemcacheStore(KVStore):
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         present: set[str] = set()
         if keys and self._reachable():
-            codes = self._codes("batch_is_exist",
-                                self._call("batch_is_exist", self._client.batch_is_exist, list(keys)), len(keys))
+            codes = self._exists(list(keys))
             present = {k for k, c in zip(keys, codes, strict=True) if c == 1}
         with self._lock:
             return self._stats.count_prefix(keys, present.__contains__)
@@ -405,11 +429,14 @@ class MemcacheStore(KVStore):
             return Pin(keys=(), token=token)
         if not self._reachable():
             return None
-        infos = self._call("batch_get_key_info", self._client.batch_get_key_info, keys)
-        if infos is None or infos is _NOT_SENT:
-            return None
-        sizes = [int(i.size()) for i in infos]
-        if any(s <= 0 for s in sizes):  # not held (or the service did not answer)
+        sizes: list[int] = []
+        for lo in range(0, len(keys), MAX_BATCH):
+            part = keys[lo:lo + MAX_BATCH]
+            infos = self._call("batch_get_key_info", self._client.batch_get_key_info, part)
+            if infos is None or infos is _NOT_SENT or len(infos) != len(part):  # no answer: a miss
+                return None
+            sizes.extend(int(i.size()) for i in infos)
+        if any(s <= 0 for s in sizes):  # not held
             return None
         prefix = f"r{token}|"
         skeys = [prefix + k for k in keys]

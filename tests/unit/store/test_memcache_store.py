@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -243,3 +244,43 @@ def test_config_section_and_factory(cluster: FakeMemcacheCluster) -> None:
         shared_store_from_config(parse(StoreConnectorConfig, {"backend": "memcache"}, where="x"), PAGE)
     with pytest.raises(StoreError, match="not a shared store"):
         shared_store_from_config(parse(StoreConnectorConfig, {}, where="x"), PAGE)
+
+
+def test_large_batches_are_split(cluster: FakeMemcacheCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ascend_offload.store.memcache as mc
+
+    monkeypatch.setattr(mc, "MAX_BATCH", 2)
+    a, b = make(cluster), make(cluster)
+    keys = [f"s{i}" for i in range(5)]
+    data = payload(13, 5)
+    put(a, keys, data)
+    assert cluster.calls.count("batch_put_from") == 3 and cluster.calls.count("batch_is_exist") == 3
+    assert b.lookup_prefix(keys) == 5
+    pin = b.pin(keys)
+    assert pin is not None
+    out = torch.zeros_like(data)
+    b.read_batch(pin, keys, out)
+    assert torch.equal(out, data)
+    assert cluster.calls.count("batch_get_key_info") == 3 and cluster.calls.count("batch_get_into") == 3
+
+
+def test_a_refused_batch_is_an_error_for_its_keys(cluster: FakeMemcacheCluster,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The real client answers a batch it refuses as a whole with a shorter list (or
+    none); that is an error for every key, never an exception or a wrong answer."""
+
+    class Refusing(FakeDistributedObjectStore):
+        def batch_is_exist(self, keys) -> list[int]:  # type: ignore[override]
+            return [-3000]
+
+        def batch_get_key_info(self, keys, flag=1) -> list[Any]:  # type: ignore[override]
+            return []
+
+    client = Refusing(cluster)
+    client.init(0, True)
+    s = MemcacheStore(client, page_bytes=PAGE, staging_bytes=8 * PAGE)
+    with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
+        assert s.lookup_prefix(["a", "b"]) == 0
+    assert "answered 1 codes for 2 keys" in caplog.text
+    assert s.pin(["a"]) is None
+    assert not s.down
