@@ -180,3 +180,32 @@ def test_shipped_memcache_confs_start_the_real_service_and_client(tmp_path: Path
     finally:
         os.killpg(meta.pid, signal.SIGKILL)
         meta.wait(10)
+
+
+def test_data_path_without_the_driver_fails_at_start_naming_the_service(meta: MemcacheMeta) -> None:
+    """``backend: memcache`` built from its config reaches the real client; without the
+    Ascend driver its data path refuses to start, a StoreError (engine start fails with
+    it), not a crash or a hang."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("an Ascend stack is present: tests/npu runs the data path")
+    script = textwrap.dedent("""
+        import os, sys
+        from ascend_offload.config import StoreConnectorConfig, parse
+        from ascend_offload.store.backends import shared_store_from_config
+        from ascend_offload.store.base import StoreError
+        cfg = parse(StoreConnectorConfig, {"backend": "memcache", "memcache": {
+            "meta_service_url": sys.argv[1], "config_store_url": sys.argv[2], "protocol": "host_tcp"}}, where="x")
+        try:
+            shared_store_from_config(cfg, 4096)
+            print("@@ started", flush=True)
+        except StoreError as exc:
+            print("@@ StoreError", exc, flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script, meta.meta_service_url, meta.config_store_url],
+                         capture_output=True, text=True, timeout=120)
+    got = [ln for ln in out.stdout.splitlines() if ln.startswith("@@")]
+    assert len(got) == 1 and got[0].startswith("@@ StoreError"), out.stdout[-2000:] + out.stderr[-2000:]
+    assert meta.meta_service_url in got[0] and "Ascend driver" in got[0]
