@@ -65,7 +65,7 @@ class _Engines:
         self.fake, self.device_memory, self.refuse_device = fake, device_memory, refuse_device
         self.made: list[GuardedEngine] = []
 
-    def __call__(self, cfg: Any, host: str) -> GuardedEngine:
+    def __call__(self, cfg: Any, host: str, is_producer: bool = False, device_id: int = 0) -> GuardedEngine:
         eng = GuardedEngine(self.fake, device_memory=self.device_memory)
         if self.refuse_device:  # claims device memory, but its registration refuses it (no GPUDirect)
             eng.device_memory = True

@@ -44,7 +44,7 @@ def test_deltas_reach_prometheus_counters() -> None:
                            inflight=lambda: state["inflight"], parked=lambda: state["parked"],
                            active=lambda: list(state["active"]))
     conn.decode = DecodeWorker.__new__(DecodeWorker)
-    conn.decode.consumer = cons
+    conn.decode.consumer, conn.decode.sparse = cons, None
     conn.prefill = PrefillWorker.__new__(PrefillWorker)
     conn.prefill.gate_holds, conn.prefill.gate_hold_failures = 4, 1
     conn.prefill._producers = {1: SimpleNamespace(stats=ProducerStats(published_items=6, acked=5, stale=1,
@@ -87,6 +87,7 @@ def test_idle_gauges_reach_prometheus_and_return_to_zero() -> None:
     conn.decode = DecodeWorker.__new__(DecodeWorker)
     conn.decode.consumer = SimpleNamespace(stats=ConsumerStats(reads=1), inflight=lambda: state["inflight"],
                                            parked=lambda: state["parked"], active=lambda: list(state["active"]))
+    conn.decode.sparse = None
     conn.prefill = None
     busy = conn.get_kv_connector_stats()
     assert busy is not None and busy.data["inflight_reads"] == 3 and busy.data["active_requests"] == 2
