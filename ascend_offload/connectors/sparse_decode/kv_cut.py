@@ -34,43 +34,28 @@ from typing import Any
 import torch
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig, parse_extra_config
+from ascend_offload.connectors.ours import our_connectors
 
 log = logging.getLogger(__name__)
 
 SPARSE_DECODE = "AscendSparseDecodeConnector"
 REMOTE_D2H = "SfaRemoteD2HConnector"
-MULTI_CONNECTORS = ("AscendMultiConnector", "MultiConnector")
 _ALIGN = 4096  # hot regions start on a page boundary
 
 
 # ------------------------------------------------------------------ settings
 
 
-def _sparse_from(connector: str | None, role: str | None, extra: Mapping[str, Any] | None
-                 ) -> SparseOffloadConfig | None:
-    if connector == SPARSE_DECODE:
-        cfg = parse_extra_config(SPARSE_DECODE, extra).sparse_offload
-        return cfg if cfg.enabled else None
-    if connector == REMOTE_D2H and role in ("kv_consumer", "kv_both"):
-        cfg = parse_extra_config(REMOTE_D2H, extra).sparse_offload
-        return cfg if cfg.enabled else None
-    if connector in MULTI_CONNECTORS:
-        for child in (extra or {}).get("connectors", []) or []:
-            if isinstance(child, Mapping):
-                found = _sparse_from(child.get("kv_connector"), child.get("kv_role", role),
-                                     child.get("kv_connector_extra_config"))
-                if found is not None:
-                    return found
-    return None
-
-
 def sparse_decode_settings(vllm_config: Any) -> SparseOffloadConfig | None:
-    """The decode offload settings if this engine decodes from a host pool, else ``None``."""
-    kvt = getattr(vllm_config, "kv_transfer_config", None)
-    if kvt is None:
-        return None
-    return _sparse_from(getattr(kvt, "kv_connector", None), getattr(kvt, "kv_role", None),
-                        getattr(kvt, "kv_connector_extra_config", None))
+    """The decode offload settings if this engine decodes from a host pool, else ``None``:
+    ``AscendSparseDecodeConnector``, or ``SfaRemoteD2HConnector`` as ``kv_consumer`` /
+    ``kv_both``, of ours, with ``sparse_offload.enabled``."""
+    for name, role, extra in our_connectors(vllm_config):
+        if name == SPARSE_DECODE or (name == REMOTE_D2H and role in ("kv_consumer", "kv_both")):
+            cfg = parse_extra_config(name, extra).sparse_offload
+            if cfg.enabled:
+                return cfg
+    return None
 
 
 def check_engine_constraints(vllm_config: Any) -> None:
