@@ -42,15 +42,25 @@ class StoreSettings:
     def layerwise(self) -> bool:
         return self.cfg.use_layerwise
 
+    @property
+    def shared_tier(self) -> bool:
+        """Backend ``mooncake``: local pages plus the shared Mooncake Store behind them."""
+        return self.cfg.backend == "mooncake"
+
+    @property
+    def partial_prefix(self) -> str:
+        """Key prefix of partial blocks (layerwise): private to this engine, never published."""
+        return f"partial:{self.engine_id}"
+
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> StoreSettings:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
-        if cfg.backend != "local":  # the schema knows the backend; this connector does not run it yet
+        if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
             raise ConfigError(
-                f"key 'backend'={cfg.backend!r}: {NAME} runs only the 'local' backend "
-                "(the Mooncake Store backend exists in store/mooncake.py, not wired here)"
+                "key 'mooncake.master_address' is required with backend 'mooncake' "
+                "(host:port of the mooncake_master every instance shares)"
             )
         if kv_cache_config is None:
             raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
