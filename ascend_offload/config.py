@@ -155,6 +155,16 @@ class StoreConnectorConfig(_Strict):
         return v
 
 
+def check_store_backend(cfg: StoreConnectorConfig) -> None:
+    """Cross-key rule of the store backend (the schema checks keys one by one): backend
+    ``mooncake`` names its master. Used at engine start and by ``check-config``."""
+    if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
+        raise ConfigError(
+            "key 'mooncake.master_address' is required with backend 'mooncake' "
+            "(host:port of the mooncake_master every instance shares)"
+        )
+
+
 # --------------------------------------------------------------------------- sparse
 
 

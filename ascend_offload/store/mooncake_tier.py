@@ -219,6 +219,7 @@ class RemotePages:
             self._registered.append(p.data_ptr())
         self.health = MasterHealth(self._client, cfg.master_address, f"worker rank {rank}",
                                    cfg.retry_interval_s)
+        self.replica_num = int(getattr(cfg, "replica_num", 1))
         self.counts = TierCounts()
 
     def _spans(self, pages: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -238,7 +239,7 @@ class RemotePages:
         from mooncake.store import ReplicateConfig
 
         rep = ReplicateConfig()
-        rep.replica_num = 1
+        rep.replica_num = self.replica_num
         ptrs, lens = self._spans(pages)
         codes = list(self._client.batch_put_from_multi_buffers(
             [shard_key(k, self.rank) for k in keys], ptrs, lens, rep))

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ascend_offload.connectors.logging_setup import wire_logging
 from ascend_offload.connectors.metrics import (
     ConnectorMetrics,
     StoreConnectorStats,
@@ -74,6 +75,7 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        wire_logging()
         self.settings = StoreSettings.from_vllm(vllm_config, kv_cache_config)
         assert kv_cache_config is not None  # checked by from_vllm
         self.cfg = self.settings.cfg

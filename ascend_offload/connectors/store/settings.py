@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.config import (
+    ConfigError,
+    StoreConnectorConfig,
+    check_store_backend,
+    parse_extra_config,
+)
 from ascend_offload.store.keys import layout_fingerprint
 
 if TYPE_CHECKING:
@@ -57,11 +62,7 @@ class StoreSettings:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
-        if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
-            raise ConfigError(
-                "key 'mooncake.master_address' is required with backend 'mooncake' "
-                "(host:port of the mooncake_master every instance shares)"
-            )
+        check_store_backend(cfg)
         if kv_cache_config is None:
             raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:

@@ -48,7 +48,7 @@ def test_store_connector_needs_the_master_address() -> None:
 
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
         kv_connector_extra_config={"backend": "mooncake", "mooncake": {"protocol": "tcp"}}))
-    with pytest.raises(ConfigError, match="key 'mooncake.master_address'"):
+    with pytest.raises(ConfigError, match=r"key 'mooncake\.master_address'"):
         StoreSettings.from_vllm(vllm_config, None)  # type: ignore[arg-type]
 
 
