@@ -58,6 +58,16 @@ def _rpc_failure(code: int) -> bool:
     return RPC_FIRST <= code <= RPC_LAST
 
 
+def _call(fn: Any, *args: Any, n: int) -> list[int]:
+    """A batch call's per-object codes; a call that raises (a closed or broken client)
+    answers like an unreachable master for all ``n`` objects, never into the engine."""
+    try:
+        return list(fn(*args))
+    except Exception:
+        log.exception("Mooncake %s raised; treated as an unreachable master", getattr(fn, "__name__", fn))
+        return [RPC_LAST] * n
+
+
 def shard_key(block_key: str, rank: int) -> str:
     """The object of ``block_key`` holding worker rank ``rank``'s shard."""
     return f"{block_key}@r{rank}"
@@ -122,7 +132,7 @@ class MasterHealth:
 
     def _probe(self) -> None:
         while not self._stop.wait(self.retry_interval_s):
-            codes = list(self._client.batch_is_exist([_PROBE_KEY]))
+            codes = _call(self._client.batch_is_exist, [_PROBE_KEY], n=1)
             if not any(_rpc_failure(c) for c in codes):
                 with self._lock:
                     self._down = False
@@ -159,7 +169,7 @@ class RemoteIndex:
             return 0
         w = self.world_size
         shards = [shard_key(k, r) for k in keys for r in range(w)]
-        codes = list(self._client.batch_is_exist(shards))
+        codes = _call(self._client.batch_is_exist, shards, n=len(shards))
         self.lookups += 1
         if not self.health.check("batch_is_exist", codes):
             return 0
@@ -241,8 +251,8 @@ class RemotePages:
         rep = ReplicateConfig()
         rep.replica_num = self.replica_num
         ptrs, lens = self._spans(pages)
-        codes = list(self._client.batch_put_from_multi_buffers(
-            [shard_key(k, self.rank) for k in keys], ptrs, lens, rep))
+        codes = _call(self._client.batch_put_from_multi_buffers,
+                      [shard_key(k, self.rank) for k in keys], ptrs, lens, rep, n=len(keys))
         self.health.check("batch_put_from_multi_buffers", codes)
         for code in codes:
             if code == 0:
@@ -262,8 +272,13 @@ class RemotePages:
             self.counts.fetch_failed_blocks += len(keys)
             return False, True
         ptrs, lens = self._spans(pages)
-        got = list(self._client.batch_get_into_multi_buffers(
-            [shard_key(k, self.rank) for k in keys], ptrs, lens))
+        try:
+            got = list(self._client.batch_get_into_multi_buffers(
+                [shard_key(k, self.rank) for k in keys], ptrs, lens))
+        except Exception:  # unknown whether a transfer still runs: the pages stay out of use
+            log.exception("Mooncake batch_get_into_multi_buffers raised on worker rank %d", self.rank)
+            self.counts.fetch_failed_blocks += len(keys)
+            return False, False
         self.health.check("batch_get_into_multi_buffers", got)
         bad = [g for g in got if g != self.object_bytes]
         self.counts.fetched_blocks += len(got) - len(bad)
