@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def _worker_rank() -> int:
     """This rank's index among the ranks that each hold a shard of every object."""
     from vllm.distributed.parallel_state import (
