@@ -111,7 +111,8 @@ class MooncakeStoreConfig(_Strict):
     # None: one page per stored object (the connector knows the object size).
     page_bytes: int | None = Field(None, gt=0)
     replica_num: int = Field(1, ge=1)
-    # While the master is unreachable, calls miss/skip without asking it again for this long.
+    # While the master is unreachable, calls miss/skip and a background thread probes it
+    # this often.
     retry_interval_s: float = Field(1.0, gt=0)
 
     @field_validator("global_segment_bytes")
