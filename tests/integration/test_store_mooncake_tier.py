@@ -132,3 +132,77 @@ def test_outage_is_misses_logged_once_per_client_then_resumes(
         time.sleep(0.2)
     assert index.lookup_prefix(["o0"]) == 0  # the old index is gone: a miss, not an error
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 3
+
+
+
+_CLIENT = """
+import sys, torch
+from types import SimpleNamespace
+from ascend_offload.store.mooncake_tier import RemotePages
+cfg = SimpleNamespace(master_address=sys.argv[1], local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE",
+                      protocol="tcp", device_name="", global_segment_bytes=int(sys.argv[2]), retry_interval_s=0.5)
+"""
+HOLDER = _CLIENT + """
+p = RemotePages(cfg, {"l": torch.ones((2, 1 << 20), dtype=torch.uint8)}, 0)
+p.publish(["s0", "s1"], [0, 1])
+print("published", p.counts.published_blocks, flush=True)
+sys.stdin.readline()
+p.close()
+"""
+# Its own process: Mooncake reads the transport deadline once, at the first client.
+READER = _CLIENT + """
+import time
+p = RemotePages(cfg, {"l": torch.zeros((2, 1 << 20), dtype=torch.uint8)}, 0, deadline_s=2.0)
+print("first", *p.fetch(["s0"], [0]), flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+ok, reusable = p.fetch(["s1"], [1])
+print("second", ok, reusable, round(time.monotonic() - t0, 1), flush=True)
+p.close()
+"""
+
+
+def test_fetch_from_a_stopped_peer_ends_at_the_deadline(master: MooncakeMaster) -> None:
+    """The segment holding the objects stops answering (SIGSTOP): a fetch fails at the
+    rank's deadline (2 s here; 30 s without one), and its pages are kept out of use."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "GLOG_minloglevel": "3"}
+
+    def start(script: str, segment: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", script, master.address, str(segment)], cwd=root,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    holder = start(HOLDER, 64 << 20)
+    reader = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().split() == ["published", "2"]
+        reader = start(READER, 0)
+        assert reader.stdout is not None and reader.stdout.readline().split() == ["first", "True", "True"]
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            assert reader.stdin is not None
+            reader.stdin.write("\n")
+            reader.stdin.flush()
+            words = reader.stdout.readline().split()
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        assert words[:3] == ["second", "False", "False"], words  # a transfer error: quarantined
+        assert float(words[3]) < 10, f"fetch took {words[3]} s with a 2 s deadline"
+        print(f"fetch from a stopped peer failed after {words[3]} s (deadline 2 s)")
+    finally:
+        for proc in (reader, holder):
+            if proc is None:
+                continue
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

@@ -86,7 +86,9 @@ class StoreWorker(abc.ABC):
             return
         from ascend_offload.store.mooncake_tier import RemotePages
 
-        self.remote = RemotePages(self.settings.cfg.mooncake, planes, _worker_rank())
+        cfg = self.settings.cfg
+        self.remote = RemotePages(cfg.mooncake, planes, _worker_rank(),
+                                  deadline_s=min(cfg.load_timeout_s, cfg.save_timeout_s))
         log.info("%s: rank %d publishes to and fetches from the Mooncake master at %s", NAME,
                  self.remote.rank, self.settings.cfg.mooncake.master_address)
 
