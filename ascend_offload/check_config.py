@@ -24,7 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.config import SCHEMAS, ConfigError, parse_extra_config
+from ascend_offload.config import (
+    SCHEMAS,
+    ConfigError,
+    StoreConnectorConfig,
+    check_store_backend,
+    parse_extra_config,
+)
 
 MULTI = ("AscendMultiConnector", "MultiConnector")
 
@@ -63,7 +69,10 @@ def check(raw: Any) -> dict[str, Any]:
     if name == "MultiConnector":
         cfg: dict[str, Any] = dict(extra or {})
     else:
-        cfg = parse_extra_config(str(name), extra).model_dump()
+        parsed = parse_extra_config(str(name), extra)
+        if isinstance(parsed, StoreConnectorConfig):
+            check_store_backend(parsed)
+        cfg = parsed.model_dump()
     if name in MULTI:
         children = (extra or {}).get("connectors")
         if not isinstance(children, list):

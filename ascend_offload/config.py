@@ -101,16 +101,26 @@ class MooncakeStoreConfig(_Strict):
     metadata_server: str = "P2PHANDSHAKE"
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""  # RDMA devices (protocol "rdma")
-    # Mooncake refuses segments and buffers under 16 MiB.
-    global_segment_bytes: int = Field(1 << 30, ge=16 << 20)
+    # Memory this client contributes to the shared pool (objects live in some client's
+    # segment and leave with it). 0: none (the objects live in other clients' segments,
+    # e.g. a mooncake_client store service); Mooncake refuses segments under 16 MiB.
+    global_segment_bytes: int = Field(1 << 30, ge=0)
     local_buffer_bytes: int = Field(64 << 20, ge=16 << 20)
     # Registered host pages that puts read from and gets write into (zero-copy).
     staging_bytes: int = Field(256 << 20, gt=0)
     # None: one page per stored object (the connector knows the object size).
     page_bytes: int | None = Field(None, gt=0)
     replica_num: int = Field(1, ge=1)
-    # While the master is unreachable, calls miss/skip without asking it again for this long.
+    # While the master is unreachable, calls miss/skip and a background thread probes it
+    # this often.
     retry_interval_s: float = Field(1.0, gt=0)
+
+    @field_validator("global_segment_bytes")
+    @classmethod
+    def _segment_size(cls, v: int) -> int:
+        if 0 < v < 16 << 20:
+            raise ValueError(f"{v}: Mooncake refuses segments under 16 MiB (use 0 for none)")
+        return v
 
 
 class MemcacheStoreConfig(_Strict):
@@ -172,6 +182,16 @@ class StoreConnectorConfig(_Strict):
         if isinstance(v, list) and len(set(v)) != len(v):
             raise ValueError(f"duplicate layer indices in {v}")
         return v
+
+
+def check_store_backend(cfg: StoreConnectorConfig) -> None:
+    """Cross-key rule of the store backend (the schema checks keys one by one): backend
+    ``mooncake`` names its master. Used at engine start and by ``check-config``."""
+    if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
+        raise ConfigError(
+            "key 'mooncake.master_address' is required with backend 'mooncake' "
+            "(host:port of the mooncake_master every instance shares)"
+        )
 
 
 # --------------------------------------------------------------------------- sparse

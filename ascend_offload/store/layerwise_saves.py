@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 
 from ascend_offload.store.base import Pin, WriteHandle
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.remote_fetch import RemoteFetches
 from ascend_offload.store.request_book import RequestBook, RequestEntry
 
 
@@ -46,10 +47,10 @@ class LayerwiseSaves(RequestBook[LayerwiseEntry]):
 
     def __init__(
         self, index: LocalStore, *, block_size: int, page_bytes: int, world_size: int,
-        min_load_blocks: int, partial_prefix: str,
+        min_load_blocks: int, partial_prefix: str, remote: RemoteFetches | None = None,
     ) -> None:
         super().__init__(index, LayerwiseEntry, block_size=block_size, page_bytes=page_bytes,
-                         world_size=world_size, min_load_blocks=min_load_blocks)
+                         world_size=world_size, min_load_blocks=min_load_blocks, remote=remote)
         self.partial_prefix = partial_prefix
         self._saving: dict[str, _Saving] = {}
 

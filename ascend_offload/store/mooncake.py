@@ -20,10 +20,12 @@ How the contract (store/base.py) maps onto Mooncake's distributed object store:
   master can never pull bytes from under a read. An object the master already
   evicted (``OBJECT_NOT_FOUND``) makes the pin a miss, never an error.
 * **A master that disappears is a miss.** An RPC failure (codes -900..-999)
-  marks an outage: one warning, then for ``retry_interval_s`` lookups and pins
-  miss and saves are skipped without asking the master; the next call after that
-  probes it again, and the first success logs that service resumed. The engine
-  keeps serving (it recomputes what it would have loaded).
+  marks an outage (``mooncake_tier.MasterHealth``): one warning, then lookups and
+  pins miss and saves are skipped without asking the master, while a background
+  thread probes it every ``retry_interval_s``; its first answer logs that service
+  resumed. Why not probe from the data path: while the master is gone every call
+  blocks ~4 s in Mooncake's reconnect. The engine keeps serving (it recomputes what
+  it would have loaded).
 
 Mooncake's native client logs every failed RPC itself (glog, on stderr);
 ``GLOG_minloglevel=3`` in the environment silences it. Our own log is one line
@@ -36,7 +38,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch
 
 from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.mooncake_tier import MasterHealth
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +64,6 @@ _SAFE_GET_FAILURES = frozenset({NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_
                                 -703, -707, *range(RPC_FIRST, RPC_LAST + 1)})
 
 _W = "w|"  # staging name of a pending object; pins use "r<token>|"
-
-
-def _rpc_failure(code: int) -> bool:
-    return RPC_FIRST <= code <= RPC_LAST
 
 
 @dataclasses.dataclass
@@ -134,9 +132,7 @@ class MooncakeStore(KVStore):
         self._pins: dict[int, _PinRecord] = {}
         self._tokens = itertools.count(1)
         self._stats = StoreStats(total_pages=self._staging.num_pages)
-        self._down = False
-        self._retry_at = 0.0
-        self.outages = 0  # outages seen (each logged once)
+        self.health = MasterHealth(self._client, master_address, "this client", retry_interval_s)
         self.quarantined_pages = 0  # staging pages a failed transfer may still write
         self._closed = False
 
@@ -146,40 +142,21 @@ class MooncakeStore(KVStore):
 
     # ------------------------------------------------------------------ master health
 
+    @property
+    def outages(self) -> int:
+        """Outages seen (each logged once)."""
+        return self.health.outages
+
     def _reachable(self) -> bool:
-        with self._lock:
-            return not self._down or time.monotonic() >= self._retry_at
-
-    def _outage(self, op: str, code: int) -> None:
-        with self._lock:
-            self._retry_at = time.monotonic() + self.retry_interval_s
-            if self._down:
-                return
-            self._down = True
-            self.outages += 1
-        log.warning("Mooncake master %s unreachable (%s returned %d): loads miss and saves are "
-                    "skipped until it answers again", self.master_address, op, code)
-
-    def _answered(self) -> None:
-        with self._lock:
-            if not self._down:
-                return
-            self._down = False
-        log.warning("Mooncake master %s answers again: store service resumed", self.master_address)
+        return self.health.up()
 
     def _check(self, op: str, codes: Sequence[int]) -> bool:
         """True when the master answered (per-object codes may still be errors)."""
-        bad = next((c for c in codes if _rpc_failure(c)), None)
-        if bad is not None:
-            self._outage(op, bad)
-            return False
-        self._answered()
-        return True
+        return self.health.check(op, codes)
 
     def is_down(self) -> bool:
-        """Whether the last call found the master unreachable."""
-        with self._lock:
-            return self._down
+        """Whether the master is considered unreachable now."""
+        return not self.health.up()
 
     # ------------------------------------------------------------------ helpers
 
@@ -479,6 +456,7 @@ class MooncakeStore(KVStore):
         if self._closed:
             return
         self._closed = True
+        self.health.close()
         try:
             self._client.unregister_buffer(self._base)
         finally:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -84,6 +85,17 @@ class MooncakeMaster:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"mooncake_master did not listen on {self.address} within {self.start_timeout_s} s")
+
+    def key_count(self) -> int:
+        """Objects the master indexes now (its ``master_key_count`` metric): tests check
+        that publishes reached the store without knowing the keys."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_key_count "):
+                return int(float(line.split()[1]))
+        raise RuntimeError(f"no master_key_count in {url}")
 
     def stop(self) -> None:
         """SIGKILL the master (what a crash looks like to clients); bounded wait."""

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from ascend_offload.store.base import Pin, WriteHandle
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.remote_fetch import RemoteFetches
 from ascend_offload.store.request_book import RequestBook, RequestEntry
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class CopyJob:
-    """Copy ``block_ids[i]`` <-> pool page ``pages[i]`` on every rank."""
+    """Copy ``block_ids[i]`` <-> pool page ``pages[i]`` on every rank. A save also names
+    the blocks' keys: with a shared tier the ranks publish them from those pages."""
 
     job_id: int
     block_ids: tuple[int, ...]
     pages: tuple[int, ...]
+    keys: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -51,10 +54,10 @@ class PrefixJobs(RequestBook[PrefixEntry]):
 
     def __init__(
         self, index: LocalStore, *, block_size: int, page_bytes: int, world_size: int,
-        min_load_blocks: int,
+        min_load_blocks: int, remote: RemoteFetches | None = None,
     ) -> None:
         super().__init__(index, PrefixEntry, block_size=block_size, page_bytes=page_bytes,
-                         world_size=world_size, min_load_blocks=min_load_blocks)
+                         world_size=world_size, min_load_blocks=min_load_blocks, remote=remote)
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
         self._pending_loads: list[CopyJob] = []
@@ -116,7 +119,7 @@ class PrefixJobs(RequestBook[PrefixEntry]):
         if not owned:
             return None
         self._count(e, "saved_blocks", len(owned))
-        job = CopyJob(next(self._job_ids), tuple(ids), tuple(pages))
+        job = CopyJob(next(self._job_ids), tuple(ids), tuple(pages), tuple(h.key for h in owned))
         self._jobs[job.job_id] = _Job(kind="save", req_id=req_id, handles=owned)
         return job
 

@@ -24,12 +24,13 @@ from typing import Generic, TypeVar
 
 from ascend_offload.store.base import Pin
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.remote_fetch import RemoteFetches
 
 log = logging.getLogger(__name__)
 
 #: Per-request block counters, reported when a request finishes and summed in
 #: :attr:`RequestBook.totals` for the connector's metrics.
-COUNT_NAMES = ("loaded_blocks", "saved_blocks", "skipped_blocks", "duplicate_blocks")
+COUNT_NAMES = ("loaded_blocks", "saved_blocks", "skipped_blocks", "duplicate_blocks", "remote_blocks")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class RequestEntry:
     saved_blocks: int = 0
     skipped_blocks: int = 0  # not saved: the store was full
     duplicate_blocks: int = 0  # not saved: the store had (or was writing) them already
+    remote_blocks: int = 0  # of loaded_blocks: fetched from the shared tier for this request
 
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNT_NAMES}
@@ -54,7 +56,9 @@ class RequestBook(Generic[E]):
     """Requests' store lookups and pins over the scheduler's store index.
 
     ``block_size`` converts between vLLM's token counts and store blocks;
-    ``world_size`` is the number of worker ranks whose reports complete a copy.
+    ``world_size`` is the number of worker ranks whose reports complete a copy;
+    ``remote`` (shared-tier backends): blocks the index lacks are fetched from there
+    first (``store/remote_fetch.py``).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class RequestBook(Generic[E]):
         page_bytes: int,
         world_size: int,
         min_load_blocks: int,
+        remote: RemoteFetches | None = None,
     ) -> None:
         if block_size < 1 or world_size < 1:
             raise ValueError(f"block_size={block_size}, world_size={world_size}: both must be >= 1")
@@ -74,6 +79,7 @@ class RequestBook(Generic[E]):
         self.page_bytes = page_bytes
         self.world_size = world_size
         self.min_load_blocks = min_load_blocks
+        self.remote = remote
         #: engine-wide sums of the per-request counters plus failed-job counts
         self.totals: Counter[str] = Counter()
         self._entry_type = entry_type
@@ -103,8 +109,9 @@ class RequestBook(Generic[E]):
         num_computed_tokens: int,
         max_blocks: int,
         keys_upto: Callable[[int], Sequence[str]],
-    ) -> int:
-        """Tokens the store can add after ``num_computed_tokens``, pinned until taken.
+    ) -> int | None:
+        """Tokens the store can add after ``num_computed_tokens``, pinned until taken;
+        None while a fetch from the shared tier runs for the request (ask again).
 
         ``max_blocks``: the most leading blocks that may come from the store;
         ``keys_upto(n)``: the keys of blocks ``[0, n)``, built only when a hit of at
@@ -117,6 +124,11 @@ class RequestBook(Generic[E]):
             return 0
         keys = keys_upto(max_blocks)
         hit = self.index.lookup_prefix(keys)
+        if self.remote is not None and hit < max_blocks:
+            if self.remote.consult(req_id, keys, hit):
+                return None
+            if self.remote.fetched_keys(req_id):  # a settled fetch made them local
+                hit = self.index.lookup_prefix(keys)
         if hit - first < self.min_load_blocks:
             return 0
         pin = self.index.pin(keys[first:hit])
@@ -154,6 +166,9 @@ class RequestBook(Generic[E]):
             return None
         e.load_pin = None
         self._count(e, "loaded_blocks", last - first)
+        if self.remote is not None:
+            fetched = self.remote.fetched_keys(req_id)
+            self._count(e, "remote_blocks", sum(1 for k in pin.keys if k in fetched))
         return e, pin, first, last
 
     # ------------------------------------------------------------------ end
@@ -161,6 +176,8 @@ class RequestBook(Generic[E]):
     def finish(self, req_id: str) -> dict[str, int] | None:
         """Forget a finished request; its pins are released. Returns its block counts
         (None for a request never seen)."""
+        if self.remote is not None:
+            self.remote.forget(req_id)
         e = self._entries.pop(req_id, None)
         if e is None:
             return None
@@ -197,4 +214,6 @@ class RequestBook(Generic[E]):
         totals = dict(self.totals)
         totals.update(lookups=g.lookups, hit_objects=g.hit_objects, miss_objects=g.miss_objects,
                       evicted_objects=g.evicted_objects)
+        if self.remote is not None:
+            totals.update(self.remote.counters())
         return totals, {"pinned_objects": g.pinned_objects, "pending_objects": g.pending_objects}

@@ -78,6 +78,20 @@ class ScheduledPageStore(KVStore):
             self._pages = dict(pages)
             self._save_blocks = frozenset(save_blocks)
 
+    def mark_filled(self, pages: Mapping[str, int]) -> None:
+        """Blocks whose every layer was written at ``pages[block]`` outside this store
+        (fetched from a shared tier): readable once the scheduler names that page."""
+        with self._lock:
+            for block, page in pages.items():
+                for layer in self._layers:
+                    self._committed[(block, layer)] = page
+
+    def committed_page(self, block: str) -> int | None:
+        """The page holding every layer of ``block`` on this rank, or None."""
+        with self._lock:
+            pages = {self._committed.get((block, layer)) for layer in self._layers}
+        return pages.pop() if len(pages) == 1 else None
+
     def take_results(self) -> tuple[set[str], set[str]]:
         """Blocks whose every layer was committed / some layer failed since the last call."""
         with self._lock:

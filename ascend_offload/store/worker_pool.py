@@ -88,6 +88,12 @@ class WorkerPagePool:
             )
         self.num_pages = num_pages
 
+    @property
+    def planes(self) -> dict[str, torch.Tensor]:
+        """Layer name -> its ``[num_pages, layer_block_bytes]`` host plane (a shared store
+        tier registers them and moves pages in and out of them)."""
+        return {name: layer.plane for name, layer in zip(self.layer_names, self._layers, strict=True)}
+
     @staticmethod
     def _check(block_ids: Sequence[int], pages: Sequence[int]) -> None:
         if len(block_ids) != len(pages):

@@ -18,6 +18,11 @@ is a facade that hands each vLLM call to one object per role,
 * completions travel back as worker metadata (``metadata.py``), summed across
   ranks; an object is committed (or a load pin released) only when every rank
   reported.
+
+Backend ``mooncake`` keeps this split and adds the shared Mooncake Store behind the
+local pages: the scheduler asks the master for prefixes the local index lacks and
+has the ranks fetch them into local pages first; the ranks publish saved blocks
+from their pages (``store/mooncake_tier.py``, ``store/remote_fetch.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ascend_offload.connectors.logging_setup import wire_logging
 from ascend_offload.connectors.metrics import (
     ConnectorMetrics,
     StoreConnectorStats,
@@ -69,6 +75,7 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        wire_logging()
         self.settings = StoreSettings.from_vllm(vllm_config, kv_cache_config)
         assert kv_cache_config is not None  # checked by from_vllm
         self.cfg = self.settings.cfg
@@ -158,6 +165,8 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.close()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.close()
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -19,8 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_offload.layerwise.steps import StepIO
 from ascend_offload.store.prefix_jobs import CopyJob
+from ascend_offload.store.remote_fetch import FetchJob
 
-__all__ = ["CopyJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]
+__all__ = ["CopyJob", "FetchJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]
 
 
 @dataclasses.dataclass
@@ -29,6 +30,10 @@ class StoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[CopyJob] = dataclasses.field(default_factory=list)
     saves: list[CopyJob] = dataclasses.field(default_factory=list)
+    # shared tier (backend "mooncake"): blocks to fetch into pages (before the loads),
+    # and whether the ranks publish this step's saves (the scheduler saw the master up)
+    fetches: list[FetchJob] = dataclasses.field(default_factory=list)
+    publish: bool = False
 
 
 @dataclasses.dataclass
@@ -39,16 +44,29 @@ class LayerwiseMetadata(KVConnectorMetadata):
     pages: dict[str, int]  # block key -> page, for every block of ``io``
     save_blocks: list[str]  # blocks newly placed for saving this step
     freed: list[str]  # block keys whose pages were freed since the last step
+    fetches: list[FetchJob] = dataclasses.field(default_factory=list)  # as StoreConnectorMetadata
+    publish: bool = False  # publish this step's saved full blocks to the shared tier
 
 
 @dataclasses.dataclass
 class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Per-step completions of one or more ranks: job id (whole-prefix mode) or block key
-    (layerwise mode) -> number of ranks."""
+    (layerwise mode) -> number of ranks; fetch job id -> ranks for shared-tier fetches
+    (``fetch_unsafe``: failed ranks whose transfer may still write the pages)."""
 
     done: Counter[Any] = dataclasses.field(default_factory=Counter)
     failed: Counter[Any] = dataclasses.field(default_factory=Counter)
+    fetched: Counter[int] = dataclasses.field(default_factory=Counter)
+    fetch_failed: Counter[int] = dataclasses.field(default_factory=Counter)
+    fetch_unsafe: Counter[int] = dataclasses.field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
-        return StoreWorkerMetadata(done=self.done + other.done, failed=self.failed + other.failed)
+        return StoreWorkerMetadata(
+            done=self.done + other.done, failed=self.failed + other.failed,
+            fetched=self.fetched + other.fetched, fetch_failed=self.fetch_failed + other.fetch_failed,
+            fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe,
+        )
+
+    def empty(self) -> bool:
+        return not (self.done or self.failed or self.fetched or self.fetch_failed)

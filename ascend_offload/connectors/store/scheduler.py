@@ -2,7 +2,10 @@
 
 The store *index* lives here (``LocalStore(with_data=False)``): lookups, page
 placement, commit/abort, pins and eviction are decided in one process, single
-threaded, so they never race. The rules themselves are vLLM-free
+threaded, so they never race. With backend ``mooncake`` the master is the index of
+the shared tier behind the local pages: a prefix the local index lacks is looked
+up there and fetched into local pages before it is offered
+(``store/remote_fetch.py``); saved blocks are published by the workers. The rules themselves are vLLM-free
 (``store/prefix_jobs.py``, ``store/layerwise_saves.py``); this module only reads
 vLLM's request and scheduler-output fields and turns the answers into the
 messages of ``metadata.py``. One class per mode:
@@ -32,6 +35,7 @@ from ascend_offload.store.keys import block_keys
 from ascend_offload.store.layerwise_saves import LayerwiseSaves
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.prefix_jobs import PrefixJobs
+from ascend_offload.store.remote_fetch import RemoteFetches
 from ascend_offload.store.request_book import RequestBook
 
 if TYPE_CHECKING:
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from ascend_offload.store.mooncake_tier import RemoteIndex
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +66,27 @@ class StoreScheduler(abc.ABC):
         self._block_ids_of = block_ids_of
         self._requests: dict[str, Request] = {}  # every request the connector was asked about
         self._deltas = CounterDeltas()
-        log.info("%s: local store index with %d pages of %d bytes per rank", NAME, s.num_pages,
-                 s.page_bytes)
+        self.remote_index: RemoteIndex | None = None
+        self.fetches: RemoteFetches | None = None
+        if s.shared_tier:
+            from ascend_offload.store.mooncake_tier import RemoteIndex
 
-    def _book_args(self) -> dict[str, int]:
+            self.remote_index = RemoteIndex(s.cfg.mooncake, s.world_size)
+            self.fetches = RemoteFetches(self.index, self.remote_index, page_bytes=s.page_bytes,
+                                         world_size=s.world_size, timeout_s=s.cfg.load_timeout_s)
+        log.info("%s: local store index with %d pages of %d bytes per rank%s", NAME, s.num_pages,
+                 s.page_bytes, f", shared tier at {s.cfg.mooncake.master_address}" if s.shared_tier else "")
+
+    def _book_args(self) -> dict[str, Any]:
         s = self.settings
         return {"block_size": s.block_size, "page_bytes": s.page_bytes, "world_size": s.world_size,
-                "min_load_blocks": s.cfg.min_load_blocks}
+                "min_load_blocks": s.cfg.min_load_blocks, "remote": self.fetches}
+
+    def _shared_tier_meta(self) -> dict[str, Any]:
+        """This step's fetch jobs and whether the ranks publish its saves."""
+        if self.fetches is None or self.remote_index is None:
+            return {}
+        return {"fetches": self.fetches.take_jobs(), "publish": self.remote_index.available()}
 
     def _keys(self, request: Request, upto: int) -> list[str]:
         hashes, ratio = request.block_hashes, self.settings.hash_ratio
@@ -101,6 +121,8 @@ class StoreScheduler(abc.ABC):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, StoreWorkerMetadata):
             self.book.report(meta.done, meta.failed)
+            if self.fetches is not None and (meta.fetched or meta.fetch_failed):
+                self.fetches.report(meta.fetched, meta.fetch_failed, meta.fetch_unsafe)
 
     def _request_ended(self, req_id: str) -> None:  # noqa: B027 - optional hook
         """Mode-specific cleanup of a finished request (before its pins are released)."""
@@ -114,12 +136,23 @@ class StoreScheduler(abc.ABC):
         self._request_ended(rid)
         stats: dict[str, Any] = dict(self.book.finish(rid) or {})
         stats["store"] = self.book.store_gauges()
+        if self.remote_index is not None:
+            stats["store"].update(self.remote_index.counters())
         log.debug("%s: request %s finished: %s", NAME, rid, stats)
         return False, {"ascend_store": stats}
 
     def stats(self) -> StoreConnectorStats | None:
         """Counter deltas since the last call, and the index's pinned / pending objects."""
-        return self._deltas.take(*self.book.metrics())
+        totals, gauges = self.book.metrics()
+        if self.remote_index is not None:
+            totals.update(self.remote_index.counters())
+        return self._deltas.take(totals, gauges)
+
+    def close(self) -> None:
+        """Release the shared tier's client (its prober thread, its master connection)."""
+        if self.remote_index is not None:
+            self.remote_index.close()
+            self.remote_index = None
 
 
 class PrefixScheduler(StoreScheduler):
@@ -135,7 +168,7 @@ class PrefixScheduler(StoreScheduler):
         self.book.accept_load(request.request_id, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        meta = StoreConnectorMetadata(loads=self.book.take_loads())
+        meta = StoreConnectorMetadata(loads=self.book.take_loads(), **self._shared_tier_meta())
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -161,7 +194,7 @@ class LayerwiseScheduler(StoreScheduler):
 
     def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
         super().__init__(settings, block_ids_of)
-        self.steps = StepBuilder(self.block_size, partial_prefix=f"partial:{settings.engine_id}")
+        self.steps = StepBuilder(self.block_size, partial_prefix=settings.partial_prefix)
         self.book: LayerwiseSaves = LayerwiseSaves(
             self.index, partial_prefix=self.steps.partial_prefix, **self._book_args())
 
@@ -209,7 +242,8 @@ class LayerwiseScheduler(StoreScheduler):
             save=tuple(r for _, x in ios for r in x.save),
         )
         pages = book.pages(ref.key for ref in (*io.load, *io.load_shared, *io.save))
-        return LayerwiseMetadata(io=io, pages=pages, save_blocks=save_blocks, freed=book.take_freed())
+        return LayerwiseMetadata(io=io, pages=pages, save_blocks=save_blocks, freed=book.take_freed(),
+                                 **self._shared_tier_meta())
 
     def _request_ended(self, req_id: str) -> None:
         self.steps.end(req_id)

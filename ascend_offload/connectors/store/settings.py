@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.config import (
+    ConfigError,
+    StoreConnectorConfig,
+    check_store_backend,
+    parse_extra_config,
+)
 from ascend_offload.store.keys import layout_fingerprint
 
 if TYPE_CHECKING:
@@ -42,16 +47,26 @@ class StoreSettings:
     def layerwise(self) -> bool:
         return self.cfg.use_layerwise
 
+    @property
+    def shared_tier(self) -> bool:
+        """Backend ``mooncake``: local pages plus the shared Mooncake Store behind them."""
+        return self.cfg.backend == "mooncake"
+
+    @property
+    def partial_prefix(self) -> str:
+        """Key prefix of partial blocks (layerwise): private to this engine, never published."""
+        return f"partial:{self.engine_id}"
+
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> StoreSettings:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
-        if cfg.backend != "local":  # the schema knows the backend; this connector does not run it yet
+        check_store_backend(cfg)
+        if cfg.backend == "memcache":
             raise ConfigError(
-                f"key 'backend'={cfg.backend!r}: {NAME} runs only the 'local' backend "
-                "(the Mooncake Store backend exists in store/mooncake.py, not wired here)"
-            )
+                f"key 'backend'='memcache': {NAME} does not run the Memcache store yet (it is a "
+                "library backend, store/memcache.py); accepted here: 'local', 'mooncake'")
         if kv_cache_config is None:
             raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:

@@ -8,6 +8,11 @@ One class per mode:
   jobs run before the forward (loads) and after it (saves);
 * :class:`LayerwiseWorker` - the layerwise pipeline loads and saves each layer
   around its attention, on layer buffers that several layers may share.
+
+With backend ``mooncake`` both modes register their page planes with a Mooncake
+client (``RemotePages``): before the step's loads a rank fetches the blocks the
+scheduler asked for into the pages it reserved, and after a block's pages are
+written the rank publishes them, when the scheduler saw the master up.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +28,8 @@ import torch
 from ascend_offload.config import ConfigError
 from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats
 from ascend_offload.connectors.store.metadata import (
+    CopyJob,
+    FetchJob,
     LayerwiseMetadata,
     StoreConnectorMetadata,
     StoreWorkerMetadata,
@@ -37,7 +45,20 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from ascend_offload.store.mooncake_tier import RemotePages
+
 log = logging.getLogger(__name__)
+
+
+def _worker_rank() -> int:
+    """This rank's index among the ranks that each hold a shard of every object."""
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tp_group,
+    )
+
+    return get_pp_group().rank_in_group * get_tp_group().world_size + get_tensor_model_parallel_rank()
 
 
 class StoreWorker(abc.ABC):
@@ -52,6 +73,74 @@ class StoreWorker(abc.ABC):
         self._kv_cache_config = kv_cache_config
         self._done: Counter[Any] = Counter()
         self._failed: Counter[Any] = Counter()
+        self._fetched: Counter[int] = Counter()
+        self._fetch_failed: Counter[int] = Counter()
+        self._fetch_unsafe: Counter[int] = Counter()
+        #: the shared tier's client (backend "mooncake", after ``register_kv_caches``)
+        self.remote: RemotePages | None = None
+        self._remote_deltas = CounterDeltas()
+
+    def _connect_shared_tier(self, planes: Mapping[str, torch.Tensor]) -> None:
+        """Backend ``mooncake``: register this rank's page planes with a Mooncake client."""
+        if not self.settings.shared_tier:
+            return
+        from ascend_offload.store.mooncake_tier import RemotePages
+
+        cfg = self.settings.cfg
+        self.remote = RemotePages(cfg.mooncake, planes, _worker_rank(),
+                                  deadline_s=min(cfg.load_timeout_s, cfg.save_timeout_s))
+        log.info("%s: rank %d publishes to and fetches from the Mooncake master at %s", NAME,
+                 self.remote.rank, self.settings.cfg.mooncake.master_address)
+
+    def _run_jobs(self, jobs: Iterable[CopyJob], run: Callable[[CopyJob], None], what: str,
+                  on_failure: Callable[[CopyJob], None] | None = None) -> None:
+        """Run each copy job; count it done, or failed (logged, ``on_failure``)."""
+        for job in jobs:
+            try:
+                run(job)
+                self._done[job.job_id] += 1
+            except Exception:
+                log.exception("%s: %s job %d failed (%d blocks)", NAME, what, job.job_id, len(job.block_ids))
+                if on_failure is not None:
+                    on_failure(job)
+                self._failed[job.job_id] += 1
+
+    def _run_fetches(self, fetches: Iterable[FetchJob]) -> list[FetchJob]:
+        """Fetch the shared tier's blocks into the reserved pages; the jobs that arrived whole."""
+        ok: list[FetchJob] = []
+        for job in fetches:
+            if self.remote is None:  # never set up: the scheduler aborts it
+                self._fetch_failed[job.job_id] += 1
+                continue
+            whole, reusable = self.remote.fetch(job.keys, job.pages)
+            if whole:
+                self._fetched[job.job_id] += 1
+                ok.append(job)
+            else:
+                self._fetch_failed[job.job_id] += 1
+                if not reusable:
+                    self._fetch_unsafe[job.job_id] += 1
+        return ok
+
+    def _publish(self, keys: Iterable[str], pages: Iterable[int]) -> None:
+        """Publish blocks whose every layer is in ``pages`` (synchronous: the page may be
+        reused once this step's report reached the scheduler)."""
+        if self.remote is not None:
+            self.remote.publish(list(keys), list(pages))
+
+    def _remote_stats(self, totals: dict[str, int] | None = None,
+                      gauges: dict[str, int] | None = None) -> StoreConnectorStats | None:
+        """Counter deltas of ``totals`` plus the shared tier's publish / fetch totals."""
+        totals = dict(totals or {})
+        if self.remote is not None:
+            c = self.remote.counts
+            totals.update(remote_published_blocks=c.published_blocks,
+                          remote_publish_duplicates=c.publish_duplicates,
+                          remote_publish_skipped=c.publish_skipped,
+                          remote_worker_fetched_blocks=c.fetched_blocks,
+                          remote_worker_fetch_failed_blocks=c.fetch_failed_blocks,
+                          remote_worker_outages=self.remote.health.outages)
+        return self._remote_deltas.take(totals, gauges)
 
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -73,10 +162,12 @@ class StoreWorker(abc.ABC):
 
     def build_worker_meta(self) -> StoreWorkerMetadata | None:
         """This step's completions; None when there are none."""
-        if not self._done and not self._failed:
+        meta = StoreWorkerMetadata(done=self._done, failed=self._failed, fetched=self._fetched,
+                                   fetch_failed=self._fetch_failed, fetch_unsafe=self._fetch_unsafe)
+        if meta.empty():
             return None
-        meta = StoreWorkerMetadata(done=self._done, failed=self._failed)
         self._done, self._failed = Counter(), Counter()
+        self._fetched, self._fetch_failed, self._fetch_unsafe = Counter(), Counter(), Counter()
         return meta
 
     @abc.abstractmethod
@@ -84,11 +175,14 @@ class StoreWorker(abc.ABC):
         """Block ids whose loads failed since the last call."""
 
     def stats(self) -> StoreConnectorStats | None:
-        """Counter deltas since the last call; None when the mode has no worker counters."""
-        return None
+        """Counter deltas since the last call; None when nothing moved."""
+        return self._remote_stats()
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release threads and native resources."""
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
 
 class PrefixWorker(StoreWorker):
@@ -106,37 +200,37 @@ class PrefixWorker(StoreWorker):
             num_pages=self.settings.num_pages,
             expected_page_bytes=self.settings.page_bytes,
         )
+        self._connect_shared_tier(self.pool.planes)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Fetch the shared tier's blocks into their pages, then load the accepted
+        prefixes from the pages into vLLM's blocks."""
         assert isinstance(meta, StoreConnectorMetadata)
+        self._run_fetches(meta.fetches)
         if not meta.loads:
             return
-        assert self.pool is not None
-        for job in meta.loads:
-            try:
-                self.pool.load(job.pages, job.block_ids)
-                self._done[job.job_id] += 1
-            except Exception:
-                log.exception("%s: load job %d failed; reporting %d blocks", NAME, job.job_id, len(job.block_ids))
-                self._load_errors.update(job.block_ids)
-                self._failed[job.job_id] += 1
+        pool = self.pool
+        assert pool is not None
+        self._run_jobs(meta.loads, lambda job: pool.load(job.pages, job.block_ids), "load",
+                       on_failure=lambda job: self._load_errors.update(job.block_ids))
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         """Copy this step's new full blocks out before the step ends, so a block freed
-        by this step is never read after vLLM may reuse it."""
+        by this step is never read after vLLM may reuse it; then publish them."""
         if meta is None:
             return
         assert isinstance(meta, StoreConnectorMetadata)
         if not meta.saves:
             return
-        assert self.pool is not None
-        for job in meta.saves:
-            try:
-                self.pool.save(job.block_ids, job.pages)
-                self._done[job.job_id] += 1
-            except Exception:
-                log.exception("%s: save job %d failed; objects aborted", NAME, job.job_id)
-                self._failed[job.job_id] += 1
+        pool = self.pool
+        assert pool is not None
+
+        def save(job: CopyJob) -> None:
+            pool.save(job.block_ids, job.pages)
+            if meta.publish:
+                self._publish(job.keys, job.pages)
+
+        self._run_jobs(meta.saves, save, "save")
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -149,7 +243,7 @@ class LayerwiseWorker(StoreWorker):
     def __init__(self, settings: StoreSettings, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(settings, vllm_config, kv_cache_config)
         self.page_store: ScheduledPageStore | None = None
-        self._deltas = CounterDeltas()
+        self._publish_full = False  # this step's saved full blocks go to the shared tier
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from ascend_offload.connectors.kv_layout_hook import plan_for_engine
@@ -175,6 +269,7 @@ class LayerwiseWorker(StoreWorker):
             block_dim=block_dim(kv_caches[plan.layers[0]], num_blocks),
         )
         self.pipeline.register_kv_caches(kv_caches)
+        self._connect_shared_tier(self.page_store.planes)
         log.info(
             "%s: layerwise, %d layers on %d physical buffers (aliased=%s), %d host pages",
             NAME, plan.num_logical, plan.num_physical, self.pipeline.aliased, num_pages,
@@ -184,6 +279,10 @@ class LayerwiseWorker(StoreWorker):
         assert isinstance(meta, LayerwiseMetadata)
         assert self.page_store is not None and self.pipeline is not None
         self.page_store.set_step(meta.pages, meta.save_blocks, meta.freed)
+        fetched = self._run_fetches(meta.fetches)
+        if fetched:
+            self.page_store.mark_filled({k: p for job in fetched for k, p in zip(job.keys, job.pages, strict=True)})
+        self._publish_full = meta.publish
         self.pipeline.start_step(meta.io)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -200,8 +299,14 @@ class LayerwiseWorker(StoreWorker):
         if self.pipeline is None or not self.pipeline.in_step:
             return
         self.pipeline.finish_step()
-        assert self.page_store is not None
-        done, failed = self.page_store.take_results()
+        store = self.page_store
+        assert store is not None
+        done, failed = store.take_results()
+        if self._publish_full and self.remote is not None:
+            full = [k for k in done if not k.startswith(self.settings.partial_prefix)]
+            pages = [store.committed_page(k) for k in full]
+            self._publish([k for k, p in zip(full, pages, strict=True) if p is not None],
+                          [p for p in pages if p is not None])
         self._done.update(done)
         self._failed.update(failed)
 
@@ -212,7 +317,7 @@ class LayerwiseWorker(StoreWorker):
         if self.pipeline is None:
             return None
         p, g = self.pipeline.stats(), self.pipeline.gate.stats()
-        return self._deltas.take({
+        return self._remote_stats({
             "layerwise_blocks_loaded": p.blocks_loaded,
             "layerwise_blocks_saved": p.blocks_saved,
             "layerwise_load_errors": p.load_errors,
@@ -225,3 +330,4 @@ class LayerwiseWorker(StoreWorker):
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        super().close()

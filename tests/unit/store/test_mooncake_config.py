@@ -39,14 +39,22 @@ def test_backend_needs_a_master_address() -> None:
     assert MooncakeStoreConfig().master_address == ""
 
 
-def test_store_connector_refuses_a_backend_it_does_not_run() -> None:
-    """The schema accepts backend 'mooncake'; the whole-prefix connector does not run it
-    yet, so it must fail at start naming the key, never fall back to the local pool."""
+def test_store_connector_needs_the_master_address() -> None:
+    """Backend 'mooncake' without a master fails at start naming the key, never falls
+    back to the local pool alone."""
     from types import SimpleNamespace
 
     from ascend_offload.connectors.store.settings import StoreSettings
 
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-        kv_connector_extra_config={"backend": "mooncake", "mooncake": {"master_address": "h:1"}}))
-    with pytest.raises(ConfigError, match="key 'backend'='mooncake'"):
+        kv_connector_extra_config={"backend": "mooncake", "mooncake": {"protocol": "tcp"}}))
+    with pytest.raises(ConfigError, match=r"key 'mooncake\.master_address'"):
         StoreSettings.from_vllm(vllm_config, None)  # type: ignore[arg-type]
+
+
+def test_segment_zero_means_none() -> None:
+    """0 contributes no memory (objects live in other clients' segments); Mooncake's
+    16 MiB floor holds for any other size."""
+    cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
+        "master_address": "h:1", "global_segment_bytes": 0}}, where="store config")
+    assert cfg.mooncake.global_segment_bytes == 0

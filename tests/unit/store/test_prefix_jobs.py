@@ -55,7 +55,7 @@ def test_save_commits_only_after_every_rank_reported() -> None:
     assert jobs.index.stats().pending_objects == 0 and jobs.open_jobs == 0
     assert jobs.totals["saved_blocks"] == 3
     assert jobs.finish("r") == {"loaded_blocks": 0, "saved_blocks": 3, "skipped_blocks": 0,
-                                "duplicate_blocks": 0}
+                                "duplicate_blocks": 0, "remote_blocks": 0}
 
 
 def test_ranks_reported_together_count_as_their_sum() -> None:
@@ -185,7 +185,7 @@ def test_finish_releases_an_untaken_offer_and_forgets_the_request() -> None:
     assert jobs.lookup("r", 0, 2, lambda n: keys(n)) == 2 * BS
     assert "r" in jobs
     assert jobs.finish("r") == {"loaded_blocks": 0, "saved_blocks": 0, "skipped_blocks": 0,
-                                "duplicate_blocks": 0}
+                                "duplicate_blocks": 0, "remote_blocks": 0}
     assert "r" not in jobs and jobs.finish("r") is None
     assert jobs.index.stats().pinned_objects == 0
 

@@ -1,0 +1,188 @@
+"""Scheduler-side fetches from a shared store tier (Mooncake) into the local pages.
+
+Why fetch first and offer after: vLLM fails a request whose offered blocks then do
+not arrive (``kv_load_failure_policy`` defaults to ``fail``). So blocks the local
+pages lack but the shared tier has are never offered directly: the lookup reserves
+local pages for them (pending objects of the scheduler's index), the worker ranks
+fetch them there, and the request waits (the lookup answers ``None``; vLLM asks
+again next step). Once every rank reported, the objects are committed locally and
+the next lookup offers them like any local hit, under a pin. A failed fetch, a
+master that went away or a fetch past its deadline only makes the next lookup
+shorter: a miss, recomputed.
+
+Rules (each a unit test):
+
+* a request consults the shared tier once; its next lookups use the local index;
+* a fetch is committed only when every rank fetched it whole, aborted otherwise,
+  and never aborted when a rank says a transfer may still write its pages;
+* a request never waits past ``timeout_s`` for a fetch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from ascend_offload.store.base import WriteHandle
+from ascend_offload.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+class SharedTier(Protocol):
+    """What the scheduler asks the shared tier (``store/mooncake_tier.RemoteIndex``)."""
+
+    def available(self) -> bool: ...
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchJob:
+    """Every rank gets block ``keys[i]`` from the shared tier into its page ``pages[i]``."""
+
+    job_id: int
+    keys: tuple[str, ...]
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Fetch:
+    handles: list[WriteHandle]
+    done: int = 0
+    failed: int = 0
+    unsafe: int = 0
+
+
+class RemoteFetches:
+    """Fetch jobs of the shared tier and their completion across ranks (module doc)."""
+
+    def __init__(
+        self,
+        index: LocalStore,
+        tier: SharedTier,
+        *,
+        page_bytes: int,
+        world_size: int,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.tier = tier
+        self.page_bytes = page_bytes
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._jobs: dict[int, _Fetch] = {}
+        self._queue: list[FetchJob] = []
+        self._waiting: dict[str, tuple[int, float]] = {}  # req_id -> (job id, deadline)
+        self._asked: set[str] = set()
+        self._fetched_for: dict[str, frozenset[str]] = {}
+        #: monotonic totals for the connector's metrics
+        self.fetch_jobs = 0
+        self.fetched_blocks = 0
+        self.failed_fetch_jobs = 0
+        self.timed_out_waits = 0
+        self.quarantined_pages = 0
+
+    def consult(self, req_id: str, keys: Sequence[str], local_hit: int) -> bool:
+        """True while the request should wait for a fetch of ``keys[local_hit:]`` (the
+        local index has ``keys[:local_hit]``: a local hit is a prefix from block 0, so
+        the fetch continues it). Starts that fetch on the first call."""
+        w = self._waiting.get(req_id)
+        if w is not None:
+            job_id, deadline = w
+            if job_id in self._jobs:
+                if self._clock() < deadline:
+                    return True
+                self.timed_out_waits += 1
+                log.warning("store: request %s stops waiting for shared-tier fetch %d after %.1f s; "
+                            "its blocks are recomputed", req_id, job_id, self.timeout_s)
+            del self._waiting[req_id]
+            return False
+        if req_id in self._asked:
+            return False
+        self._asked.add(req_id)
+        start = local_hit
+        if start >= len(keys) or not self.tier.available():
+            return False
+        n = self.tier.lookup_prefix(keys[start:])
+        if n == 0:
+            return False
+        guard = self.index.pin(keys[:local_hit]) if local_hit else None  # not evicted for room
+        try:
+            handles = self.index.allocate(keys[start:start + n], [self.page_bytes] * n)
+        finally:
+            if guard is not None:
+                self.index.unpin(guard)
+        if handles is None:  # local pages full of pins and pending saves
+            return False
+        lead = next((i for i, h in enumerate(handles) if h is None), len(handles))
+        self.index.abort([h for h in handles[lead:] if h is not None])
+        owned = [h for h in handles[:lead] if h is not None]
+        if not owned:
+            return False
+        job = FetchJob(next(self._ids), tuple(h.key for h in owned),
+                       tuple(self.index.pages(h.key)[0] for h in owned))
+        self._jobs[job.job_id] = _Fetch(owned)
+        self._queue.append(job)
+        self._waiting[req_id] = (job.job_id, self._clock() + self.timeout_s)
+        self._fetched_for[req_id] = frozenset(job.keys)
+        self.fetch_jobs += 1
+        return True
+
+    def fetched_keys(self, req_id: str) -> frozenset[str]:
+        """Keys fetched from the shared tier for this request."""
+        return self._fetched_for.get(req_id, frozenset())
+
+    def forget(self, req_id: str) -> None:
+        """The request finished; its fetch (if any) still settles on the ranks' reports."""
+        self._waiting.pop(req_id, None)
+        self._asked.discard(req_id)
+        self._fetched_for.pop(req_id, None)
+
+    def take_jobs(self) -> list[FetchJob]:
+        """Fetch jobs started since the last step (the workers run them)."""
+        jobs, self._queue = self._queue, []
+        return jobs
+
+    @property
+    def open_jobs(self) -> int:
+        return len(self._jobs)
+
+    def report(self, done: Mapping[int, int], failed: Mapping[int, int],
+               unsafe: Mapping[int, int]) -> None:
+        """Ranks' fetch results (job id -> ranks); ``unsafe``: failed ranks whose transfer
+        may still write the pages. Settles each job once every rank reported."""
+        for counts, attr in ((done, "done"), (failed, "failed"), (unsafe, "unsafe")):
+            for job_id, n in counts.items():
+                job = self._jobs.get(job_id)
+                if job is None:
+                    log.warning("store: fetch report for unknown job %d ignored", job_id)
+                    continue
+                setattr(job, attr, getattr(job, attr) + n)
+        for job_id in dict.fromkeys(itertools.chain(done, failed)):
+            job = self._jobs.get(job_id)
+            if job is None or job.done + job.failed < self.world_size:
+                continue
+            del self._jobs[job_id]
+            if not job.failed:
+                self.index.commit(job.handles)
+                self.fetched_blocks += len(job.handles)
+                continue
+            self.failed_fetch_jobs += 1
+            if job.unsafe:  # stays pending: its pages are never handed out again
+                self.quarantined_pages += len(job.handles)
+            else:
+                self.index.abort(job.handles)
+
+    def counters(self) -> dict[str, int]:
+        return {"remote_fetch_jobs": self.fetch_jobs, "remote_fetched_blocks": self.fetched_blocks,
+                "remote_failed_fetch_jobs": self.failed_fetch_jobs,
+                "remote_fetch_wait_timeouts": self.timed_out_waits,
+                "remote_quarantined_pages": self.quarantined_pages}
