@@ -5,7 +5,9 @@ latest value); vLLM aggregates them and feeds :class:`SparsePromMetrics`, which
 exports ``vllm:ascend_offload_sparse_*`` (read by ``LLM.get_metrics`` and the
 OpenAI server's ``/metrics``). Derived per-step figures: hit rate =
 ``hit_positions / resolved_positions``, miss rows and bytes per step =
-``miss_rows / steps`` and ``miss_bytes / steps``.
+``miss_rows / steps`` and ``miss_bytes / steps``. The ``device_*_kv_bytes``
+gauges are the engine's own allocation (main KV = hot buffers only; vLLM's
+``num_gpu_blocks`` counts indexer blocks).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
     "admitted_requests": "requests holding host pool rows",
     "hit_rate": "hot-buffer hit rate over the last report interval",
+    "device_kv_bytes": "device KV allocation of the engine (bytes, one rank)",
+    "device_main_kv_bytes": "device bytes of the sparse main-KV layers (their hot buffers)",
+    "device_indexer_kv_bytes": "device bytes of the rest of the KV allocation (indexer cache)",
 }
 _NS = ("offload_ns", "resolve_ns", "copy_ns")
 
