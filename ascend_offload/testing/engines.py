@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -90,6 +91,14 @@ class StepRecorder:
         return _Logger
 
 
+def explicit_kv_memory(engine_args: dict[str, Any]) -> None:
+    """Let ``kv_cache_memory_bytes`` count: vLLM's CPU platform replaces it with the legacy
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) whenever that is set, so drop it from the
+    environment the engine core inherits."""
+    if engine_args.get("kv_cache_memory_bytes") is not None:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
 def stepped_engine(recorder: StepRecorder, **engine_args: Any) -> Any:
     """An ``LLMEngine`` (engine core in its own process) reporting every step to ``recorder``.
 
@@ -100,6 +109,7 @@ def stepped_engine(recorder: StepRecorder, **engine_args: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    explicit_kv_memory(engine_args)
     kvt = engine_args.get("kv_transfer_config")
     if isinstance(kvt, dict):
         engine_args["kv_transfer_config"] = KVTransferConfig(**kvt)
