@@ -24,6 +24,7 @@ gauges): main KV = the hot buffers only.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -108,8 +109,6 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict[str, Any]:
-    import os
-
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     rec = {"baseline": StepRecorder(), "offload": StepRecorder()}
     out: dict[str, Any] = {"tokens": {}, "peak_a": {}, "peak_b": {}, "blocks": {}}
