@@ -23,9 +23,10 @@ BENCHES: dict[str, str] = {
     "proxy": "ascend_offload.bench.proxy",
     "e2e-pd": "ascend_offload.bench.e2e_pd",
     "sparse-e2e": "ascend_offload.bench.sparse_e2e",
+    "sparse-admission": "ascend_offload.bench.sparse_admission",
 }
 # minutes long (real vLLM engines): ``bench all`` skips them; run them by name
-SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e"})
+SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission"})
 
 USAGE = (
     "usage: ascend-offload {plan,check-config,demo,bench} ...\n"

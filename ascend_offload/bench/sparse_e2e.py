@@ -33,18 +33,20 @@ slot mapping and, offloading, the plan / pool-position building / top-k remap
 around the counted phases. ``other`` is the rest of the step: projections
 (the indexer's included), MLP, sampling, scheduling, vLLM's bookkeeping.
 
-``decode_device_kv_ratio``: main-KV bytes on the device (the sparse layers'
-registered KV caches, plus the hot buffers when offloading) with / without
-offload, read from each engine's worker. Colocated mode still allocates the
-full paged main KV on the device (prefill writes it; the allocation cut is not
-built), so the ratio is slightly above 1.0, and the bench says so.
+``decode_device_kv_ratio``: main-KV bytes on the device with / without offload
+for the stated batch and context. With: the offload engine's own allocation
+for its main-KV layers (the hot buffers of its ``--batch`` request slots, read
+from the worker: ``device_main_kv_bytes``). Without: vLLM's paged main KV for
+``--batch`` requests of ``context + decode_tokens`` tokens (blocks x page x
+layers). Both engines get the same ``kv_cache_memory_bytes`` (``--kv-bytes``,
+by default twice what the baseline's batch needs); the baseline's whole
+main-KV allocation at that budget is reported too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import random
@@ -54,6 +56,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from ascend_offload.testing.engines import explicit_kv_memory, owned_engine
 
 BLOCK_SIZE = 32
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
@@ -122,7 +126,8 @@ class WorkerProbe:
         mod._bench_layer_run = layer_run  # type: ignore[attr-defined]
 
     def bench_probe_read(self) -> dict[str, Any]:
-        """Timer totals (ns), the offload counters (if any) and the main-KV device bytes."""
+        """Timer totals (ns), the offload counters and device KV split (if offloading) and
+        the main-KV layers' paged bytes (without offload; with it their views overlap)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         from ascend_offload.models import attention as mod
@@ -134,12 +139,13 @@ class WorkerProbe:
                 caches = layer.kv_cache if isinstance(layer.kv_cache, list) else [layer.kv_cache]
                 main_kv += sum(c.numel() * c.element_size() for c in caches)
         out: dict[str, Any] = {"timers_ns": dict(getattr(mod, "_bench_totals", {})),
-                               "paged_main_kv_bytes": main_kv, "hot_buffer_bytes": 0, "counters": {}}
+                               "paged_main_kv_bytes": main_kv, "device_kv": {}, "counters": {}}
         if has_kv_transfer_group():
-            decode = getattr(get_kv_transfer_group(), "decode", None)
-            if decode is not None:
-                out["counters"] = decode.counters()
-                out["hot_buffer_bytes"] = int(decode.manager.hot.nbytes)
+            worker = getattr(get_kv_transfer_group(), "worker", None)
+            if worker is not None:
+                out["counters"] = worker.decode.counters()
+                out["device_kv"] = worker.device_kv_gauges()
+                out["hot_buffer_bytes"] = int(worker.manager.hot.nbytes)
         return out
 
 
@@ -153,9 +159,27 @@ def _model(index_topk: int) -> str:
                                       index_topk=index_topk))
 
 
+def _request_blocks(a: argparse.Namespace) -> int:
+    return -(-(a.context + a.decode_tokens) // BLOCK_SIZE)
+
+
+def _rows(model: str) -> tuple[int, int, int]:
+    """Main-KV and indexer row bytes (float32) and layers of the model."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return ((cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4, cfg["index_head_dim"] * 4,
+            cfg["num_hidden_layers"])
+
+
 def _pool_gb(a: argparse.Namespace, row_bytes: int, layers: int) -> float:
-    blocks = -(-(a.context + a.decode_tokens) // BLOCK_SIZE)
-    return a.batch * blocks * BLOCK_SIZE * layers * row_bytes / 2**30 + 1e-6
+    return a.batch * _request_blocks(a) * BLOCK_SIZE * layers * row_bytes / 2**30 + 1e-6
+
+
+def _kv_bytes(a: argparse.Namespace, model: str) -> int:
+    """Both engines' KV memory: ``--kv-bytes``, or twice what the baseline's batch needs."""
+    if a.kv_bytes:
+        return int(a.kv_bytes)
+    main, index, layers = _rows(model)
+    return 2 * a.batch * _request_blocks(a) * BLOCK_SIZE * (main + index) * layers
 
 
 @contextlib.contextmanager
@@ -163,29 +187,23 @@ def _engine(a: argparse.Namespace, model: str, offload: bool) -> Iterator[Any]:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.core
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    row_bytes = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-    kw: dict[str, Any] = {}
+    row_bytes, _, layers = _rows(model)
+    kw: dict[str, Any] = {"kv_cache_memory_bytes": _kv_bytes(a, model)}
+    explicit_kv_memory(kw)
     if offload:
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
-                  "dram_size_per_dp_GB": _pool_gb(a, row_bytes, cfg["num_hidden_layers"])}
+                  "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers)}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="AscendSparseDecodeConnector", kv_role="kv_both",
             kv_connector_extra_config={"sparse_offload": sparse})
-    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
-              enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=a.batch,
-              max_model_len=a.context + a.decode_tokens + BLOCK_SIZE,
-              max_num_batched_tokens=a.batch * a.context,
-              worker_extension_cls=f"{__name__}.WorkerProbe", **kw)
-    try:
+    with owned_engine(lambda: LLM(
+            model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
+            enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=a.batch,
+            max_model_len=a.context + a.decode_tokens + BLOCK_SIZE,
+            max_num_batched_tokens=a.batch * a.context,
+            worker_extension_cls=f"{__name__}.WorkerProbe", **kw)) as llm:
         yield llm
-    finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _prompts(a: argparse.Namespace, round_no: int) -> list[list[int]]:
@@ -298,14 +316,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         breakdown[name] = bd
     paired = [o / b for o, b in zip(steps["offload"], steps["baseline"], strict=True)]
     medians = {n: statistics.median(steps[n]) for n in ENGINES}
-    kv_base = probes["baseline"]["paged_main_kv_bytes"]
-    kv_off = probes["offload"]["paged_main_kv_bytes"] + probes["offload"]["hot_buffer_bytes"]
+    main_row, _, layers = _rows(model)
+    kv_base = a.batch * _request_blocks(a) * BLOCK_SIZE * main_row * layers  # stated context
+    kv_off = probes["offload"]["device_kv"]["device_main_kv_bytes"]
     ratio = statistics.median(paired)
     return {
         "bench": "sparse-e2e",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
-        "config": {k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
-                                              "index_topk", "rounds", "core")},
+        "config": {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
+                                                 "index_topk", "rounds", "core")},
+                   "kv_cache_memory_bytes": _kv_bytes(a, model)},
         "step_ms": {n: _spread(steps[n]) for n in ENGINES},
         "step_ratio": ratio,
         "step_ratio_rounds": _spread(paired),
@@ -316,13 +336,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "breakdown_ms_per_step": breakdown,
         "decode_device_kv_ratio": kv_off / kv_base,
         "main_kv_device_bytes": {
-            "baseline_paged": kv_base, "offload_paged": probes["offload"]["paged_main_kv_bytes"],
-            "offload_hot_buffers": probes["offload"]["hot_buffer_bytes"]},
+            "offload": kv_off, "offload_hot_buffers": probes["offload"]["hot_buffer_bytes"],
+            "offload_indexer": probes["offload"]["device_kv"]["device_indexer_kv_bytes"],
+            "baseline_for_context": kv_base,
+            "baseline_allocated": probes["baseline"]["paged_main_kv_bytes"]},
         "offload_counters": probes["offload"]["counters"],
         "loadavg_1m": load,
-        "notes": ("colocated mode still allocates the full paged main KV on the device "
-                  "(prefill writes it); the allocation cut is not built, so "
-                  "decode_device_kv_ratio is (paged + hot buffers) / paged >= 1"),
     }
 
 
@@ -350,10 +369,10 @@ def report(res: dict[str, Any]) -> str:
             f"{bd[k]:9.3f}" if k in bd else f"{'-':>9s}" for k in keys))
     kv = res["main_kv_device_bytes"]
     lines.append(f"  decode_device_kv_ratio {res['decode_device_kv_ratio']:.4f}: main KV on the "
-                 f"device {kv['offload_paged'] + kv['offload_hot_buffers']} B (paged "
-                 f"{kv['offload_paged']} + hot buffers {kv['offload_hot_buffers']}) vs "
-                 f"{kv['baseline_paged']} B")
-    lines.append("  (" + res["notes"] + ")")
+                 f"device {kv['offload']} B (hot buffers {kv['offload_hot_buffers']} B, "
+                 f"page-aligned) vs {kv['baseline_for_context']} B paged for {c['batch']} x "
+                 f"{c['context'] + c['decode_tokens']} tokens (the baseline allocated "
+                 f"{kv['baseline_allocated']} B of main KV in {c['kv_cache_memory_bytes']} B)")
     return "\n".join(lines)
 
 
@@ -366,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index-topk", type=int, default=32, help="the model's index_topk")
     p.add_argument("--rounds", type=int, default=12, help="rounds per engine (alternating)")
     p.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines' workers")
+    p.add_argument("--kv-bytes", type=int, default=0,
+                   help="kv_cache_memory_bytes of both engines (default: twice the batch's need)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     a = p.parse_args(argv)

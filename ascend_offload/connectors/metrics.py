@@ -91,6 +91,9 @@ SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
     "admitted_requests": "requests holding host pool rows",
     "hit_rate": "hot-buffer hit rate over the last report interval",
+    "device_kv_bytes": "device KV allocation of the engine (bytes, one rank)",
+    "device_main_kv_bytes": "device bytes of the sparse main-KV layers (their hot buffers)",
+    "device_indexer_kv_bytes": "device bytes of the rest of the KV allocation (indexer cache)",
 }
 # A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
 # stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).

@@ -8,12 +8,12 @@ child processes). ``make_engine`` pins each engine's worker to one core with
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ascend_offload.testing.engines import owned_engine
 from ascend_offload.testing.tiny_model import make_tiny_llama
 
 BLOCK_SIZE = 32
@@ -59,14 +59,8 @@ def make_engine(
     args.update(kwargs)
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
-    llm = LLM(**args)
-    try:
+    with owned_engine(lambda: LLM(**args)) as llm:
         yield llm
-    finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[Any]:

@@ -1,69 +1,99 @@
 """Sparse decode offload in one real vLLM CPU engine (colocated mode), float32.
 
-Our 4-layer sparse-MLA model (index_topk 32) with ``AscendSparseDecodeConnector``:
-hot buffers of 64 rows, contexts of 300-600 tokens (>= 4x the hot buffer) and a
-few short ones, 12 prompts with different ``max_tokens`` at most 4 at a time
-(``max_num_seqs``), prefill in chunks of 128 tokens mixed with decode rows. The
-host pool holds only about four requests' reservations, so later requests reuse
-rows (and hot-buffer rows) freed by finished ones while others continue.
+Our 4-layer sparse-MLA model (index_topk 32) with ``AscendSparseDecodeConnector``,
+hot buffers of 64 rows, against the same model without the connector (the
+baseline). Both engines stay up for the whole file, with the same engine
+config and the same KV memory (``kv_cache_memory_bytes``); every request is
+submitted at once and the engines are stepped by hand, so the scheduler's
+running/waiting counts of every step are recorded.
 
-Two engines: the same model without the connector (the baseline) and with it.
+* Batch A, 32 prompts: 16 of 256-520 tokens (>= 4x the hot buffer) and 16 of
+  8-120, 3-10 new tokens each, at most 4 at a time (``max_num_seqs``), prefill
+  in chunks of 128 tokens mixed with decode rows; requests finish and free their
+  pool rows while others continue.
+* Batch B, 6 prompts of 460-520 tokens with 12 new tokens each: the host pool
+  (40 blocks) holds at most two of them at once, so the others wait for pool
+  rows (``get_num_new_matched_tokens`` -> None) while the baseline runs up to
+  four: the offload engine's peak running requests is <= 2, the baseline's >= 3.
+
 Greedy tokens must be identical, every decode token of every layer must have
 been resolved through the hot buffers, and the run must really hit and miss.
+The engine's device KV, read from its own allocation (``device_*_kv_bytes``
+gauges): main KV = the hot buffers only.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import pytest
 
+from ascend_offload.testing.engines import StepRecorder, owned_engine, run_requests, stepped_engine
 from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import MODEL_CACHE, make_engine
+from tests.e2e.harness import MODEL_CACHE
 
 N_LAYERS = 4
 TOPK = 32
 HOT = 64
 BLOCK = 32
 ROW_BYTES = (64 + 16) * 4  # latent + rope, float32
-LENGTHS = (300, 420, 512, 600, 20, 333, 470, 560, 64, 389, 600, 301)
-MAX_TOKENS = (24, 8, 16, 12, 20, 9, 24, 14, 10, 18, 6, 22)
+INDEX_ROW_BYTES = 32 * 4  # index_head_dim, float32
 MAX_SEQS = 4
-ENGINE_ARGS: dict[str, Any] = dict(max_num_batched_tokens=128, max_model_len=1024,
-                                   max_num_seqs=MAX_SEQS, block_size=BLOCK,
-                                   disable_log_stats=False)
-# Pool rows per layer for about MAX_SEQS of the longest reservations (600 + 24 tokens ->
-# 20 blocks): 102 blocks, far less than the 12 prompts reserve in total.
-POOL_ROWS = 3264
-POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
+PAGE = 4096
+# The same KV memory for both engines. Small enough that the offload engine's
+# overlapping main-KV views (one element per block) fit inside the hot regions.
+KV_BYTES = 256 * 2**20
+ENGINE_ARGS: dict[str, Any] = dict(
+    dtype="float32", block_size=BLOCK, enforce_eager=True, enable_prefix_caching=False, seed=0,
+    max_num_batched_tokens=128, max_model_len=1024, max_num_seqs=MAX_SEQS,
+    kv_cache_memory_bytes=KV_BYTES)
+POOL_BLOCKS = 40  # >= max_model_len; at most two of batch B's reservations at once
+POOL_GB = POOL_BLOCKS * BLOCK * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(23)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+def _batch_a() -> tuple[list[int], list[int]]:
+    rng = random.Random(5)
+    lengths = [rng.randrange(256, 521) if i % 2 == 0 else rng.randrange(8, 121) for i in range(32)]
+    return lengths, [rng.randrange(3, 11) for _ in lengths]
 
 
-PROMPTS = _prompts()
+LENGTHS_A, MAX_TOKENS_A = _batch_a()
+LENGTHS_B = [460, 520, 475, 505, 490, 466]
+MAX_TOKENS_B = [12] * len(LENGTHS_B)
+LENGTHS = LENGTHS_A + LENGTHS_B
+MAX_TOKENS = MAX_TOKENS_A + MAX_TOKENS_B
 
 
-def _sparse_config(**over: Any) -> dict[str, Any]:
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+PROMPTS_A, PROMPTS_B = _prompts(LENGTHS_A, 23), _prompts(LENGTHS_B, 29)
+
+
+def _reservation_blocks(n: int, k: int) -> int:
+    return -(-(n + k) // BLOCK)
+
+
+def _sparse_config() -> dict[str, Any]:
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB, **over}
+              "dram_size_per_dp_GB": POOL_GB}
     return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"sparse_offload": sparse}}
 
 
-def _generate(llm: Any) -> list[list[int]]:
+def _run(engine: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     from vllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    return run_requests(engine, prompts, params)
 
 
 def _metric(name: str) -> float:
-    """A metric of this process's Prometheus registry (where the LLM's stat loggers
+    """A metric of this process's Prometheus registry (where the engine's stat loggers
     export). Not ``LLM.get_metrics()``: it truncates counters to integers, and the
     time counters are fractions of a second here."""
     from prometheus_client import REGISTRY
@@ -79,24 +109,54 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    with make_engine(model=model_dir, core=0, **ENGINE_ARGS) as llm:
-        out["baseline"] = _generate(llm)
-    with make_engine(model=model_dir, core=0, kv_transfer_config=_sparse_config(),
-                     **ENGINE_ARGS) as llm:
-        out["offload"] = _generate(llm)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    rec = {"baseline": StepRecorder(), "offload": StepRecorder()}
+    out: dict[str, Any] = {"tokens": {}, "peak_a": {}, "peak_b": {}, "blocks": {}}
+    # baseline first: a later engine's Prometheus logger replaces an earlier one's, and the
+    # connector metrics read below are the offload engine's
+    with owned_engine(lambda: stepped_engine(rec["baseline"], model=model_dir, **ENGINE_ARGS)
+                      ) as base, \
+         owned_engine(lambda: stepped_engine(rec["offload"], model=model_dir,
+                                             kv_transfer_config=_sparse_config(), **ENGINE_ARGS)
+                      ) as off:
+        engines = {"baseline": base, "offload": off}
+        for name, eng in engines.items():
+            out["blocks"][name] = eng.vllm_config.cache_config.num_gpu_blocks
+            r = rec[name]
+            m = r.mark()
+            toks = _run(eng, PROMPTS_A, MAX_TOKENS_A)
+            out["peak_a"][name] = r.peak_running(m)
+            m = r.mark()
+            toks += _run(eng, PROMPTS_B, MAX_TOKENS_B)
+            out["peak_b"][name] = r.peak_running(m)
+            out["tokens"][name] = toks
         out["metrics"] = {n: _metric(n) for n in (
             "steps", "resolved_positions", "hit_positions", "miss_rows", "miss_bytes",
             "offload_rows", "admission_failures", "unmatched_rows", "resolve_seconds",
-            "copy_seconds", "pool_rows_used")}
+            "copy_seconds", "pool_rows_used", "device_kv_bytes", "device_main_kv_bytes",
+            "device_indexer_kv_bytes")}
     return out
 
 
 def test_greedy_tokens_identical_to_the_model_without_offload(runs: dict[str, Any]) -> None:
-    assert [len(t) for t in runs["offload"]] == list(MAX_TOKENS)
-    assert runs["offload"] == runs["baseline"]
+    toks = runs["tokens"]
+    assert len(LENGTHS) >= 30
+    assert [len(t) for t in toks["offload"]] == MAX_TOKENS
+    assert toks["offload"] == toks["baseline"]
     # the prompts really differ in what they generate (not one degenerate answer)
-    assert len({tuple(t) for t in runs["baseline"]}) == len(PROMPTS)
+    assert len({tuple(t) for t in toks["baseline"]}) == len(LENGTHS)
+
+
+def test_requests_ran_concurrently_and_waited_for_pool_rows(runs: dict[str, Any]) -> None:
+    # several requests decoded at once (batch A)
+    assert runs["peak_a"]["offload"] >= 2 and runs["peak_a"]["baseline"] >= 2, runs["peak_a"]
+    # batch B: any three reservations exceed the pool, so at most two ran at once with
+    # offload; the baseline (same engine config, no pool) ran more, so requests waited
+    # for pool rows, and every one finished (rows freed and taken again)
+    res = sorted(_reservation_blocks(n, k) for n, k in zip(LENGTHS_B, MAX_TOKENS_B, strict=True))
+    assert sum(res[:3]) > POOL_BLOCKS >= sum(res[-2:])
+    assert runs["peak_b"]["offload"] <= 2 < runs["peak_b"]["baseline"], runs["peak_b"]
+    assert runs["peak_b"]["offload"] == 2, runs["peak_b"]
 
 
 def test_every_decode_token_went_through_the_hot_buffers(runs: dict[str, Any]) -> None:
@@ -118,8 +178,30 @@ def test_every_decode_token_went_through_the_hot_buffers(runs: dict[str, Any]) -
           f"{m['miss_rows'] / m['steps']:.1f}")
 
 
-def test_the_pool_must_be_reused() -> None:
-    """The prompts reserve more pool blocks than the pool has, so the run above (no
-    admission failure) admitted later requests into rows freed by finished ones."""
-    reserved = sum(-(-(n + k) // BLOCK) for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
-    assert reserved > POOL_ROWS // BLOCK >= MAX_SEQS * -(-(max(LENGTHS) + max(MAX_TOKENS)) // BLOCK)
+def test_device_main_kv_is_the_hot_buffers_only(runs: dict[str, Any]) -> None:
+    """Read from the engines: the offload engine's main KV on the device is its hot
+    buffers (page-rounded), its indexer blocks took the rest of the same KV memory;
+    the baseline's main KV is vLLM's blocks x page x layers."""
+    m, blocks = runs["metrics"], runs["blocks"]
+    hot = N_LAYERS * -(-(MAX_SEQS * HOT * ROW_BYTES) // PAGE) * PAGE
+    assert m["device_main_kv_bytes"] == hot, m
+    assert m["device_indexer_kv_bytes"] == blocks["offload"] * BLOCK * INDEX_ROW_BYTES * N_LAYERS
+    assert m["device_kv_bytes"] == m["device_main_kv_bytes"] + m["device_indexer_kv_bytes"]
+    assert m["device_kv_bytes"] <= KV_BYTES
+    base_main = blocks["baseline"] * BLOCK * ROW_BYTES * N_LAYERS
+    base_total = blocks["baseline"] * BLOCK * (ROW_BYTES + INDEX_ROW_BYTES) * N_LAYERS
+    assert base_total <= KV_BYTES
+    # vLLM's blocks: the baseline's hold main KV + indexer, the offload engine's only the
+    # indexer, over the memory left after the hot buffers
+    assert blocks["baseline"] == KV_BYTES // (BLOCK * (ROW_BYTES + INDEX_ROW_BYTES) * N_LAYERS)
+    assert blocks["offload"] == (KV_BYTES - hot) // (BLOCK * INDEX_ROW_BYTES * N_LAYERS), blocks
+    # per request at the longest stated context: hot rows vs the full paged main KV
+    ctx = max(LENGTHS) + max(MAX_TOKENS)
+    per_req = {"offload": m["device_main_kv_bytes"] / MAX_SEQS,
+               "baseline": _reservation_blocks(ctx, 0) * BLOCK * ROW_BYTES * N_LAYERS}
+    assert per_req["offload"] / per_req["baseline"] <= HOT / ctx * 1.1
+    print(f"\ndevice KV ({KV_BYTES} B each): baseline main {base_main} B in {blocks['baseline']} "
+          f"blocks; offload main {m['device_main_kv_bytes']:.0f} B (hot buffers), indexer "
+          f"{m['device_indexer_kv_bytes']:.0f} B in {blocks['offload']} blocks; main-KV ratio "
+          f"{m['device_main_kv_bytes'] / base_main:.4f} of the baseline allocation, "
+          f"{per_req['offload'] / per_req['baseline']:.4f} per request at {ctx} tokens")

@@ -147,7 +147,8 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         if self.worker is None:
             return None
         d = self.worker.decode
-        return self._reporter.take(d.counters(), d.gauges())
+        return self._reporter.take(d.counters(), {**d.gauges(),
+                                                   **self.worker.device_kv_gauges()})
 
     # ======================================================================= adapter
 

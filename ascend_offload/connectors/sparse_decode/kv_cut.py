@@ -146,7 +146,7 @@ def cut_kv_cache_config(vllm_config: Any, config: Any, available_memory: int,
         raise ConfigError("key 'sparse_offload.enabled'=True: the model has no indexer cache "
                           "layer beside its main KV (cache_role INDEXER); nothing would select "
                           "the rows to load")
-    hot_total = hot.layer_bytes * len(mains)  # the regions may grow by a few KiB below
+    hot_total = hot.layer_bytes * len(mains)  # plus a few KiB of slack below
     left = available_memory - hot_total
     phys = get_kv_cache_config_from_groups(vllm_config, rest, max(left, 0))
     if left <= 0 or phys.num_blocks < 2:
@@ -156,13 +156,24 @@ def cut_kv_cache_config(vllm_config: Any, config: Any, available_memory: int,
             f"MiB) leave no room for the indexer cache in the {available_memory / 2**20:.1f} MiB "
             "of KV memory; lower it or max_num_seqs, or give the KV cache more memory")
     # vLLM's view of a main-KV layer: block b starts one element after block b-1 (vLLM
-    # wants positive strides), so all blocks overlap inside the layer's region
+    # wants positive strides), so all its blocks overlap, from the start of the layer's
+    # region on. A view may reach into the next layers' regions (no one writes through
+    # it); only the last one needs slack past its region, once: (num_blocks - 1) elements
+    # + a page, when that is longer than a hot buffer.
     spec = next(iter(mains.values()))
     elem = torch.empty(0, dtype=spec.dtype).element_size()
-    span = (phys.num_blocks - 1) * elem + int(spec.page_size_bytes)
-    region = -(-max(hot.nbytes, span) // _ALIGN) * _ALIGN
+    region = hot.layer_bytes
+
+    def slack_of(num_blocks: int) -> int:
+        span = (num_blocks - 1) * elem + int(spec.page_size_bytes)
+        return -(-max(0, span - region) // _ALIGN) * _ALIGN
+
+    slack = slack_of(phys.num_blocks)
+    if slack:  # the slack comes out of the same budget (fewer blocks need no more of it)
+        phys = get_kv_cache_config_from_groups(vllm_config, rest, max(left - slack - _ALIGN, 0))
+        slack = slack_of(phys.num_blocks)
     base = -(-phys.kv_cache_tensors[0].size // _ALIGN) * _ALIGN
-    size = base + region * len(mains)
+    size = base + region * len(mains) + slack
     tensors = [dataclasses.replace(t, size=size) for t in phys.kv_cache_tensors]
     for i, name in enumerate(mains):
         tensors.append(KVCacheTensor(size=size, layers=[name], layer_stride=region,

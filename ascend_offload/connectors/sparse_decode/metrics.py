@@ -5,7 +5,9 @@ latest value); vLLM aggregates them and feeds :class:`SparsePromMetrics`, which
 exports ``vllm:ascend_offload_sparse_*`` (read by ``LLM.get_metrics`` and the
 OpenAI server's ``/metrics``). Derived per-step figures: hit rate =
 ``hit_positions / resolved_positions``, miss rows and bytes per step =
-``miss_rows / steps`` and ``miss_bytes / steps``.
+``miss_rows / steps`` and ``miss_bytes / steps``. The ``device_*_kv_bytes``
+gauges are the engine's own allocation (main KV = hot buffers only; vLLM's
+``num_gpu_blocks`` counts indexer blocks).
 """
 
 from __future__ import annotations

@@ -114,3 +114,26 @@ class SparseDecodeWorker:
     def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode.context_rows(layer, batch_index, positions)
+
+    # ------------------------------------------------------------------ metrics
+
+    def device_kv_gauges(self) -> dict[str, int]:
+        """The engine's device KV allocation, read from the storage the hot buffers live in.
+
+        vLLM backs every layer's KV with one allocation; the cut put one hot region
+        per main-KV layer at its end (:mod:`.kv_cut`), so the main-KV bytes are the
+        hot buffers and everything before the first of them is the indexer cache
+        (the rest: page alignment and the slack vLLM's overlapping views need). Hot buffers that are not views of one backing (the manager
+        allocated them itself) count whole, with no indexer bytes known here.
+        """
+        hot = self.manager.hot.buffers
+        storages = {b.untyped_storage().data_ptr() for b in hot}
+        if len(storages) != 1:
+            main = sum(b.untyped_storage().nbytes() for b in hot)
+            return {"device_kv_bytes": main, "device_main_kv_bytes": main,
+                    "device_indexer_kv_bytes": 0}
+        backing = hot[0].untyped_storage().nbytes()
+        start = min(b.storage_offset() * b.element_size() for b in hot)
+        main = sum(b.numel() * b.element_size() for b in hot)
+        return {"device_kv_bytes": backing, "device_main_kv_bytes": main,
+                "device_indexer_kv_bytes": start}

@@ -1,0 +1,137 @@
+"""Real vLLM engines for tests and benches: always torn down, optionally stepped by hand.
+
+:func:`owned_engine` owns the only reference to an engine (``LLM`` or
+``LLMEngine``) and shuts its engine core down on exit, whatever happened, so a
+failed test or bench never leaves an EngineCore process behind.
+
+:func:`stepped_engine` builds an ``LLMEngine`` whose stat loggers include a
+:class:`StepRecorder`: vLLM hands every logger the scheduler's counts after every
+engine step (running and waiting requests, preemptions), which is how a test
+or bench reads how many requests an engine really ran at once (vLLM's own
+``num_requests_running`` gauge keeps only the latest value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def owned_engine(factory: Callable[[], T]) -> Iterator[T]:
+    """Build the engine with ``factory``; on exit shut its engine core down and collect it."""
+    engine: Any = factory()
+    try:
+        yield engine
+    finally:
+        core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
+        with contextlib.suppress(Exception):
+            core.shutdown()
+        del engine, core
+        gc.collect()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """The scheduler's counts after one engine step."""
+
+    running: int
+    waiting: int
+    preempted: int  # requests preempted in this step
+
+
+class StepRecorder:
+    """Collects :class:`StepCounts` of every step of one engine (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepCounts] = []
+
+    def add(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is None:
+            return
+        pre = 0 if iteration_stats is None else int(iteration_stats.num_preempted_reqs)
+        self.steps.append(StepCounts(int(scheduler_stats.num_running_reqs),
+                                     int(scheduler_stats.num_waiting_reqs), pre))
+
+    def mark(self) -> int:
+        """A position to measure from (:meth:`peak_running`, :meth:`preempted`)."""
+        return len(self.steps)
+
+    def peak_running(self, since: int = 0) -> int:
+        return max((s.running for s in self.steps[since:]), default=0)
+
+    def preempted(self, since: int = 0) -> int:
+        return sum(s.preempted for s in self.steps[since:])
+
+    def logger_factory(self) -> type:
+        """A vLLM per-engine stat logger class feeding this recorder."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any,
+                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                recorder.add(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+
+def explicit_kv_memory(engine_args: dict[str, Any]) -> None:
+    """Let ``kv_cache_memory_bytes`` count: vLLM's CPU platform replaces it with the legacy
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) whenever that is set, so drop it from the
+    environment the engine core inherits."""
+    if engine_args.get("kv_cache_memory_bytes") is not None:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def stepped_engine(recorder: StepRecorder, **engine_args: Any) -> Any:
+    """An ``LLMEngine`` (engine core in its own process) reporting every step to ``recorder``.
+
+    ``engine_args`` are vLLM's ``EngineArgs``; a ``kv_transfer_config`` dict is
+    turned into a ``KVTransferConfig``. Stats logging is forced on (the recorder
+    needs it)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    explicit_kv_memory(engine_args)
+    kvt = engine_args.get("kv_transfer_config")
+    if isinstance(kvt, dict):
+        engine_args["kv_transfer_config"] = KVTransferConfig(**kvt)
+    engine_args["disable_log_stats"] = False
+    return LLMEngine.from_engine_args(EngineArgs(**engine_args),
+                                      stat_loggers=[recorder.logger_factory()])
+
+
+def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any]
+                 ) -> list[list[int]]:
+    """Submit every prompt at once, step the engine until all finish; tokens in order."""
+    if len(prompts) != len(params):
+        raise ValueError(f"{len(prompts)} prompts, {len(params)} sampling params")
+    ids = [f"req-{next(_ids)}" for _ in prompts]
+    for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    missing = [rid for rid in ids if rid not in done]
+    if missing:
+        raise RuntimeError(f"engine finished without output for {missing}")
+    return [done[rid] for rid in ids]
