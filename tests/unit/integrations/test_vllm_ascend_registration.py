@@ -37,11 +37,11 @@ from tests.unit.integrations.test_vllm_ascend import (
     LAYERS,
     NUM_SCHED_BLOCKS,
     NUM_STEPS,
-    P,
-    R,
     REQUESTS,
     SCHED_BS,
     TOPK,
+    P,
+    R,
     _hidden,
     _impl,
     _keys,
@@ -193,7 +193,7 @@ def test_engine_core_marks_configs_and_both_roles_count_one_pool(older_vllm: Any
     # the scheduler's copy has one spec per group: main and indexer layers look alike there
     assert not hasattr(sched_cfg.kv_cache_groups[0].kv_cache_spec, "kv_cache_specs")
     facts = PagedMainKV(tuple(LAYERS), ROW_BYTES)
-    assert getattr(sched_cfg, "ascend_offload_sparse_paged") == facts
+    assert sched_cfg.ascend_offload_sparse_paged == facts
     sched = AscendSparseDecodeConnector(vcfg, KVConnectorRole.SCHEDULER, sched_cfg)
     assert sched.settings is not None and sched.settings.paged
     assert sched.settings.layers == tuple(LAYERS) and sched.settings.pool_blocks == POOL_BLOCKS
@@ -251,9 +251,11 @@ def test_paged_rows_must_match_the_scheduler_row(older_vllm: Any) -> None:
     conn = AscendSparseDecodeConnector(vcfg, KVConnectorRole.WORKER, worker_cfg)
     registered, _ = _runner_caches()
     k, v = registered[LAYERS[0]]
-    for bad in ({LAYERS[0]: k},  # not a (k_cache, v_cache) pair
-                {LAYERS[0]: (k.half(), v.half())}):  # another dtype: another row size
-        with pytest.raises(ConfigError, match="sparse_offload.enabled"):
+    for bad, why in (({LAYERS[0]: k}, r"is a \(k_cache, v_cache\) pair"),
+                     ({LAYERS[0]: (k.half(), v.half())}, "one host pool needs one row"),
+                     ({n: (registered[n][0].half(), registered[n][1].half()) for n in LAYERS},
+                      "the roles disagree")):
+        with pytest.raises(ConfigError, match=why):
             conn.register_kv_caches({**registered, **bad})  # type: ignore[arg-type]
 
 
