@@ -36,7 +36,6 @@ from tests.unit.integrations.test_vllm_ascend import (
     KERNEL_BS,
     LAYERS,
     NUM_SCHED_BLOCKS,
-    NUM_STEPS,
     REQUESTS,
     SCHED_BS,
     TOPK,
@@ -242,7 +241,6 @@ def test_sfa_decode_runs_through_the_registered_connector(older_vllm: Any,
     assert sorted(pool.admitted()) == sorted(REQUESTS)
     stats = conn.get_kv_connector_stats()
     assert stats is not None and stats.data["resolved_positions"] > 0
-    assert NUM_STEPS == len(_steps())
 
 
 def test_paged_rows_must_match_the_scheduler_row(older_vllm: Any) -> None:
