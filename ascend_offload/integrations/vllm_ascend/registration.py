@@ -94,13 +94,15 @@ def paged_main_kv_facts(vllm_config: Any, kv_cache_config: Any) -> PagedMainKV:
 
 def mark_configs(vllm_config: Any, configs: Sequence[Any]) -> None:
     """Mark every worker's config (those that allocate) with its paged main-KV facts."""
+    facts = None
     for c in configs:
         if c.kv_cache_tensors:
             facts = paged_main_kv_facts(vllm_config, c)
             mark_paged_main_kv(c, facts)
-            log.info("ascend-offload sparse decode on vllm-ascend: main KV of %d layers stays "
-                     "paged on the device (no device-KV cut on this vLLM); decode rows are "
-                     "served from the host pool (%d B rows)", len(facts.layers), facts.row_bytes)
+    if facts is not None:
+        log.info("ascend-offload sparse decode on vllm-ascend: main KV of %d layers stays paged "
+                 "on the device (no device-KV cut on this vLLM); decode rows are served from "
+                 "the host pool (%d B rows)", len(facts.layers), facts.row_bytes)
 
 
 def _wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
