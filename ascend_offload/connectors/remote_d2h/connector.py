@@ -128,8 +128,14 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        pairs = pair_layers(list(kv_caches), indexer_layers(self._kv_cache_config))
-        first = next(iter(kv_caches.values()), None)
+        if self.sparse_settings is not None and self.sparse_settings.paged:  # vllm-ascend
+            from ascend_offload.connectors.sparse_decode.worker import unwrap_paged_caches
+
+            kv_caches, indexers = unwrap_paged_caches(kv_caches, self.sparse_settings)
+        else:
+            indexers = indexer_layers(self._kv_cache_config)
+        pairs = pair_layers(list(kv_caches), indexers)
+        first = next((t for t in kv_caches.values() if isinstance(t, torch.Tensor)), None)
         where = {"is_producer": self.settings.is_producer,
                  "device_id": (first.device.index or 0) if first is not None else 0}
         if self.decode is not None and self.sparse_settings is not None:

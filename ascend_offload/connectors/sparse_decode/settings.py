@@ -30,6 +30,40 @@ def model_index_topk(vllm_config: VllmConfig) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class PagedMainKV:
+    """Main-KV facts of an engine allocation that keeps the main KV paged on the device.
+
+    Why: on an engine our engine-core cut does not reach (vllm-ascend on the older vLLM
+    it targets), the main KV stays allocated by the engine and its own prefill reads it;
+    the integration that runs there marks the engine core's configs with these facts
+    (the scheduler's copy keeps instance attributes, as with the cut's facts) so both
+    roles size the host pool from the same layers and row bytes.
+    """
+
+    layers: tuple[str, ...]  # main-KV layers, group order
+    row_bytes: int  # one token's main-KV row (nope | rope) in the caches' dtype
+
+
+_PAGED = "ascend_offload_sparse_paged"
+_PAGED_ACCEPTED = {"on": False}
+
+
+def accept_paged_main_kv(on: bool) -> None:
+    """Turned on by an integration whose engine keeps the main KV paged (vllm-ascend's
+    ``install``); off, an uncut allocation is refused."""
+    _PAGED_ACCEPTED["on"] = on
+
+
+def mark_paged_main_kv(config: Any, facts: PagedMainKV) -> None:
+    object.__setattr__(config, _PAGED, facts)
+
+
+def paged_main_kv(config: Any) -> PagedMainKV | None:
+    """The paged main-KV facts on ``config``, only while an integration accepts them."""
+    return getattr(config, _PAGED, None) if _PAGED_ACCEPTED["on"] else None
+
+
+@dataclasses.dataclass(frozen=True)
 class SparseDecodeSettings:
     """What both sides of sparse decode offload derive from the engine config."""
 
@@ -42,6 +76,9 @@ class SparseDecodeSettings:
     group: int  # their KV cache group (block ids for the request keys)
     row_bytes: int
     pool_blocks: int  # host pool blocks per layer (the worker computes the same)
+    # main KV paged on the device by the engine (an integration's allocation, not cut):
+    # the worker allocates the hot buffers and reads (k_cache, v_cache) pairs
+    paged: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, cfg: SparseOffloadConfig,
@@ -55,17 +92,18 @@ class SparseDecodeSettings:
                               "(accepted: False, or no speculative_config)")
         max_len = vllm_config.model_config.max_model_len
         layers: list[str] = []
-        group, row_bytes, pool_blocks = 0, 0, 0
+        group, row_bytes, pool_blocks, paged = 0, 0, 0, False
         if kv_cache_config is not None:
             from ascend_offload.connectors.sparse_decode.kv_cut import cut_facts
 
-            facts = cut_facts(kv_cache_config)
+            facts = cut_facts(kv_cache_config) or paged_main_kv(kv_cache_config)
             if facts is None:
                 raise ConfigError(
                     "key 'sparse_offload.enabled'=True: the engine's KV cache config was not cut "
                     "(main KV still allocated on the device); the ascend_offload plugin must be "
                     "installed in the engine core process (vLLM entry point "
                     "'vllm.general_plugins')")
+            paged = isinstance(facts, PagedMainKV)
             layers = layer_order(facts.layers)
             group = next(g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
                          if layers[0] in grp.layer_names)
@@ -78,7 +116,7 @@ class SparseDecodeSettings:
                     f"pool holds {rows} tokens x {len(layers)} layers x {row_bytes} B, less than "
                     f"one request of max_model_len={max_len}; raise it or lower max_model_len")
         return cls(cfg, topk, block, max_len, vllm_config.scheduler_config.max_num_seqs,
-                   tuple(layers), group, row_bytes, pool_blocks)
+                   tuple(layers), group, row_bytes, pool_blocks, paged)
 
     def reservation(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
         """Positions a request may ever need (prompt + new tokens, capped)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -41,22 +42,73 @@ def main_kv_rows(kv_caches: Mapping[str, torch.Tensor], names: Sequence[str]
     return row, dtype
 
 
+def paged_main_kv_rows(kv_caches: Mapping[str, Any], names: Sequence[str], row_bytes: int
+                       ) -> tuple[int, torch.dtype, torch.device]:
+    """Row, dtype and device of main-KV layers the engine keeps paged as ``(k_cache, v_cache)``
+    (vllm-ascend: nope and rope rows split); the row must be the one the scheduler sized the
+    host pool with (``row_bytes``), so both roles count the same pool blocks."""
+    shapes = set()
+    for n in names:
+        kv = kv_caches[n]
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+            raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layer {n} registered "
+                              f"{type(kv).__name__}; a paged main KV is a (k_cache, v_cache) pair")
+        k, v = kv
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layer {n} has k/v "
+                              f"caches of {k.dtype}/{v.dtype} on {k.device}/{v.device}")
+        shapes.add((k.shape[-1] + v.shape[-1], k.dtype, k.device))
+    if len(shapes) != 1:
+        raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layers have rows of "
+                          f"{sorted(map(str, shapes))}: one host pool needs one row shape")
+    row, dtype, dev = shapes.pop()
+    if row * dtype.itemsize != row_bytes:
+        raise ConfigError(f"key 'sparse_offload.enabled'=True: the main-KV caches have rows of "
+                          f"{row} x {dtype} ({row * dtype.itemsize} B), the scheduler sized the "
+                          f"host pool for {row_bytes} B rows: the roles disagree on the model")
+    return row, dtype, dev
+
+
+def unwrap_paged_caches(kv_caches: Mapping[str, Any], settings: SparseDecodeSettings
+                        ) -> tuple[dict[str, Any], set[str]]:
+    """vllm-ascend's registration (``settings.paged``): main layers keep their
+    ``(k_cache, v_cache)`` pairs, an indexer layer's ``(k_cache,)`` becomes its tensor;
+    returns them with the indexer names (every layer that is not main KV)."""
+    mains = set(settings.layers)
+    out: dict[str, Any] = {}
+    for name, kv in kv_caches.items():
+        if name not in mains and isinstance(kv, (tuple, list)):
+            if len(kv) != 1:
+                raise ConfigError(f"key 'sparse_offload.enabled'=True: indexer layer {name} "
+                                  f"registered {len(kv)} tensors (a quantized key + scale "
+                                  "cache); pulling it is not supported")
+            kv = kv[0]
+        out[name] = kv
+    return out, set(out) - mains
+
+
 class SparseDecodeWorker:
     """Per-rank sparse decode state; applies the scheduler's metadata once per step."""
 
-    def __init__(self, settings: SparseDecodeSettings, kv_caches: Mapping[str, torch.Tensor], *,
+    def __init__(self, settings: SparseDecodeSettings, kv_caches: Mapping[str, Any], *,
                  tp_rank: int = 0, pool: HostKVPool | None = None) -> None:
         names = [n for n in settings.layers if n in kv_caches]
         if not names:
             raise ConfigError("key 'sparse_offload.enabled'=True: the model registered no sparse "
                               "main-KV cache layer (cache_role SPARSE); accepted: False")
-        row, dtype = main_kv_rows(kv_caches, names)
-        rows = settings.max_num_seqs * settings.cfg.topk_buffer_size
-        hot = [hot_buffer_view(kv_caches[n], rows) for n in names]
+        hot: list[torch.Tensor] | None = None
+        where: torch.device | None = None
+        if settings.paged:  # the engine's main KV stays paged: hot buffers of our own
+            row, dtype, where = paged_main_kv_rows(kv_caches, names, settings.row_bytes)
+        else:
+            row, dtype = main_kv_rows(kv_caches, names)
+            rows = settings.max_num_seqs * settings.cfg.topk_buffer_size
+            hot = [hot_buffer_view(kv_caches[n], rows) for n in names]
         self.manager = SparseOffloadManager(
             settings.cfg, num_layers=len(names), row_shape=(row,), dtype=dtype,
             block_size=settings.block_size, max_requests=settings.max_num_seqs,
-            index_topk=settings.index_topk, pool=pool, hot_buffers=hot, tp_rank=tp_rank)
+            index_topk=settings.index_topk, pool=pool, device=where, hot_buffers=hot,
+            tp_rank=tp_rank)
         if self.manager.pool.num_blocks != settings.pool_blocks and pool is None:
             raise ConfigError(f"host pool of {self.manager.pool.num_blocks} blocks, the scheduler "
                               f"counts {settings.pool_blocks}: the roles disagree on the config")
@@ -70,10 +122,12 @@ class SparseDecodeWorker:
         self._applied: object = None
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
-                 "hot buffers %d rows per request x %d requests in the engine's KV allocation "
-                 "(%.1f MiB), residency %s (%s)", len(names), kv.shape[1], row, dtype,
+                 "hot buffers %d rows per request x %d requests %s (%.1f MiB), residency %s "
+                 "(%s)", len(names), kv.shape[1], row, dtype,
                  kv.numel() * kv.element_size() / 2**30, self.manager.hot_size,
-                 self.manager.max_requests, self.manager.hot.nbytes / 2**20,
+                 self.manager.max_requests,
+                 "beside the paged main KV" if settings.paged else "in the engine's KV allocation",
+                 self.manager.hot.nbytes / 2**20,
                  self.manager.residency.kind, settings.cfg.residency_policy)
 
     def apply(self, meta: SparseDecodeMetadata) -> None:

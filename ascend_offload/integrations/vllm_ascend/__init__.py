@@ -12,6 +12,10 @@ no-op while our matching config is off:
 * ``vllm_ascend.worker.model_runner_v1.apply_layerwise_kv_cache_plan`` -> our plan
   when our ``AscendStoreConnector`` runs ``use_layerwise`` (``runner.py``).
 
+With sparse decode on, the caches vllm-ascend registers (main KV paged as
+``(k_cache, v_cache)`` pairs) are accepted by our connectors while installed
+(``registration.py``; ``connectors/sparse_decode/settings.accept_paged_main_kv``).
+
 :func:`uninstall` restores both (and our engine-core layout hook if install
 stood it down).
 """
@@ -33,7 +37,9 @@ _state = {"installed": False, "engine_hook_removed": False}
 
 def _stand_down_engine_hook() -> None:
     """Our engine-core hook writes vLLM 0.32 descriptors (``layers`` + offsets); a vLLM whose
-    ``KVCacheTensor`` has ``shared_by`` instead gets its aliasing from the runner patch."""
+    ``KVCacheTensor`` has ``shared_by`` instead gets its aliasing from the runner patch, and
+    sparse decode keeps the main KV paged there (``registration``: the engine core marks
+    the configs with the main layers and row bytes instead of cutting them)."""
     try:
         from vllm.v1.kv_cache_interface import KVCacheTensor
     except ImportError:
@@ -41,8 +47,10 @@ def _stand_down_engine_hook() -> None:
     fields = getattr(KVCacheTensor, "__dataclass_fields__", {})
     if "shared_by" in fields and "layers" not in fields:
         from ascend_offload.connectors import kv_layout_hook
+        from ascend_offload.integrations.vllm_ascend import registration
 
         kv_layout_hook.uninstall_layout_hook()
+        registration.install_engine_marker()
         _state["engine_hook_removed"] = True
 
 
@@ -60,7 +68,10 @@ def install() -> bool:
         return True
     if not vllm_ascend_available():
         return False
+    from ascend_offload.connectors.sparse_decode.settings import accept_paged_main_kv
+
     _stand_down_engine_hook()
+    accept_paged_main_kv(True)
     _imports.when_imported(sfa.SFA_MODULE, _on_sfa)
     _imports.when_imported(runner.RUNNER_MODULE, _on_runner)
     _state["installed"] = True
@@ -72,15 +83,20 @@ def uninstall() -> None:
     """Undo :func:`install` (tests)."""
     import sys
 
+    from ascend_offload.connectors.sparse_decode.settings import accept_paged_main_kv
+
     for name, undo in ((sfa.SFA_MODULE, sfa.unpatch_backend),
                        (runner.RUNNER_MODULE, runner.unpatch_runner)):
         _imports.forget(name)
         module = sys.modules.get(name)
         if module is not None:
             undo(module)
+    accept_paged_main_kv(False)
     if _state["engine_hook_removed"]:
         from ascend_offload.connectors import kv_layout_hook
+        from ascend_offload.integrations.vllm_ascend import registration
 
+        registration.uninstall_engine_marker()
         kv_layout_hook.install_layout_hook()
         _state["engine_hook_removed"] = False
     _state["installed"] = False

@@ -26,8 +26,9 @@ Per layer and step the mixin maps vllm-ascend's two offload points onto our
   attend over the hot-buffer rows it returns; every other row goes to
   vllm-ascend's kernel over the paged cache, unchanged.
 
-The paged main cache stays allocated (colocated mode, as our own model does): a
-row the offload side cannot serve falls back to it.
+The paged main cache stays allocated (our device-KV cut does not apply on the vLLM
+vllm-ascend targets; ``registration.py``): prefill and any row the offload side does
+not serve read it.
 """
 
 from __future__ import annotations
