@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SPARSE_DECODE = "AscendSparseDecodeConnector"
 REMOTE_D2H = "SfaRemoteD2HConnector"
-_ALIGN = 4096  # hot regions start on a page boundary
+HOT_ALIGN = 4096  # hot regions start on a page boundary
 
 
 # ------------------------------------------------------------------ settings
@@ -105,7 +105,7 @@ def hot_layout(vllm_config: Any, cfg: SparseOffloadConfig, specs: Mapping[str, A
                           f"{sorted(row_bytes)} bytes; one host pool needs one row size")
     rb = row_bytes.pop()
     rows = vllm_config.scheduler_config.max_num_seqs * cfg.topk_buffer_size
-    return HotLayout(rows, rb, -(-rows * rb // _ALIGN) * _ALIGN)
+    return HotLayout(rows, rb, -(-rows * rb // HOT_ALIGN) * HOT_ALIGN)
 
 
 # ------------------------------------------------------------------ rewrite
@@ -166,13 +166,13 @@ def cut_kv_cache_config(vllm_config: Any, config: Any, available_memory: int,
 
     def slack_of(num_blocks: int) -> int:
         span = (num_blocks - 1) * elem + int(spec.page_size_bytes)
-        return -(-max(0, span - region) // _ALIGN) * _ALIGN
+        return -(-max(0, span - region) // HOT_ALIGN) * HOT_ALIGN
 
     slack = slack_of(phys.num_blocks)
     if slack:  # the slack comes out of the same budget (fewer blocks need no more of it)
-        phys = get_kv_cache_config_from_groups(vllm_config, rest, max(left - slack - _ALIGN, 0))
+        phys = get_kv_cache_config_from_groups(vllm_config, rest, max(left - slack - HOT_ALIGN, 0))
         slack = slack_of(phys.num_blocks)
-    base = -(-phys.kv_cache_tensors[0].size // _ALIGN) * _ALIGN
+    base = -(-phys.kv_cache_tensors[0].size // HOT_ALIGN) * HOT_ALIGN
     size = base + region * len(mains) + slack
     tensors = [dataclasses.replace(t, size=size) for t in phys.kv_cache_tensors]
     for i, name in enumerate(mains):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ascend_offload.config import ConfigError
-from ascend_offload.connectors.sparse_decode.kv_cut import hot_buffer_view
+from ascend_offload.connectors.sparse_decode.kv_cut import HOT_ALIGN, hot_buffer_view
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
@@ -188,6 +188,6 @@ class SparseDecodeWorker:
                     "device_indexer_kv_bytes": 0}
         backing = hot[0].untyped_storage().nbytes()
         start = min(b.storage_offset() * b.element_size() for b in hot)
-        main = sum(b.numel() * b.element_size() for b in hot)
+        main = sum(-(-b.numel() * b.element_size() // HOT_ALIGN) * HOT_ALIGN for b in hot)
         return {"device_kv_bytes": backing, "device_main_kv_bytes": main,
                 "device_indexer_kv_bytes": start}
