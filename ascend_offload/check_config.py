@@ -4,12 +4,22 @@ Accepts the JSON you would pass to ``--kv-transfer-config`` (inline or a file);
 prints the normalized extra config, or the error naming key and accepted values.
 Children of a multi connector (``AscendMultiConnector`` or vLLM's
 ``MultiConnector``) that are ours are validated too, as the engine would at start.
+
+Two more kinds of launch file are checked by their suffix: ``*.conf`` is a Memcache
+``mmc-meta.conf`` / ``mmc-local.conf`` (``key = value``; the keys this project's
+deployment sets are checked for type and range, other ``ock.mmc.*`` keys are passed
+to Memcache as they are), ``*.args`` the arguments of ``ascend-offload-proxy`` (one
+per line, ``#`` comments), parsed and validated by the proxy's own CLI code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,12 +81,97 @@ def check(raw: Any) -> dict[str, Any]:
     return {"kv_connector": name, "kv_connector_extra_config": cfg}
 
 
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
+_TCP = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
+_HTTP = re.compile(r"^http://[^\s:/]+:\d{1,5}$")
+_PROTOCOLS = {"device_sdma", "device_rdma", "device_urma", "device_uboe", "host_rdma", "host_tcp",
+              "host_shm", "host_urma"}
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    return lambda v: v.isdigit() and lo <= int(v) <= hi
+
+
+#: Memcache keys the shipped confs set, with their checks (memcache's config reference).
+MEMCACHE_KEYS: dict[str, tuple[Any, str]] = {
+    "ock.mmc.meta_service_url": (_TCP.match, "tcp://host:port"),
+    "ock.mmc.meta_service.config_store_url": (_TCP.match, "tcp://host:port"),
+    "ock.mmc.local_service.config_store_url": (_TCP.match, "tcp://host:port"),
+    "ock.mmc.meta_service.metrics_url": (_HTTP.match, "http://host:port"),
+    "ock.mmc.log_level": (lambda v: v in ("debug", "info", "warn", "error"), "debug, info, warn, error"),
+    "ock.mmc.local_service.world_size": (_int_in(1, 1024), "an integer in 1..1024"),
+    "ock.mmc.local_service.protocol": (lambda v: v in _PROTOCOLS, ", ".join(sorted(_PROTOCOLS))),
+    "ock.mmc.local_service.dram.size": (_SIZE.match, "a size such as 0, 512MB, 64GB"),
+    "ock.mmc.local_service.hbm.size": (_SIZE.match, "a size such as 0, 512MB, 64GB"),
+    "ock.mmc.evict_threshold_high": (_int_in(1, 99), "an integer percentage in 1..99"),
+    "ock.mmc.evict_threshold_low": (_int_in(1, 98), "an integer percentage in 1..98"),
+}
+
+
+def check_memcache_conf(text: str, *, where: str) -> dict[str, str]:
+    """The ``key = value`` pairs of a Memcache conf; raises :class:`ConfigError` naming the
+    line of a malformed entry, an unknown prefix or a bad value of a known key."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, eq, value = (p.strip() for p in line.partition("="))
+        if not eq or not key:
+            raise ConfigError(f"{where}:{n}: expected 'key = value', got {line[:80]!r}")
+        if not key.startswith(("ock.mmc.", "ubsio.")):
+            raise ConfigError(f"{where}:{n}: key {key!r} is not a Memcache key (ock.mmc.* / ubsio.*)")
+        check = MEMCACHE_KEYS.get(key)
+        if check is not None and not check[0](value):
+            raise ConfigError(f"{where}:{n}: key {key!r}={value!r} (accepted: {check[1]})")
+        out[key] = value
+    hi, lo = out.get("ock.mmc.evict_threshold_high"), out.get("ock.mmc.evict_threshold_low")
+    if hi is not None and lo is not None and int(lo) >= int(hi):
+        raise ConfigError(f"{where}: ock.mmc.evict_threshold_low={lo} must be below evict_threshold_high={hi}")
+    if "ock.mmc.meta_service_url" not in out:
+        raise ConfigError(f"{where}: key 'ock.mmc.meta_service_url' is required")
+    return out
+
+
+def check_proxy_args(text: str, *, where: str) -> dict[str, Any]:
+    """``ascend-offload-proxy`` arguments (one per line, ``#`` comments), validated by the
+    proxy's own parser and config; the resulting settings."""
+    import dataclasses
+
+    from proxy.cli import build_parser, config_from_args
+
+    argv = [a for line in text.splitlines() if not line.lstrip().startswith("#") for a in shlex.split(line)]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(argv)
+        return dataclasses.asdict(config_from_args(args))
+    except SystemExit:
+        raise ConfigError(f"{where}: {err.getvalue().strip().splitlines()[-1] if err.getvalue() else 'bad arguments'}") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def check_file(path: Path) -> Any:
+    """Check a launch file by its suffix (see module doc)."""
+    if path.suffix == ".conf":
+        return check_memcache_conf(path.read_text(), where=str(path))
+    if path.suffix == ".args":
+        return check_proxy_args(path.read_text(), where=str(path))
+    return check(_load(str(path)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ascend-offload check-config", description=__doc__)
-    ap.add_argument("config", help="kv-transfer-config JSON, or a path to a JSON file")
+    ap.add_argument("config", help="kv-transfer-config JSON, a path to a JSON file, a Memcache *.conf "
+                    "or a proxy *.args file")
     args = ap.parse_args(argv)
+    path = Path(args.config)
     try:
-        out = check(_load(args.config))
+        out = check_file(path) if path.suffix in (".conf", ".args") else check(_load(args.config))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

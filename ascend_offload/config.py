@@ -113,12 +113,40 @@ class MooncakeStoreConfig(_Strict):
     retry_interval_s: float = Field(1.0, gt=0)
 
 
+class MemcacheStoreConfig(_Strict):
+    """The Ascend pooled store (``backend: memcache``, ``memcache_hybrid``): a Memcache meta
+    service holds the index, every client contributes ``dram_size`` / ``hbm_size`` of
+    memory. Key names follow memcache's ``mmc-local.conf`` (``ock.mmc.*``)."""
+
+    # tcp://host:port of the meta service (ock.mmc.meta_service_url; required).
+    meta_service_url: str = ""
+    # tcp://host:port of its config store (ock.mmc.local_service.config_store_url).
+    config_store_url: str = "tcp://127.0.0.1:6000"
+    # ock.mmc.local_service.protocol: how bytes move between clients' pooled memory.
+    protocol: Literal["device_sdma", "device_rdma", "device_urma", "host_rdma", "host_tcp",
+                      "host_shm", "host_urma"] = "device_sdma"
+    # Pooled memory this client contributes (memcache size strings: "1GB", "512MB", "0").
+    dram_size: str = Field("1GB", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
+    hbm_size: str = Field("0", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
+    world_size: int = Field(256, ge=1)
+    # Registered host pages that puts read from and gets write into.
+    staging_bytes: int = Field(256 << 20, gt=0)
+    # None: one page per stored object (the connector knows the object size).
+    page_bytes: int | None = Field(None, gt=0)
+    replica_num: int = Field(1, ge=1, le=8)
+    # A backend call waited for longer is an outage (the client's own wait was 60 s).
+    call_timeout_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S)
+    # While the meta service is unreachable, calls miss/skip without asking for this long.
+    retry_interval_s: float = Field(1.0, gt=0)
+
+
 class StoreConnectorConfig(_Strict):
     """``AscendStoreConnector`` extra config (whole-prefix and layerwise modes)."""
 
-    backend: Literal["local", "mooncake"] = "local"
+    backend: Literal["local", "mooncake", "memcache"] = "local"
     local: LocalStoreConfig = LocalStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
+    memcache: MemcacheStoreConfig = MemcacheStoreConfig()
     use_layerwise: bool = False
     layerwise_num_shared_buffers: int = Field(2, ge=1)
     layerwise_independent_layers: list[int] | Literal["all"] = Field(default_factory=lambda: [0])
@@ -192,7 +220,11 @@ class RemoteD2HConfig(_Strict):
 
     transfer_backend: Literal["mooncake", "memfabric"] = "mooncake"
     use_layerwise: bool = True
+    # MemFabric (transfer_backend "memfabric"): the data-op type; prefill and decode must
+    # use the same one (decode advertises it in its registration, prefill checks it).
     memfabric_transfer_protocol: Literal["sdma", "device_rdma", "device_urma"] = "sdma"
+    # The NIC MemFabric's device RDMA/URMA binds (e.g. "tcp://10.0.0.2:7001"); empty: its default.
+    memfabric_nic: str = ""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device_name: str = ""
     # IP this instance advertises to its peers; empty = vLLM's get_ip() / VLLM_HOST_IP.

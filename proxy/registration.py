@@ -42,6 +42,7 @@ class RegisteredParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     remote_request_id: _Id
     remote_block_ids: Annotated[list[_Count], msgspec.Meta(max_length=_MAX_BLOCKS)]
     remote_block_offset: _Count = 0
+    transfer_protocol: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):

@@ -68,6 +68,36 @@ RD2H_GAUGES: dict[str, str] = {
     "parked_messages": "decode: readiness messages parked for requests not started yet",
     "active_requests": "decode: requests still being received",
 }
+
+# sparse decode offload (AscendSparseDecodeConnector: vllm:ascend_offload_sparse_*)
+# counter name -> help text (nanosecond totals are exported in seconds)
+SPARSE_COUNTERS: dict[str, str] = {
+    "steps": "decode-offload steps bound (one per engine step with offloaded requests)",
+    "resolved_positions": "top-k positions resolved against the hot buffers",
+    "hit_positions": "top-k positions already in the hot buffer",
+    "miss_rows": "hot-buffer misses: rows copied host pool -> hot buffer",
+    "miss_bytes": "bytes copied host pool -> hot buffer",
+    "offload_rows": "main-KV rows copied into the host pool",
+    "offload_bytes": "bytes copied into the host pool",
+    "offload_seconds": "host time in offload_new_kv (D2H + pool scatter)",
+    "resolve_seconds": "host time in the residency resolve",
+    "copy_seconds": "host time in the miss copies",
+    "context_rows": "pool rows copied to the device for multi-token rows (0 on CPU)",
+    "admission_failures": "requests the worker's host pool could not admit (0 unless the "
+                          "scheduler's pool ledger and the pool disagree)",
+    "unmatched_rows": "batch rows matched to no request (an engine error)",
+}
+SPARSE_GAUGES: dict[str, str] = {
+    "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
+    "admitted_requests": "requests holding host pool rows",
+    "hit_rate": "hot-buffer hit rate over the last report interval",
+}
+# A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
+# stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).
+RD2H_COUNTERS.update({f"sparse_{k.replace('_seconds', '_ns')}": d.replace("host time", "host ns")
+                      for k, d in SPARSE_COUNTERS.items()})
+RD2H_GAUGES.update({f"sparse_{k}": d for k, d in SPARSE_GAUGES.items() if k != "hit_rate"})
+
 STORE_GAUGES: dict[str, str] = {
     "pinned_objects": "store objects pinned for a load",
     "pending_objects": "store objects allocated for a save and not committed yet",

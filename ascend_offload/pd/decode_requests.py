@@ -42,6 +42,7 @@ class DecodeEndpoint:
     kv_port: int
     tp_size: int
     dp_rank: int
+    transfer_protocol: str = ""  # ``backend/protocol`` advertised to prefill (transfer.base)
 
 
 @dataclasses.dataclass
@@ -137,7 +138,8 @@ class DecodeRequests:
             self.registrar.submit(rid, str(url), str(prid), DecodeRegistration(
                 remote_engine_id=ep.engine_id, remote_host=ep.host, remote_port=ep.kv_port,
                 remote_tp_size=ep.tp_size, remote_dp_rank=ep.dp_rank, remote_request_id=rid,
-                remote_block_ids=list(wire_dst), remote_block_offset=wire_first),
+                remote_block_ids=list(wire_dst), remote_block_offset=wire_first,
+                transfer_protocol=ep.transfer_protocol),
                 registration_token=params.get("registration_token"))
 
     def take_step(self) -> DecodeStep:

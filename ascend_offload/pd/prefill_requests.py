@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ascend_offload.pd.protocol import MAX_NAME
-from ascend_offload.pd.registration import DecodeRegistration, ParamsError
+from ascend_offload.pd.registration import DecodeRegistration, ParamsError, ProtocolGuard
 
 # What a read_ready item can carry (protocol.ReadReady.src_blocks).
 MAX_BLOCKS = 1 << 20
@@ -94,7 +94,10 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 class PrefillRequests:
     """Requests whose KV this prefill publishes to a decode: pending, sending."""
 
-    def __init__(self) -> None:
+    def __init__(self, transfer_protocol: str = "") -> None:
+        """``transfer_protocol``: this prefill's ``backend/protocol``; a decode advertising
+        another is refused per request (empty: not checked)."""
+        self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
         self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
         self._sending: set[str] = set()
         self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
@@ -113,6 +116,10 @@ class PrefillRequests:
             log.error("remote-d2h: request %s has do_remote_decode but %s; decode will not get its KV",
                       request.request_id, exc)
             self._errors[request.request_id] = f"invalid decode registration: {exc}"
+            return False
+        why = self.protocol.refuse(reg) if self.protocol is not None else None
+        if why is not None:  # logged once per advertised protocol by the guard
+            self._errors[request.request_id] = f"transfer protocol mismatch: {why}"
             return False
         self._pending[request.request_id] = (request, reg)
         return True

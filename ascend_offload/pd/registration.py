@@ -61,6 +61,9 @@ class DecodeRegistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     remote_request_id: str  # decode's request id: the name on the P/D wire
     remote_block_ids: list[_Count]  # decode blocks, one per prompt block from the offset
     remote_block_offset: _Count = 0  # prefill block index of remote_block_ids[0]
+    # ``backend/protocol`` decode reads with (e.g. "memfabric/sdma", "mooncake/tcp"):
+    # prefill serves a request only when it is its own (ProtocolGuard).
+    transfer_protocol: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON object registered with the metaserver."""
@@ -74,6 +77,36 @@ class DecodeRegistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             return msgspec.convert(body, cls)
         except msgspec.ValidationError as exc:
             raise ParamsError(f"kv_transfer_params of a remote decode: {exc}") from None
+
+
+class ProtocolGuard:
+    """Prefill's check that a decode reads with this prefill's transfer protocol.
+
+    Why: MemFabric's two ends must use the same data-op type (and Mooncake the same
+    transport); a mismatched pair would fail every read of the request, after decode
+    already waited for it. The request is refused at once instead (decode recomputes),
+    logged once per distinct advertised protocol (a bounded set: a peer choosing new
+    strings cannot grow it, nor the log, without limit)."""
+
+    MAX_LOGGED = 64
+
+    def __init__(self, mine: str) -> None:
+        self.mine = mine
+        self.refused = 0
+        self._logged: set[str] = set()
+
+    def refuse(self, reg: DecodeRegistration) -> str | None:
+        """Why ``reg``'s request cannot be served (None: same protocol)."""
+        if reg.transfer_protocol == self.mine:
+            return None
+        self.refused += 1
+        why = (f"decode {reg.remote_host}:{reg.remote_port} reads with transfer protocol "
+               f"{reg.transfer_protocol or '(none advertised)'!r}, this prefill serves {self.mine!r}")
+        if reg.transfer_protocol not in self._logged and len(self._logged) < self.MAX_LOGGED:
+            self._logged.add(reg.transfer_protocol)
+            log.error("remote-d2h: %s; its requests are refused (decode recomputes them). "
+                      "Set the same transfer_backend / *_protocol on both sides", why)
+        return why
 
 
 def register(

@@ -16,6 +16,7 @@ import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class TransferError(RuntimeError):
@@ -166,21 +167,42 @@ class LoopbackEngine(TransferEngine):
             _REGISTRY.regions.pop(self._endpoint, None)
 
 
-def create_engine(backend: str, *, host: str = "127.0.0.1", protocol: str = "tcp",
-                  device_name: str = "", timeout_s: float | None = None) -> TransferEngine:
+def create_engine(backend: str, *, host: str = "127.0.0.1", protocol: str | None = None,
+                  device_name: str = "", timeout_s: float | None = None, role: str = "Decode",
+                  device_id: int = 0) -> TransferEngine:
     """Build the engine named by ``transfer_backend`` (config key) for this process.
 
-    ``timeout_s`` bounds one read from a peer that stopped answering.
+    ``timeout_s`` bounds one read from a peer that stopped answering (Mooncake).
+    ``protocol``: ``mooncake_protocol`` (default "tcp") or ``memfabric_transfer_protocol``
+    (default "sdma");
+    ``device_name``: Mooncake's RDMA devices, or the NIC MemFabric binds;
+    ``role`` ("Prefill" / "Decode") and ``device_id`` (the rank's NPU): MemFabric.
     """
     if backend == "mooncake":
         from ascend_offload.transfer.mooncake import MooncakeEngine
 
-        return MooncakeEngine(host=host, protocol=protocol, device_name=device_name, timeout_s=timeout_s)
+        return MooncakeEngine(host=host, protocol=protocol or "tcp", device_name=device_name, timeout_s=timeout_s)
     if backend == "loopback":
         return LoopbackEngine()
     if backend == "memfabric":
-        raise NotImplementedError(
-            "transfer_backend='memfabric' needs the Ascend driver; it is added with Ascend support "
-            "(accepted here: 'mooncake')"
-        )
+        from ascend_offload.transfer.memfabric import MemFabricEngine
+
+        return MemFabricEngine(host=host, protocol=protocol or "sdma", role=role, device_id=device_id, nic=device_name)
     raise ValueError(f"transfer_backend={backend!r} (accepted: 'mooncake', 'memfabric', 'loopback')")
+
+
+def transfer_protocol(cfg: Any) -> str:
+    """``backend/protocol`` of a ``RemoteD2HConfig``: what both ends of a P/D transfer must
+    share (decode advertises it, prefill compares it with its own)."""
+    if cfg.transfer_backend == "memfabric":
+        return f"memfabric/{cfg.memfabric_transfer_protocol}"
+    return f"{cfg.transfer_backend}/{cfg.mooncake_protocol}"
+
+
+def create_engine_for(cfg: Any, *, host: str, role: str, device_id: int = 0) -> TransferEngine:
+    """The engine a ``RemoteD2HConfig`` names, with its backend's own keys."""
+    if cfg.transfer_backend == "memfabric":
+        return create_engine("memfabric", host=host, protocol=cfg.memfabric_transfer_protocol,
+                             device_name=cfg.memfabric_nic, role=role, device_id=device_id)
+    return create_engine(cfg.transfer_backend, host=host, protocol=cfg.mooncake_protocol,
+                         device_name=cfg.mooncake_device_name, timeout_s=cfg.read_timeout_s)

@@ -69,6 +69,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield c
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def _body(model: str, prompt: list[int]) -> dict[str, Any]:
     return body(model, prompt, False, MAX_TOKENS, return_token_ids=True)
 
@@ -87,5 +92,17 @@ def test_pd_sparse_decode_tokens_match_the_plain_engine(cluster: dict[str, Any])
     assert log_lines(cluster, {k: 0 for k in since}, "not on the device; device KV")
     assert log_lines(cluster, {k: 0 for k in since}, "into a host pool of")
     metrics = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
-    assert "vllm:ascend_offload_rd2h_bytes_pulled" in metrics
+    m = {name: _metric(metrics, f"vllm:ascend_offload_rd2h_{name}_total") for name in (
+        "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
+        "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows")}
+    assert m["bytes_pulled"] > 0, m
+    # every decode token of every layer resolved its top-k through the hot buffers
+    decode_positions = N_LAYERS * sum(min(TOPK, n) * (MAX_TOKENS - 1) for n in LENGTHS)
+    assert m["sparse_resolved_positions"] >= decode_positions, m
+    assert m["sparse_hit_positions"] > 0 and m["sparse_miss_rows"] > 0, m
+    assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
+    # decode computed only the last prompt token and the new ones: the pool got the rest over RD2H
+    assert m["sparse_offload_rows"] == N_LAYERS * len(LENGTHS) * MAX_TOKENS, m
+    print(f"\nP/D sparse decode metrics: {m}; hit rate "
+          f"{m['sparse_hit_positions'] / m['sparse_resolved_positions']:.3f}")
     assert POOL_ROWS // BLOCK_SIZE * BLOCK_SIZE < sum(LENGTHS) + MAX_TOKENS * len(LENGTHS)

@@ -129,11 +129,15 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
         pairs = pair_layers(list(kv_caches), indexer_layers(self._kv_cache_config))
+        first = next(iter(kv_caches.values()), None)
+        where = {"is_producer": self.settings.is_producer,
+                 "device_id": (first.device.index or 0) if first is not None else 0}
         if self.decode is not None and self.sparse_settings is not None:
             layers = self.decode.pool_layers(kv_caches, pairs, num_blocks)
-            self._region = open_region(layers, self.cfg, self.settings.host)
+            self._region = open_region(layers, self.cfg, self.settings.host, **where)
         else:  # vLLM's KV, in place or staged through host memory (kv_region)
-            self._region = open_kv_region(kv_caches, pairs, num_blocks, self.cfg, self.settings.host)
+            self._region = open_kv_region(kv_caches, pairs, num_blocks, self.cfg, self.settings.host,
+                                          **where)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:
@@ -204,6 +208,10 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
             for k, v in (part.totals() if part is not None else {}).items():
                 totals[k] = totals.get(k, 0) + v
             gauges.update(part.gauges() if part is not None else {})
+        sparse = self.decode.sparse if self.decode is not None else None
+        if sparse is not None:
+            totals.update({f"sparse_{k}": v for k, v in sparse.decode.counters().items()})
+            gauges.update({f"sparse_{k}": v for k, v in sparse.decode.gauges().items()})
         out = self._deltas.take(totals, gauges) if totals or gauges else None
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out

@@ -117,11 +117,13 @@ def kv_views(kv_caches: Mapping[str, torch.Tensor], pairs: Sequence[tuple[str, s
     return out
 
 
-def _engine(cfg: RemoteD2HConfig, host: str) -> TransferEngine:
-    from ascend_offload.transfer.base import create_engine
+def _engine(cfg: RemoteD2HConfig, host: str, is_producer: bool, device_id: int) -> TransferEngine:
+    """The engine ``transfer_backend`` names (``is_producer``, ``device_id``: MemFabric's
+    role and the rank's NPU)."""
+    from ascend_offload.transfer.base import create_engine_for
 
-    return create_engine("mooncake", host=host, protocol=cfg.mooncake_protocol,
-                         device_name=cfg.mooncake_device_name, timeout_s=cfg.read_timeout_s)
+    return create_engine_for(cfg, host=host, role="Prefill" if is_producer else "Decode",
+                             device_id=device_id)
 
 
 def _register(region: KVRegion) -> None:
@@ -137,22 +139,24 @@ def _register(region: KVRegion) -> None:
 
 
 def open_region(layers: list[LayerDesc], cfg: RemoteD2HConfig, host: str, *,
-                engine: TransferEngine | None = None) -> KVRegion:
+                engine: TransferEngine | None = None, is_producer: bool = False,
+                device_id: int = 0) -> KVRegion:
     """The transfer engine (``engine``, else the configured one), with every extent of
     host-memory ``layers`` registered."""
-    region = KVRegion(layers, engine or _engine(cfg, host), [])
+    region = KVRegion(layers, engine or _engine(cfg, host, is_producer, device_id), [])
     _register(region)
     return region
 
 
 def open_kv_region(kv_caches: Mapping[str, torch.Tensor], pairs: Sequence[tuple[str, str | None]],
                    num_blocks: int, cfg: RemoteD2HConfig, host: str, *,
-                   engine: TransferEngine | None = None) -> KVRegion:
+                   engine: TransferEngine | None = None, is_producer: bool = False,
+                   device_id: int = 0) -> KVRegion:
     """vLLM's KV tensors (one wire layer per (main, indexer) pair) behind the transfer
     engine: registered in place where the engine reaches their memory, else staged
     through host twins."""
     views = kv_views(kv_caches, pairs, num_blocks)
-    eng = engine or _engine(cfg, host)
+    eng = engine or _engine(cfg, host, is_producer, device_id)
     on_device = any(device.is_accelerator(v) for main, idx in views
                     for v in (*main, *((idx,) if idx is not None else ())))
     if not on_device or eng.device_memory:

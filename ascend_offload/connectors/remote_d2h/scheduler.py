@@ -18,6 +18,7 @@ from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSetting
 from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
 from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
 from ascend_offload.pd.registration import Registrar
+from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -36,7 +37,7 @@ class RemoteD2HScheduler:
             registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
             max_model_len=None if sparse is None else sparse.max_model_len,
         ) if settings.is_consumer else None
-        self.prefill = PrefillRequests() if settings.is_producer else None
+        self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.
         self.sparse = SparseDecodeScheduler(sparse) if sparse is not None and self.decode else None
         self._ledger_after_pull: set[str] = set()  # finished while pulling: released once stopped

@@ -7,12 +7,14 @@ Every refusal happens here, at construction, naming the key (invariant I7).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import TYPE_CHECKING
 
 from ascend_offload.config import ConfigError, RemoteD2HConfig, parse_extra_config
 from ascend_offload.pd.auth import AuthError, ControlKeys, load_keys
 from ascend_offload.pd.decode_requests import DecodeEndpoint
 from ascend_offload.pd.topology import Topology, TopologyError
+from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,7 +45,8 @@ class Settings:
 
     @property
     def endpoint(self) -> DecodeEndpoint:
-        return DecodeEndpoint(self.engine_id, self.host, self.kv_port, self.tp_size, self.dp_rank)
+        return DecodeEndpoint(self.engine_id, self.host, self.kv_port, self.tp_size, self.dp_rank,
+                              transfer_protocol(self.cfg))
 
 
 def check_sparse_role(cfg: RemoteD2HConfig, *, is_producer: bool, is_consumer: bool) -> None:
@@ -77,9 +80,9 @@ def parse_config(vllm_config: VllmConfig) -> RemoteD2HConfig:
 
 def build_settings(vllm_config: VllmConfig, cfg: RemoteD2HConfig) -> Settings:
     """The rest of the startup checks (backend, unequal TP) and the shared values."""
-    if cfg.transfer_backend != "mooncake":
-        raise ConfigError(f"key 'transfer_backend'={cfg.transfer_backend!r}: needs the Ascend "
-                          "driver, not available here (accepted: 'mooncake')")
+    if cfg.transfer_backend == "memfabric" and importlib.util.find_spec("memfabric_hybrid") is None:
+        raise ConfigError("key 'transfer_backend'='memfabric': needs memfabric_hybrid "
+                          "(pip install 'ascend-offload[ascend]') and the Ascend driver (accepted: 'mooncake')")
     tc = vllm_config.kv_transfer_config
     pc = vllm_config.parallel_config
     tp_size = pc.tensor_parallel_size

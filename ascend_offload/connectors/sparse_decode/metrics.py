@@ -13,30 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from ascend_offload.connectors.metrics import SPARSE_COUNTERS as COUNTERS
+from ascend_offload.connectors.metrics import SPARSE_GAUGES as GAUGES
 from ascend_offload.connectors.metrics import CounterPromMetrics, CounterStats
 
-# counter name -> help text (nanosecond totals are exported in seconds)
-COUNTERS: dict[str, str] = {
-    "steps": "decode-offload steps bound (one per engine step with offloaded requests)",
-    "resolved_positions": "top-k positions resolved against the hot buffers",
-    "hit_positions": "top-k positions already in the hot buffer",
-    "miss_rows": "hot-buffer misses: rows copied host pool -> hot buffer",
-    "miss_bytes": "bytes copied host pool -> hot buffer",
-    "offload_rows": "main-KV rows copied into the host pool",
-    "offload_bytes": "bytes copied into the host pool",
-    "offload_seconds": "host time in offload_new_kv (D2H + pool scatter)",
-    "resolve_seconds": "host time in the residency resolve",
-    "copy_seconds": "host time in the miss copies",
-    "context_rows": "pool rows copied to the device for multi-token rows (0 on CPU)",
-    "admission_failures": "requests the worker's host pool could not admit (0 unless the "
-                          "scheduler's pool ledger and the pool disagree)",
-    "unmatched_rows": "batch rows matched to no request (an engine error)",
-}
-GAUGES: dict[str, str] = {
-    "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
-    "admitted_requests": "requests holding host pool rows",
-    "hit_rate": "hot-buffer hit rate over the last report interval",
-}
 _NS = ("offload_ns", "resolve_ns", "copy_ns")
 
 

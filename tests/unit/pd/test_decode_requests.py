@@ -9,7 +9,8 @@ from ascend_offload.pd.decode_requests import DecodeEndpoint, DecodeRequests, Re
 from ascend_offload.pd.registration import DecodeRegistration, RegistrationError
 
 BLOCK = 16
-EP = DecodeEndpoint(engine_id="D0", host="10.0.0.2", kv_port=7000, tp_size=2, dp_rank=1)
+EP = DecodeEndpoint(engine_id="D0", host="10.0.0.2", kv_port=7000, tp_size=2, dp_rank=1,
+                    transfer_protocol="memfabric/sdma")
 
 
 @dataclasses.dataclass
@@ -65,7 +66,7 @@ def test_registers_endpoint_and_external_blocks_once() -> None:
     assert sent.to_wire() == {
         "remote_engine_id": "D0", "remote_host": "10.0.0.2", "remote_port": 7000, "remote_tp_size": 2,
         "remote_dp_rank": 1, "remote_request_id": "r", "remote_block_ids": [3, 5, 6, 2],
-        "remote_block_offset": 1}
+        "remote_block_offset": 1, "transfer_protocol": "memfabric/sdma"}  # advertised to prefill
     assert req.kv_transfer_params["do_remote_prefill"] is False  # one transfer per request
     reqs.after_alloc(req, [8, 3, 5, 6, 2], 54)
     assert len(reg.submitted) == 1
@@ -131,4 +132,4 @@ def test_registers_through_a_real_registrar_body() -> None:
     assert out == {"status": "dispatched"}
     assert bodies == [{"proxy_request_id": "px", "kv_transfer_params": {
         "remote_engine_id": "", "remote_host": "h", "remote_port": 5, "remote_tp_size": 1, "remote_dp_rank": 0,
-        "remote_request_id": "r", "remote_block_ids": [1], "remote_block_offset": 0}}]
+        "remote_request_id": "r", "remote_block_ids": [1], "remote_block_offset": 0, "transfer_protocol": ""}}]

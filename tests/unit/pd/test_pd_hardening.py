@@ -142,7 +142,7 @@ def test_scheduler_returns_the_error_and_keeps_serving() -> None:
         return SimpleNamespace(request_id=rid, num_prompt_tokens=16, num_computed_tokens=0,
                                kv_transfer_params=_params(remote_request_id=f"d-{rid}", **kw))
 
-    bad, good = req("bad", remote_host="not a host", remote_port=1), req("good")
+    bad, good = req("bad", remote_host="not a host", remote_port=1), req("good", transfer_protocol="mooncake/tcp")
     for r in (bad, good):
         sched.update_state_after_alloc(r, None, 0)
     meta = sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"bad": 16, "good": 16}))

@@ -140,11 +140,11 @@ def test_registration_struct_round_trips_through_the_proxy_contract():
     """Decode's struct -> registered JSON -> the proxy's prefill body -> prefill's parse."""
     reg = DecodeRegistration(remote_engine_id="D0", remote_host="10.0.0.2", remote_port=7000, remote_tp_size=2,
                              remote_dp_rank=1, remote_request_id="dec-1", remote_block_ids=[3, 4],
-                             remote_block_offset=2)
+                             remote_block_offset=2, transfer_protocol="memfabric/device_rdma")
     wire = reg.to_wire()
     assert sorted(wire) == sorted(["remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
                                    "remote_dp_rank", "remote_request_id", "remote_block_ids",
-                                   "remote_block_offset"])
+                                   "remote_block_offset", "transfer_protocol"])
     registered = msgspec.to_builtins(msgspec.json.decode(json.dumps(wire), type=RegisteredParams))
     sub = {"prompt": "x"}
     body = json.loads(b"".join(SharedBody(sub, "/v1/completions").prefill_payload(sub, registered)._value))

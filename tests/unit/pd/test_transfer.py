@@ -47,6 +47,6 @@ def test_loopback_reads_registered_memory_only():
 def test_factory_names():
     with pytest.raises(ValueError, match="transfer_backend='x'"):
         create_engine("x")
-    with pytest.raises(NotImplementedError, match="memfabric"):
-        create_engine("memfabric")
+    with pytest.raises(ValueError, match="memfabric_transfer_protocol='tcp'"):
+        create_engine("memfabric", protocol="tcp")
     assert create_engine("loopback").name == "loopback"

@@ -98,7 +98,8 @@ def test_hijack_with_a_guessed_id_is_refused_and_the_real_registration_wins() ->
                 (sent,) = pre.received
                 assert sent["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
                                                       "remote_tp_size": 1, "remote_dp_rank": 0,
-                                                      "remote_block_offset": 0, **real_params(dport)}
+                                                      "remote_block_offset": 0, "transfer_protocol": "",
+                                                      **real_params(dport)}
                 metrics = await (await http.get(server.url + "/metrics")).text()
                 assert 'registrations_total{result="forbidden"} 2.0' in metrics
                 assert 'registrations_total{result="dispatched"} 1.0' in metrics

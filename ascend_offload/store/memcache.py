@@ -1,0 +1,562 @@
+"""The Memcache backend (``memcache_hybrid``): the Ascend pooled KV store, shared by every
+instance that points at the same meta service, surviving the restart of any of them.
+
+How the contract (store/base.py) maps onto Memcache's ``DistributedObjectStore``:
+
+* **Bytes cross only registered host pages.** A local page pool (``LocalStore``, the
+  *staging* pool) is registered with the client once (``register_buffer``); puts
+  read objects from its pages (``batch_put_from``, direction H2G) and gets write into
+  them (``batch_get_into``, G2H); objects spanning several pages use the ``_layers``
+  variants (one buffer list per key). No other buffer on our side.
+* **Pending objects never leave this process.** ``allocate`` reserves staging pages,
+  ``write`` fills them, ``commit`` is the batched put and frees them. Memcache
+  publishes an object when its put finished (alloc, copy, write-finish inside the
+  client), so a reader anywhere sees a whole object or none (I3).
+* **The meta service is the index.** ``lookup_prefix`` asks it (``batch_is_exist``),
+  ``allocate`` skips keys it already holds, objects another instance committed are
+  hits here.
+* **A pin holds a local copy.** ``pin`` asks the sizes (``batch_get_key_info``) and
+  fetches the objects into staging pages, kept until ``unpin``: eviction by the meta
+  service can never pull bytes from under a read. A key the service no longer holds
+  (evicted between lookup and pin, or in between the two calls) makes the pin a miss.
+* **A meta service that disappears is a miss.** Link errors (``-3004`` timeout,
+  ``-3014`` link not found, ``-3017..-3019`` not connected) and calls that outlive
+  ``call_timeout_s`` mark an outage: one warning, then for ``retry_interval_s``
+  lookups and pins miss and saves are skipped without asking; the next call probes
+  again, and the first answer logs that service resumed.
+
+Why a deadline of our own: measured with memcache_hybrid 1.3.0 on loopback, the first
+call after the meta service died blocked 60 s whatever ``client_timeout_seconds``
+said (later calls failed at once with ``-3014``). Backend calls therefore run on a
+small pool of threads and the caller waits at most ``call_timeout_s``; a call that
+overran keeps its thread until the library returns, and staging pages it may still
+write into are quarantined, never reused. While every thread is held by an overrun
+call, calls are not even submitted (a miss / skipped save at once).
+
+Direction codes are ``memfabric_hybrid.bm.BmCopyType`` values (H2G = 3, G2H = 2),
+asserted against the installed wheel in tests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
+from ascend_offload.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+H2G, G2H = 3, 2  # BmCopyType: host DRAM -> global pool, global pool -> host DRAM
+MMC_DUPLICATED_OBJECT = -3006
+# The client cannot reach the meta service (MmcErrorCode): an outage, not a miss.
+OUTAGE_CODES = frozenset({-3004, -3014, -3017, -3018, -3019})
+# Get failures after which no transfer can still be writing into our pages.
+_SAFE_GET_FAILURES = frozenset({-3007, -3102, -1, *OUTAGE_CODES})
+TIMED_OUT = -3004  # our own deadline passed: reported like the library's MMC_TIMEOUT
+NOT_SENT = -3017  # no call thread free of an overrun call: never submitted (pages untouched)
+_NOT_SENT = object()
+MMC_ERROR = -1
+# Keys per client call: the client refuses larger batches up front (MAX_BATCH_OP_COUNT).
+MAX_BATCH = 1024
+
+_W = "w|"  # staging name of a pending object; pins use "r<token>|"
+
+
+@dataclasses.dataclass
+class _PinRecord:
+    staging_pin: Pin
+    objects: dict[str, tuple[str, int]]  # key -> (staging key, size)
+    whole_pages: bool
+
+
+def real_client(*, meta_service_url: str, config_store_url: str, protocol: str, dram_size: str,
+                hbm_size: str, device_id: int, world_size: int, client_timeout_s: int,
+                log_level: str = "warn") -> Any:
+    """A set-up, initialized ``memcache_hybrid.DistributedObjectStore`` (data path on:
+    needs the Ascend driver)."""
+    try:
+        from memcache_hybrid import DistributedObjectStore, LocalConfig
+    except ImportError as exc:
+        raise StoreError(f"the Memcache backend needs memcache_hybrid ({exc}); "
+                         "pip install 'ascend-offload[ascend]'") from exc
+    conf = LocalConfig()
+    conf.meta_service_url = meta_service_url
+    conf.config_store_url = config_store_url
+    conf.protocol = protocol
+    conf.dram_size = dram_size
+    conf.hbm_size = hbm_size
+    conf.world_size = world_size
+    conf.client_timeout_seconds = client_timeout_s
+    conf.log_level = log_level
+    client = DistributedObjectStore()
+    rc = client.setup(conf)
+    if rc == 0:
+        rc = client.init(device_id, True)
+    if rc != 0:
+        raise StoreError(f"Memcache client setup/init against {meta_service_url} failed ({rc}); "
+                         "is the meta service running and the Ascend driver loaded?")
+    return client
+
+
+class MemcacheStore(KVStore):
+    """``KVStore`` over ``memcache_hybrid.DistributedObjectStore`` (see module doc).
+
+    ``client``: an initialized client (tests pass a fake of the same API); production
+    code builds it with :func:`real_client` (``memcache_store_from_config``)."""
+
+    row_addressable = True
+
+    def __init__(self, client: Any, *, page_bytes: int, staging_bytes: int, replica_num: int = 1,
+                 retry_interval_s: float = 1.0, call_timeout_s: float = 5.0, call_threads: int = 2,
+                 name: str = "Memcache meta service") -> None:
+        if call_timeout_s <= 0 or call_threads < 1:
+            raise StoreError(f"call_timeout_s={call_timeout_s} and call_threads={call_threads} must be > 0")
+        self.page_bytes = page_bytes
+        self.name = name
+        self.retry_interval_s = retry_interval_s
+        self.call_timeout_s = call_timeout_s
+        self._client = client
+        self._staging = LocalStore(staging_bytes, page_bytes)
+        plane = self._staging.pending_rows([])
+        assert plane is not None
+        self._plane = plane[0]
+        self._base = self._plane.data_ptr()
+        rc = client.register_buffer(self._base, self._plane.nbytes)
+        if rc != 0:
+            raise StoreError(f"Memcache register_buffer of the {self._plane.nbytes}-byte staging pool failed ({rc})")
+        self._replicate = self._replicate_config(replica_num)
+        self._pool = cf.ThreadPoolExecutor(max_workers=call_threads, thread_name_prefix="memcache-call")
+        self._threads = call_threads
+        self._overrun = 0  # calls past their deadline that still hold a thread
+        self._lock = threading.Lock()
+        self._stage_lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._pins: dict[int, _PinRecord] = {}
+        self._tokens = itertools.count(1)
+        self._stats = StoreStats(total_pages=self._staging.num_pages)
+        self._down = False
+        self._retry_at = 0.0
+        self.outages = 0
+        self.quarantined_pages = 0
+        self._closed = False
+
+    @staticmethod
+    def _replicate_config(replica_num: int) -> Any:
+        try:
+            from memcache_hybrid import ReplicateConfig
+        except ImportError:  # a fake client without the wheel: the default is used
+            return None
+        rc = ReplicateConfig()
+        rc.replicaNum = replica_num
+        return rc
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    # ------------------------------------------------------------------ service health
+
+    def _reachable(self) -> bool:
+        with self._lock:
+            return not self._down or time.monotonic() >= self._retry_at
+
+    def _outage(self, op: str, code: int) -> None:
+        with self._lock:
+            self._retry_at = time.monotonic() + self.retry_interval_s
+            if self._down:
+                return
+            self._down = True
+            self.outages += 1
+        log.warning("%s unreachable (%s returned %d): loads miss and saves are skipped until it "
+                    "answers again", self.name, op, code)
+
+    def _answered(self) -> None:
+        with self._lock:
+            if not self._down:
+                return
+            self._down = False
+        log.warning("%s answers again: store service resumed", self.name)
+
+    @property
+    def down(self) -> bool:
+        with self._lock:
+            return self._down
+
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a call thread, waited for at most ``call_timeout_s``: its result,
+        None when it overran (an outage; it may still run), or ``_NOT_SENT`` when no thread
+        is free of an overrun call (nothing was submitted)."""
+        with self._lock:
+            busy = self._overrun >= self._threads
+        if busy:
+            self._outage(op, TIMED_OUT)
+            return _NOT_SENT
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.call_timeout_s)
+        except cf.TimeoutError:
+            with self._lock:
+                self._overrun += 1
+            fut.add_done_callback(self._overrun_done)
+            self._outage(op, TIMED_OUT)
+            return None
+
+    def _overrun_done(self, _fut: cf.Future[Any]) -> None:
+        with self._lock:
+            self._overrun -= 1
+
+    def _codes(self, op: str, got: Any, n: int) -> list[int]:
+        """Per-key codes of a batch call (an overrun call: ``TIMED_OUT`` for every key, one
+        never sent: ``NOT_SENT``); records an outage or a recovery."""
+        if got is None or got is _NOT_SENT:  # _call already recorded the outage
+            return [TIMED_OUT if got is None else NOT_SENT] * n
+        codes = [int(c) for c in got]
+        if len(codes) != n:  # the client refused the batch as a whole (empty, too large)
+            log.warning("%s: %s answered %d codes for %d keys", self.name, op, len(codes), n)
+            return [MMC_ERROR] * n
+        bad = next((c for c in codes if c in OUTAGE_CODES), None)
+        if bad is not None:
+            self._outage(op, bad)
+        else:
+            self._answered()
+        return codes
+
+    def _batched(self, op: str, fn: Callable[..., Any], n: int,
+                 args: Callable[[int, int], list[Any]]) -> list[int]:
+        """Per-key codes of ``fn`` over ``n`` keys in calls of at most ``MAX_BATCH``
+        (``args(lo, hi)``: the call's arguments for keys ``lo:hi``); once the service
+        is found down, the rest are not sent."""
+        out: list[int] = []
+        for lo in range(0, n, MAX_BATCH):
+            hi = min(n, lo + MAX_BATCH)
+            if lo and not self._reachable():
+                out.extend([NOT_SENT] * (n - lo))
+                break
+            out.extend(self._codes(op, self._call(op, fn, *args(lo, hi)), hi - lo))
+        return out
+
+    def _exists(self, keys: list[str]) -> list[int]:
+        return self._batched("batch_is_exist", self._client.batch_is_exist, len(keys),
+                             lambda lo, hi: [keys[lo:hi]])
+
+    # ------------------------------------------------------------------ staging
+
+    def _spans(self, skey: str, size: int) -> tuple[list[int], list[int]]:
+        ptrs, lens, left = [], [], size
+        for p in self._staging.pages(skey):
+            n = min(self.page_bytes, left)
+            ptrs.append(self._base + p * self.page_bytes)
+            lens.append(n)
+            left -= n
+        return ptrs, lens
+
+    def _stage_alloc(self, keys: list[str], sizes: list[int]) -> list[WriteHandle | None] | None:
+        with self._stage_lock:
+            return self._staging.allocate(keys, sizes)
+
+    def _unstage(self, handles: Sequence[WriteHandle]) -> None:
+        self._staging.abort(handles)
+        self._staging.take_freed()
+
+    def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
+        with self._lock:
+            for h in handles:
+                if self._pending.get(h.key) != h.token:
+                    raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
+        return [WriteHandle(_W + h.key, h.size, h.token) for h in handles]
+
+    def _transfer(self, op: str, keys: list[str], spans: list[tuple[list[int], list[int]]],
+                  direct: int) -> list[int]:
+        """One batched put or get over staging spans: single-span objects in one call,
+        multi-page objects in one ``_layers`` call. Per-key codes, in ``keys`` order."""
+        codes = [0] * len(keys)
+        single = [i for i, s in enumerate(spans) if len(s[0]) == 1]
+        multi = [i for i, s in enumerate(spans) if len(s[0]) != 1]
+        c = self._client
+        put = op == "put"
+        for group, layers in ((single, False), (multi, True)):
+            if not group:
+                continue
+            if layers:
+                fn = c.batch_put_from_layers if put else c.batch_get_into_layers
+                name = "batch_put_from_layers" if put else "batch_get_into_layers"
+            else:
+                fn = c.batch_put_from if put else c.batch_get_into
+                name = "batch_put_from" if put else "batch_get_into"
+
+            def args(lo: int, hi: int, group: list[int] = group, layers: bool = layers) -> list[Any]:
+                part = group[lo:hi]
+                ptrs = [spans[i][0] if layers else spans[i][0][0] for i in part]
+                lens = [spans[i][1] if layers else spans[i][1][0] for i in part]
+                out: list[Any] = [[keys[i] for i in part], ptrs, lens, direct]
+                return [*out, self._replicate] if put else out
+
+            for i, code in zip(group, self._batched(name, fn, len(group), args), strict=True):
+                codes[i] = code
+        return codes
+
+    # ------------------------------------------------------------------ writes
+
+    def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
+        if len(keys) != len(sizes):
+            raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
+        for key, size in zip(keys, sizes, strict=True):
+            if size <= 0:
+                raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
+        uniq = list(dict.fromkeys(keys))
+        if not uniq:
+            return []
+        codes = self._exists(uniq) if self._reachable() else None
+        if codes is None or any(c in OUTAGE_CODES for c in codes):
+            with self._lock:
+                self._stats.skipped_stores += len(uniq)
+            return None
+        present = {k for k, c in zip(uniq, codes, strict=True) if c == 1}
+        new: list[tuple[int, str, int]] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if key in present or key in seen:
+                continue
+            seen.add(key)
+            new.append((i, key, sizes[i]))
+        got = self._stage_alloc([_W + k for _, k, _ in new], [s for _, _, s in new])
+        if got is None:
+            with self._lock:
+                self._stats.skipped_stores += len(new)
+            return None
+        out: list[WriteHandle | None] = [None] * len(keys)
+        with self._lock:
+            for (i, key, size), h in zip(new, got, strict=True):
+                if h is None:  # pending here already
+                    continue
+                self._pending[key] = h.token
+                out[i] = WriteHandle(key, size, h.token)
+            made = sum(1 for h in out if h is not None)
+            self._stats.allocated_objects += made
+            self._stats.duplicate_stores += len(keys) - made
+        return out
+
+    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
+        self._staging.write(self._staged([handle])[0], offset, src)
+
+    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
+        self._staging.write_batch(self._staged(handles), src)
+
+    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor, rows: Sequence[int]) -> None:
+        self._staging.write_rows(self._staged(handles), src, rows)
+
+    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
+        return self._staging.pending_rows(self._staged(handles))
+
+    def commit(self, handles: Sequence[WriteHandle]) -> None:
+        """Put the objects (batched, from the staging pages) and free their pages. A put
+        the service refuses (no space, unreachable) is a skipped save, not an error."""
+        staged = self._staged(handles)
+        if not staged:
+            return
+        keys = [h.key for h in handles]
+        unsafe: list[WriteHandle] = []
+        try:
+            if self._reachable():
+                spans = [self._spans(s.key, h.size) for s, h in zip(staged, handles, strict=True)]
+                codes = self._transfer("put", keys, spans, H2G)
+            else:
+                codes = [min(OUTAGE_CODES)] * len(keys)
+            # a put that overran may still read the pages: they are not reused
+            unsafe = [s for s, c in zip(staged, codes, strict=True) if c == TIMED_OUT]
+        finally:
+            with self._lock:
+                for h in handles:
+                    self._pending.pop(h.key, None)
+            self._release(staged, unsafe)
+        with self._lock:
+            st = self._stats
+            for h, code in zip(handles, codes, strict=True):
+                if code == 0:
+                    st.committed_objects += 1
+                    st.bytes_written += h.size
+                elif code == MMC_DUPLICATED_OBJECT:
+                    st.duplicate_stores += 1
+                else:
+                    st.skipped_stores += 1
+
+    def abort(self, handles: Sequence[WriteHandle]) -> None:
+        mine: list[WriteHandle] = []
+        with self._lock:
+            for h in handles:
+                if self._pending.get(h.key) == h.token:
+                    del self._pending[h.key]
+                    mine.append(WriteHandle(_W + h.key, h.size, h.token))
+            self._stats.aborted_objects += len(mine)
+        self._unstage(mine)
+
+    def _release(self, handles: Sequence[WriteHandle], unsafe: Sequence[WriteHandle]) -> None:
+        """Free staging objects except ``unsafe`` ones (quarantined: a transfer past its
+        deadline may still touch them)."""
+        keep = {h.key for h in unsafe}
+        if keep:
+            with self._lock:
+                self.quarantined_pages += sum(len(self._staging.pages(k)) for k in keep)
+            log.warning("%s: %d staging objects quarantined after a call past its deadline",
+                        self.name, len(keep))
+        self._unstage([h for h in handles if h.key not in keep])
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        present: set[str] = set()
+        if keys and self._reachable():
+            codes = self._exists(list(keys))
+            present = {k for k, c in zip(keys, codes, strict=True) if c == 1}
+        with self._lock:
+            return self._stats.count_prefix(keys, present.__contains__)
+
+    def pin(self, keys: Sequence[str]) -> Pin | None:
+        """Fetch all ``keys`` into staging pages or none: a key the service does not hold
+        (never stored, evicted, service down) makes it ``None``."""
+        keys = list(dict.fromkeys(keys))
+        token = next(self._tokens)
+        if not keys:
+            return Pin(keys=(), token=token)
+        if not self._reachable():
+            return None
+        sizes: list[int] = []
+        for lo in range(0, len(keys), MAX_BATCH):
+            part = keys[lo:lo + MAX_BATCH]
+            infos = self._call("batch_get_key_info", self._client.batch_get_key_info, part)
+            if infos is None or infos is _NOT_SENT or len(infos) != len(part):  # no answer: a miss
+                return None
+            sizes.extend(int(i.size()) for i in infos)
+        if any(s <= 0 for s in sizes):  # not held
+            return None
+        prefix = f"r{token}|"
+        skeys = [prefix + k for k in keys]
+        got = self._stage_alloc(skeys, sizes)
+        if got is None:  # staging full of pins and pending saves: a miss
+            return None
+        handles = [h for h in got if h is not None]
+        spans = [self._spans(s, n) for s, n in zip(skeys, sizes, strict=True)]
+        codes = self._transfer("get", keys, spans, G2H)
+        if any(c != 0 for c in codes):
+            unsafe = [h for h, c in zip(handles, codes, strict=True) if c != 0 and c not in _SAFE_GET_FAILURES]
+            self._release(handles, unsafe)
+            return None
+        with self._stage_lock:  # no allocation may evict them between commit and pin
+            self._staging.commit(handles)
+            staging_pin = self._staging.pin(skeys)
+        assert staging_pin is not None
+        objects = {k: (s, n) for k, s, n in zip(keys, skeys, sizes, strict=True)}
+        whole = all(n == self.page_bytes for n in sizes)
+        with self._lock:
+            self._pins[token] = _PinRecord(staging_pin, objects, whole)
+            self._stats.reads += len(keys)
+            self._stats.bytes_read += sum(sizes)
+        return Pin(keys=tuple(keys), token=token)
+
+    def _record(self, pin: Pin) -> _PinRecord:
+        with self._lock:
+            rec = self._pins.get(pin.token)
+        if rec is None:
+            raise StoreError(f"read without an active pin (token {pin.token})")
+        return rec
+
+    def _object(self, rec: _PinRecord, key: str) -> tuple[str, int]:
+        got = rec.objects.get(key)
+        if got is None:
+            raise StoreError(f"read of {key!r} without an active pin")
+        return got
+
+    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
+        rec = self._record(pin)
+        skey, size = self._object(rec, key)
+        nbytes = dst.numel() * dst.element_size()
+        if offset < 0 or offset + nbytes > size:
+            raise StoreError(f"byte range [{offset}, {offset + nbytes}) outside object of {size} bytes")
+        self._staging.read(rec.staging_pin, skey, offset, dst)
+
+    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        if rec.whole_pages:
+            self._staging.read_batch(rec.staging_pin, skeys, dst)
+        else:
+            super().read_batch(pin, keys, dst)
+
+    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor, rows: Sequence[int]) -> None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        if rec.whole_pages:
+            self._staging.read_rows(rec.staging_pin, skeys, dst, rows)
+        else:
+            super().read_rows(pin, keys, dst, rows)
+
+    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        rec = self._record(pin)
+        skeys = [self._object(rec, k)[0] for k in keys]
+        return self._staging.pinned_rows(rec.staging_pin, skeys) if rec.whole_pages else None
+
+    def unpin(self, pin: Pin) -> None:
+        with self._lock:
+            rec = self._pins.pop(pin.token, None)
+        if rec is None:
+            return
+        self._staging.unpin(rec.staging_pin)
+        self._staging.discard([s for s, _ in rec.objects.values()])
+        self._staging.take_freed()
+
+    # ------------------------------------------------------------------ misc
+
+    def stats(self) -> StoreStats:
+        """Counters of this client. ``stored_objects`` stays 0: the meta service holds the
+        index of the whole store; pages are those of the staging pool."""
+        staging = self._staging.stats()
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            s.pending_objects = len(self._pending)
+            s.pinned_objects = sum(len(r.objects) for r in self._pins.values())
+            s.free_pages = staging.free_pages
+            s.total_pages = staging.total_pages
+            return s
+
+    def close(self) -> None:
+        """Unregister the staging pool and close the client; never waits on an overrun call."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            stuck = self._overrun > 0
+        if stuck:  # the library still runs a call; closing under it could free its pages
+            log.warning("%s: closing with a call past its deadline still running; the client is "
+                        "left open", self.name)
+            return
+        try:
+            self._client.unregister_buffer(self._base, self._plane.nbytes)
+        finally:
+            self._client.close()
+
+
+def memcache_store_from_config(cfg: Any, object_bytes: int, *, device_id: int = 0,
+                               client: Any = None) -> MemcacheStore:
+    """Build the backend from a ``MemcacheStoreConfig`` (``page_bytes`` None: one page per
+    object of ``object_bytes``). ``client`` replaces the real client (tests)."""
+    if client is None:
+        if not cfg.meta_service_url:
+            raise StoreError("the Memcache backend needs 'memcache.meta_service_url' "
+                             "(tcp://host:port of the meta service)")
+        client = real_client(meta_service_url=cfg.meta_service_url, config_store_url=cfg.config_store_url,
+                             protocol=cfg.protocol, dram_size=cfg.dram_size, hbm_size=cfg.hbm_size,
+                             device_id=device_id, world_size=cfg.world_size,
+                             client_timeout_s=max(1, round(cfg.call_timeout_s)))
+    return MemcacheStore(client, page_bytes=cfg.page_bytes or object_bytes, staging_bytes=cfg.staging_bytes,
+                         replica_num=cfg.replica_num, retry_interval_s=cfg.retry_interval_s,
+                         call_timeout_s=cfg.call_timeout_s)

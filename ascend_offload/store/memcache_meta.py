@@ -1,0 +1,155 @@
+"""Run a Memcache meta service (``memcache_hybrid.MetaService``) on loopback, and open a
+metadata-only client to it (tests, demos, a one-host deployment).
+
+Why a module: a test must kill the meta service mid-run and start it again on the same
+ports (clients reconnect to the address they were set up with), and every start must
+be reaped, bounded, whatever the test does. The meta service needs no Ascend driver;
+a client's data path does (``init(device_id, init_bm=True)``), its metadata path does
+not (``init_bm=False``: existence and size lookups, no puts or gets).
+
+``python -m ascend_offload.store.memcache_meta --meta-port 5000 --config-store-port 6000``
+runs one in the foreground (what configs/ascend/mmc-meta.conf describes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_SERVE = """
+import sys
+from memcache_hybrid import MetaConfig, MetaService
+c = MetaConfig()
+c.meta_service_url, c.config_store_url, c.metrics_url, c.log_path = sys.argv[1:5]
+c.log_level = "warn"
+rc = MetaService.setup(c)
+if rc != 0:
+    sys.exit(f"MetaService.setup failed ({rc})")
+MetaService.main()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def available() -> bool:
+    """``memcache_hybrid`` is importable here (the ``ascend`` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("memcache_hybrid") is not None
+
+
+class MemcacheMeta:
+    """One meta service on 127.0.0.1 (meta, config-store and metrics ports picked free
+    unless given). ``stop()`` then ``start()`` restarts it on the same ports."""
+
+    def __init__(self, log_dir: Path, *, meta_port: int = 0, config_store_port: int = 0,
+                 metrics_port: int = 0, start_timeout_s: float = 30.0) -> None:
+        self.meta_port = meta_port or _free_port()
+        self.config_store_port = config_store_port or _free_port()
+        self.metrics_port = metrics_port or _free_port()
+        self.log_dir = log_dir
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def meta_service_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.meta_port}"
+
+    @property
+    def config_store_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.config_store_port}"
+
+    def start(self) -> None:
+        """Start (or restart) the service; wait until its meta port accepts connections."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-c", _SERVE, self.meta_service_url, self.config_store_url,
+               f"http://127.0.0.1:{self.metrics_port}", str(self.log_dir)]
+        with (self.log_dir / "meta.out").open("ab") as fh:
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                out = (self.log_dir / "meta.out").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"Memcache meta service exited with {self.proc.returncode}: {out}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.meta_port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"Memcache meta service did not listen on {self.meta_service_url} "
+                           f"within {self.start_timeout_s} s")
+
+    def stop(self) -> None:
+        """SIGKILL the service (what a crash looks like to clients); bounded wait."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(10)
+
+    def __enter__(self) -> MemcacheMeta:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def metadata_client(meta_service_url: str, config_store_url: str, *, log_level: str = "error") -> Any:
+    """A ``DistributedObjectStore`` on the metadata path only (``init_bm=False``): it
+    answers existence and size lookups without the Ascend driver. Its data calls and
+    ``register_buffer`` are not usable (the latter crashed the process in 1.3.0)."""
+    from memcache_hybrid import DistributedObjectStore, LocalConfig
+
+    conf = LocalConfig()
+    conf.meta_service_url = meta_service_url
+    conf.config_store_url = config_store_url
+    conf.protocol = "host_tcp"
+    conf.log_level = log_level
+    client = DistributedObjectStore()
+    rc = client.setup(conf)
+    if rc == 0:
+        rc = client.init(0, False)
+    if rc != 0:
+        raise RuntimeError(f"Memcache metadata client against {meta_service_url} failed ({rc})")
+    return client
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ascend_offload.store.memcache_meta", description=__doc__)
+    ap.add_argument("--meta-port", type=int, default=5000)
+    ap.add_argument("--config-store-port", type=int, default=6000)
+    ap.add_argument("--metrics-port", type=int, default=8000)
+    ap.add_argument("--log-dir", default="/tmp/memcache-meta")
+    args = ap.parse_args(argv)
+    with MemcacheMeta(Path(args.log_dir), meta_port=args.meta_port, config_store_port=args.config_store_port,
+                      metrics_port=args.metrics_port) as meta:
+        print(f"meta service on {meta.meta_service_url}, config store {meta.config_store_url}", flush=True)
+        try:
+            while meta.proc is not None and meta.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""MemFabric transfer engine backend (``memfabric_hybrid``, Ascend NPUs).
+
+Decode pulls prefill's KV with ``batch_transfer_sync_read`` from the peer's registered
+memory (device HBM or pinned host pages alike: MemFabric moves both). Set-up follows
+vllm-ascend's MemFabric glue (``distributed/kv_transfer/.../transfer_engine`` on its
+main branch, memfabric_hybrid 1.x): the session a peer reads from is
+``host:rpc_port`` with the port the engine picked at construction
+(``get_rpc_port``); ``initialize`` gets ``tcp://<session>`` (only its ``tcp://`` part
+is used), the session as its unique id, the role, and ``store_server_role="Prefill"``
+(the prefill side serves MemFabric's config store).
+
+``memfabric_transfer_protocol`` picks the data-op type; both ends of a transfer must
+use the same one, which is why decode advertises its protocol in its registration
+and prefill refuses a request whose decode uses another (pd/registration.py).
+
+The engine's reads have no deadline of their own (unlike Mooncake's transport
+timeouts): decode's ``request_timeout_s`` bounds how long a request waits for its KV,
+and a read that finished after its budget (``read_timeout_s``) is reported late and
+not used (pd/consumer.py); the request recomputes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+
+#: ``memfabric_transfer_protocol`` -> ``memfabric_hybrid.TransDataOpType`` member name.
+PROTOCOLS = {"sdma": "SDMA", "device_rdma": "DEVICE_RDMA", "device_urma": "DEVICE_URMA"}
+ROLES = ("Prefill", "Decode")
+
+
+def data_op_type(protocol: str, op_types: Any) -> Any:
+    """The ``TransDataOpType`` member (of ``op_types``) for a config protocol name."""
+    try:
+        return getattr(op_types, PROTOCOLS[protocol])
+    except KeyError:
+        raise ValueError(f"memfabric_transfer_protocol={protocol!r} "
+                         f"(accepted: {', '.join(repr(p) for p in PROTOCOLS)})") from None
+
+
+def _module() -> Any:
+    try:
+        import memfabric_hybrid
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("transfer_backend='memfabric' needs memfabric_hybrid "
+                          "(pip install 'ascend-offload[ascend]') and the Ascend driver") from exc
+    return memfabric_hybrid
+
+
+class MemFabricEngine(TransferEngine):
+    """One MemFabric endpoint; reads are one ``batch_transfer_sync_read`` per call.
+
+    ``engine`` / ``op_types`` replace the library's objects
+    (tests pass the fakes of ``ascend_offload.testing.fake_ascend``)."""
+
+    name = "memfabric"
+
+    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "sdma", role: str = "Decode",
+                 device_id: int = 0, nic: str = "", engine: Any = None, op_types: Any = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"MemFabric role={role!r} (accepted: {', '.join(ROLES)})")
+        if engine is None:
+            mod = _module()
+            engine = mod.TransferEngine()
+            op_types = mod.TransDataOpType
+        op = data_op_type(protocol, op_types)
+        self.protocol = protocol
+        self.role = role
+        self._eng = engine
+        session = f"{host}:{engine.get_rpc_port()}"
+        rc = engine.initialize(f"tcp://{session}", session, role, device_id, op, "Prefill", nic)
+        if rc != 0:
+            raise TransferError(f"MemFabric initialize(session={session!r}, role={role!r}, device_id={device_id}, "
+                                f"protocol={protocol!r}) failed with rc={rc}")
+        self._endpoint = session
+        self._regions: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, addr: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"register length={length}: must be > 0")
+        with self._lock:
+            rc = self._eng.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"MemFabric register_memory({addr:#x}, {length}) failed rc={rc}")
+            self._regions.add(addr)
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            if addr in self._regions:
+                self._eng.unregister_memory(addr)
+                self._regions.discard(addr)
+
+    def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
+        if self._closed:
+            raise TransferError("MemFabric engine is closed")
+        rc = self._eng.batch_transfer_sync_read(peer, [o.local_addr for o in ops],
+                                                [o.remote_addr for o in ops], [o.length for o in ops])
+        if rc != 0:
+            total = sum(o.length for o in ops)
+            raise TransferError(f"MemFabric read of {len(ops)} runs ({total} B) from {peer} "
+                                f"({self.protocol}) failed rc={rc}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for addr in list(self._regions):
+                self._eng.unregister_memory(addr)
+            self._regions.clear()
+            self._closed = True
+        self._eng.unInitialize()
