@@ -35,7 +35,11 @@ class RequestResult:
 
 
 def value(m: Mapping[str, float], family: str) -> float | None:
-    """A family's value, ``None`` when the server does not export it."""
+    """A family's value, ``None`` when the server does not export it. The sparse decode
+    counters are ``vllm:ascend_offload_sparse_*`` on an ``AscendSparseDecodeConnector``
+    and ``vllm:ascend_offload_rd2h_sparse_*`` on an RD2H consumer with sparse offload."""
+    if family.startswith(SPARSE) and family not in m:
+        return m.get(RD2H + "sparse_" + family[len(SPARSE):])
     return m.get(family)
 
 

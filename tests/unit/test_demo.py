@@ -77,6 +77,13 @@ def test_table_shows_na_for_families_a_server_does_not_export() -> None:
     assert "prefix hits n/a" in out
 
 
+def test_sparse_counters_of_an_rd2h_decode_are_read_too() -> None:
+    decode = {RD2H + "sparse_hit_positions": 9.0, RD2H + "sparse_resolved_positions": 10.0}
+    assert "90.0%" in request_row(_result(1, True, {}, decode))
+    out = render([_result(1, True, {}, decode)], Footprint(1.0, 0.3))
+    assert "hit rate 90.0% of 10 top-k positions" in out
+
+
 def test_table_store_columns_when_the_prefill_has_a_store() -> None:
     prefill = {STORE + "hit_objects": 8.0, STORE + "miss_objects": 2.0, STORE + "loaded_blocks": 8.0,
                STORE + "saved_blocks": 2.0, STORE + "layerwise_gate_waits": 3.0}
