@@ -181,24 +181,36 @@ def complete(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[list
     return ids, end - t0, ttft, tpot
 
 
+def _attempt(client: httpx.Client, url: str, body: dict[str, Any], index: int
+             ) -> tuple[list[int] | None, float, float | None, float | None]:
+    """``complete``, with a failed request reported once on stderr and answered ``None``
+    (it counts as not identical; the other requests still run)."""
+    try:
+        return complete(client, url, body)
+    except (httpx.HTTPError, RuntimeError, ValueError, KeyError, IndexError, TypeError) as e:
+        print(f"\ndemo: request {index} via {url} failed: {e}", file=sys.stderr)
+        return None, 0.0, None, None
+
+
 def run_workload(cluster: Cluster, requests: list[Request], max_tokens: int, tick: Any) -> list[RequestResult]:
     """Every request through the proxy (metrics deltas around each), then plainly on the prefill."""
     urls = [cluster.urls["prefill"], cluster.urls["decode"]]
-    pd: list[tuple[Request, list[int], float, float | None, float | None, Metrics, Metrics]] = []
+    pd: list[tuple[Request, list[int] | None, float, float | None, float | None, Metrics, Metrics]] = []
     with httpx.Client() as client:
         before = settled(client, urls)
         for req in requests:
-            ids, e2e, ttft, tpot = complete(client, cluster.urls["proxy"],
-                                            _body(cluster.model, req, req.stream, max_tokens))
+            ids, e2e, ttft, tpot = _attempt(client, cluster.urls["proxy"],
+                                            _body(cluster.model, req, req.stream, max_tokens), req.index)
             after = settled(client, urls)
             pd.append((req, ids, e2e, ttft, tpot, delta(before[0], after[0]), delta(before[1], after[1])))
             before = after
             tick(f"P/D request {req.index}")
         results = []
         for req, ids, e2e, ttft, tpot, p_m, d_m in pd:
-            plain, *_ = complete(client, cluster.urls["prefill"], _body(cluster.model, req, False, max_tokens))
+            plain, *_ = _attempt(client, cluster.urls["prefill"], _body(cluster.model, req, False, max_tokens),
+                                 req.index)
             tick(f"plain request {req.index}")
-            same = len(plain) == max_tokens and ids == plain
+            same = ids is not None and plain is not None and len(plain) == max_tokens and ids == plain
             results.append(RequestResult(req.index, len(req.prompt), req.prefix, req.stream, e2e, ttft, tpot,
                                          same, p_m, d_m))
     return results
@@ -245,10 +257,11 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
         bar.update(1)
 
     topk = index_topk(decode_cfg)
-    model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}", index_topk=topk))
-    tick("starting engines")
-    cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir)
+    cluster: Cluster | None = None
     try:
+        model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}", index_topk=topk))
+        tick("starting engines")
+        cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir)
         for name in cluster.start(time.monotonic() + startup_s, bar.refresh):
             tick(f"{name} up")
         results = run_workload(cluster, requests, max_tokens, tick)
@@ -256,16 +269,15 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     except KeyboardInterrupt:
         bar.close()
         print("\ndemo: interrupted; stopping the servers", file=sys.stderr)
-        cluster.stop()
         return 130
     except Exception as e:  # reported with the log files, the servers stopped
         bar.close()
         print(f"\ndemo: FAILED: {e}", file=sys.stderr)
-        cluster.stop()
         print(f"logs: {', '.join(str(log_dir / f'{n}.log') for n in ('prefill', 'decode', 'proxy'))}", file=sys.stderr)
         return 1
     finally:
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
     bar.close()
     print(f"ascend-offload demo: proxy -> prefill ({prefill_path.name}) -> decode ({decode_path.name}), "
           f"tiny sparse-MLA model (4 layers, top-k {topk}), {max_tokens} greedy tokens per request\n")
