@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+
+import httpx
 import pytest
 
+from ascend_offload.demo import run
 from ascend_offload.demo.footprint import footprint_ratio
 from ascend_offload.demo.prom import delta, parse
 from ascend_offload.demo.run import index_topk, with_kv_port
@@ -112,3 +117,42 @@ def test_with_kv_port_replaces_every_level() -> None:
     assert with_kv_port(cfg, 9) == {"kv_port": 9, "kv_connector_extra_config": {"connectors": [{"kv_port": 9},
                                                                                               {"x": 3}]}}
     assert index_topk({"kv_connector_extra_config": {"sparse_offload": {"index_topk": 64}}}) == 64
+
+
+# --------------------------------------------------------------- HTTP side, over httpx's mock transport
+
+def _client(handler: Callable[[httpx.Request], httpx.Response]) -> httpx.Client:
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_settled_waits_for_idle_and_two_equal_reads() -> None:
+    pages = iter(["vllm:num_requests_running 1\nvllm:x_total 1\n", "vllm:num_requests_running 0\nvllm:x_total 2\n",
+                  "vllm:num_requests_running 0\nvllm:x_total 3\n", "vllm:num_requests_running 0\nvllm:x_total 3\n"])
+    with _client(lambda req: httpx.Response(200, text=next(pages))) as client:
+        [m] = run.settled(client, ["http://a"])
+    assert m["vllm:x"] == 3.0
+
+
+def test_settled_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "IDLE_TIMEOUT_S", 0.0)
+    with _client(lambda req: httpx.Response(200, text="vllm:num_requests_running 1\n")) as client, \
+            pytest.raises(RuntimeError, match="not idle"):
+        run.settled(client, ["http://a"])
+
+
+def test_complete_streamed_collects_token_ids_and_times() -> None:
+    chunks = [{"choices": [{"text": "a", "token_ids": [5]}]}, {"choices": [{"text": "", "token_ids": None}]},
+              {"choices": [{"text": "bc", "token_ids": [6, 7]}]}]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    with _client(lambda req: httpx.Response(200, text=sse)) as client:
+        ids, e2e, ttft, tpot = run.complete(client, "http://p", {"stream": True})
+    assert ids == [5, 6, 7]
+    assert ttft is not None and tpot is not None and 0 <= ttft <= e2e
+
+
+def test_a_failed_request_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    with _client(lambda req: httpx.Response(500, text="boom")) as client:
+        assert run._attempt(client, "http://p", {"stream": False}, 3)[0] is None
+        assert run._attempt(client, "http://p", {"stream": True}, 4)[0] is None
+    err = capsys.readouterr().err
+    assert "request 3 via http://p failed: http://p: HTTP 500: boom" in err and "request 4" in err
