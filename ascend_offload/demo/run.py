@@ -111,6 +111,10 @@ class Cluster:
                     refresh()
                     time.sleep(1)
 
+    def exited(self) -> list[str]:
+        """``name (exit code N)`` of every server that is no longer running."""
+        return [f"{s.name} (exit code {s.proc.returncode})" for s in self.servers if s.proc.poll() is not None]
+
     def log(self, name: str) -> str:
         return next((s.text() for s in self.servers if s.name == name), "")
 
@@ -273,6 +277,8 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     except Exception as e:  # reported with the log files, the servers stopped
         bar.close()
         print(f"\ndemo: FAILED: {e}", file=sys.stderr)
+        if cluster is not None and cluster.exited():
+            print(f"demo: exited before the end: {', '.join(cluster.exited())}", file=sys.stderr)
         print(f"logs: {', '.join(str(log_dir / f'{n}.log') for n in ('prefill', 'decode', 'proxy'))}", file=sys.stderr)
         return 1
     finally:
