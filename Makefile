@@ -14,6 +14,7 @@ OPTIONAL_EXTRAS := ascend
 # instructions (wheels stay generic). NATIVE_MARCH=generic for a venv shared by other CPUs.
 NATIVE_MARCH ?= native
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: bootstrap test test-unit test-fast demo bench lint clean
 
@@ -49,7 +50,7 @@ test-unit: bootstrap
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit
 
 demo: bootstrap
-	$(PY) -m ascend_offload.cli demo
+	$(PY) -m ascend_offload.cli demo $(DEMO_ARGS)
 
 bench: bootstrap
 	$(PY) -m ascend_offload.cli bench all --out bench-results
