@@ -217,7 +217,8 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         sparse = self.decode.sparse if self.decode is not None else None
         if sparse is not None:
             totals.update({f"sparse_{k}": v for k, v in sparse.decode.counters().items()})
-            gauges.update({f"sparse_{k}": v for k, v in sparse.decode.gauges().items()})
+            gauges.update({f"sparse_{k}": v for k, v in
+                           {**sparse.decode.gauges(), **sparse.device_kv_gauges()}.items()})
         out = self._deltas.take(totals, gauges) if totals or gauges else None
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
