@@ -24,7 +24,13 @@ import torch
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool
-from ascend_offload.testing.sparse_reference import FullKV, OffloadKV, RefConfig, RefDecoder, RefWeights
+from ascend_offload.testing.sparse_reference import (
+    FullKV,
+    OffloadKV,
+    RefConfig,
+    RefDecoder,
+    RefWeights,
+)
 
 # (request, prompt length, join step, leave step); "d" joins after "b" left and takes its rows
 SCHEDULE = [("a", 700, 0, 24), ("b", 1100, 0, 10), ("c", 400, 2, 24), ("d", 900, 11, 24)]
