@@ -107,10 +107,12 @@ class SparseDecodeWorker:
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
                  "hot buffers %d rows per request x %d requests in the engine's KV allocation "
-                 "(%.1f MiB), residency %s (%s)", len(names), kv.shape[1], row, dtype,
+                 "(%.1f MiB), residency %s (%s)%s", len(names), kv.shape[1], row, dtype,
                  kv.numel() * kv.element_size() / 2**30, self.manager.hot_size,
                  self.manager.max_requests, self.manager.hot.nbytes / 2**20,
-                 self.manager.residency.kind, settings.cfg.residency_policy)
+                 self.manager.residency.kind, settings.cfg.residency_policy,
+                 f"; pool shared by the TP ranks ({shared_pool}), rank {tp_rank} "
+                 f"{'writes' if tp_rank == 0 else 'reads'}" if self.manager.pool.shared_name else "")
 
     def apply(self, meta: SparseDecodeMetadata) -> None:
         """This step's facts, once: finishes first (their rows are free again), then admissions."""
