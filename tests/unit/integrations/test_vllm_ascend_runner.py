@@ -77,7 +77,7 @@ def _npu_config(num_blocks: int = 10) -> Any:
     spec = groups[0].kv_cache_spec.kv_cache_specs
     tensors = [KVCacheTensor(size=spec[n].page_size_bytes * num_blocks, shared_by=[n])
                for n in MAINS + INDEXERS]
-    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups, kv_cache_groups=[])
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
 def _partition(ptr_of: dict[str, int]) -> set[frozenset[str]]:
