@@ -174,8 +174,10 @@ class SparseMLAForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("the sparse-MLA test model runs with tensor_parallel_size=1 only")
+        # Tensor parallelism: every rank holds all weights and computes the whole model
+        # (no collective, so no all-reduce at the end). MLA's latent KV is one row per
+        # token shared by all heads, so it is replicated across TP ranks in real
+        # deployments too; what the offload moves per rank is the same either way.
         self.config = config
         self.model = SparseMLAModel(config, vllm_config, "model")
         self.lm_head = _linear(config.hidden_size, config.vocab_size)

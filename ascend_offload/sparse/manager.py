@@ -107,6 +107,8 @@ class SparseOffloadManager:
         if pool.num_layers != num_layers or pool.block_size != block_size:
             raise ValueError("host pool layout does not match the manager (layers/block_size)")
         self.pool = pool
+        if pool.shared_name is not None and tp_rank != 0:
+            pool.attach_reader(tp_rank)
         self.hot = HotBuffers(num_layers, max_requests, self.hot_size, pool.row_shape, dtype,
                               device, buffers=hot_buffers)
         self.residency = residency if residency is not None else make_residency(
@@ -237,8 +239,16 @@ class SparseOffloadManager:
         self.stats.steps += 1
 
     def end_step(self) -> None:
-        """Make the host pool writes of this step visible before the next one (CPU: no-op)."""
+        """Make the host pool writes of this step visible before the next one (CPU: no-op).
+
+        Shared pool (TP): a reader records that it finished this step's reads; rank 0
+        waits for that before it frees, reassigns or rewrites any row."""
         self._stream.synchronize()
+        if self.pool.shared_name is not None:
+            if self.tp_rank == 0:
+                self.pool.wait_readers(self._step_no, self.fence_timeout_s)
+            else:
+                self.pool.mark_read(self.tp_rank, self._step_no)
 
     def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
         """Copy this step's new main-KV rows of ``layer`` device -> host pool.

@@ -13,7 +13,11 @@ file under ``/dev/shm`` and writes new rows; other ranks attach and only read.
 A small header in the same mapping carries, per layer, the last decode step
 whose new rows rank 0 has completely written (:meth:`HostKVPool.publish` /
 :meth:`HostKVPool.wait_published`), so a reader never copies a row before its
-writer finished (I4).
+writer finished (I4). The other direction has its fence too: each reader
+records the last step whose reads it completed (:meth:`HostKVPool.mark_read`),
+and rank 0 ends a step only once every attached reader finished it
+(:meth:`HostKVPool.wait_readers`), so rows freed at a step boundary are never
+rewritten while a lagging rank still reads them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ascend_offload import device as dev
 from ascend_offload.config import ConfigError, SparseOffloadConfig
 
 GiB = 1 << 30
-_MAGIC = 0x414F_5350_4F4F_4C31  # "AOSPOOL1"
+_MAGIC = 0x414F_5350_4F4F_4C32  # "AOSPOOL2"
+MAX_TP = 16  # reader slots in the shared header (TP ranks 1..MAX_TP-1)
 
 
 class PoolCapacityError(RuntimeError):
@@ -68,8 +73,9 @@ class HostKVPool:
         self.shared_name = shared_name
         self._path: str | None = None
         shape = (num_layers, num_rows, *self.row_shape)
-        # int64 header: [magic, layers, per-layer published step...], padded to 64 bytes.
-        self._header_slots = -(-(2 + num_layers) // 8) * 8
+        # int64 header: [magic, layers, per-layer published step..., per-rank read step...],
+        # padded to 64 bytes. A read slot is -1 until that rank attaches.
+        self._header_slots = -(-(2 + num_layers + MAX_TP) // 8) * 8
         if shared_name is None:
             self.kv = dev.empty_host(shape, dtype)
             self._header = torch.zeros(self._header_slots, dtype=torch.int64)
@@ -102,7 +108,8 @@ class HostKVPool:
         kv = raw[header_bytes:].view(self.dtype).view(shape)
         if create:
             header[1] = self.num_layers
-            header[0] = _MAGIC
+            header[2 + self.num_layers:] = -1
+            header[0] = _MAGIC  # last: a reader that sees it sees the rest
         elif int(header[0]) != _MAGIC or int(header[1]) != self.num_layers:
             raise RuntimeError(f"shared host pool {path} was created with another layout")
         self._path = path
@@ -227,6 +234,35 @@ class HostKVPool:
                 raise PoolFenceTimeout(
                     f"layer {layer}: rank 0 did not publish new KV rows of step {step} within "
                     f"{timeout_s}s (last published {int(self._header[slot])})")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+    def _read_slot(self, rank: int) -> int:
+        if not 0 < rank < MAX_TP:
+            raise ValueError(f"reader rank {rank}: must be in 1..{MAX_TP - 1}")
+        return 2 + self.num_layers + rank
+
+    def attach_reader(self, rank: int) -> None:
+        """Reader ``rank`` joins: rank 0's :meth:`wait_readers` waits for it from now on."""
+        self._header[self._read_slot(rank)] = 0
+
+    def mark_read(self, rank: int, step: int) -> None:
+        """Reader: every read of ``step`` is done (rank 0 may rewrite freed rows)."""
+        self._header[self._read_slot(rank)] = step
+
+    def wait_readers(self, step: int, timeout_s: float) -> None:
+        """Writer: block until every attached reader finished ``step`` or raise."""
+        readers = self._header[2 + self.num_layers + 1: 2 + self.num_layers + MAX_TP]
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while True:
+            lag = [(r + 1, int(v)) for r, v in enumerate(readers.tolist()) if 0 <= v < step]
+            if not lag:
+                return
+            if time.monotonic() > deadline:
+                raise PoolFenceTimeout(f"step {step}: TP readers (rank, last read step) {lag} did not "
+                                       f"finish within {timeout_s}s")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 

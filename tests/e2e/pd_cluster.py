@@ -50,7 +50,7 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
     try:
         servers.append(Server("prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
                                           *prefill_args, "--kv-transfer-config", json.dumps(prefill_kv(p_kv))],
-                              dict(env, VLLM_CPU_OMP_THREADS_BIND="0", **(prefill_env or {})), log_dir))
+                              {**env, "VLLM_CPU_OMP_THREADS_BIND": "0", **(prefill_env or {})}, log_dir))
         servers.append(Server("decode", [*common, "--port", str(d_port), *decode_args, "--kv-transfer-config",
                                          json.dumps(decode_kv(d_kv))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
                               log_dir))

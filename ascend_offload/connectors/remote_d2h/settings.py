@@ -70,6 +70,15 @@ def _host_ip(configured: str = "") -> str:
     return get_ip()
 
 
+def replicated_kv(vllm_config: VllmConfig) -> bool:
+    """Every TP rank caches the same KV: an MLA latent (one row per token for all heads).
+
+    vLLM's ``use_mla`` names only the DeepSeek family; any model whose config has a
+    ``kv_lora_rank`` caches the latent (our sparse-MLA model), not per-head keys."""
+    mc = vllm_config.model_config
+    return bool(mc.use_mla) or getattr(getattr(mc, "hf_config", None), "kv_lora_rank", None) is not None
+
+
 def parse_config(vllm_config: VllmConfig) -> RemoteD2HConfig:
     """The connector's extra config, with its role checked against sparse offload."""
     tc = vllm_config.kv_transfer_config
@@ -93,7 +102,7 @@ def build_settings(vllm_config: VllmConfig, cfg: RemoteD2HConfig) -> Settings:
             topology = Topology(p_tp, tp_size)
         except TopologyError as exc:
             raise ConfigError(f"key 'prefill_tp_size'={p_tp}: {exc}") from None
-        if topology.ratio > 1 and not vllm_config.model_config.use_mla:
+        if topology.ratio > 1 and not replicated_kv(vllm_config):
             raise ConfigError(
                 f"key 'prefill_tp_size'={p_tp} with decode tp={tp_size}: a prefill TP larger "
                 "than decode's needs replicated (MLA) KV; this model shards KV by head "

@@ -115,9 +115,16 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.settings is None:
             return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
-        self.worker = SparseDecodeWorker(self.settings, kv_caches,
+        shared = None
+        if get_tensor_model_parallel_world_size() > 1:  # one host pool for all ranks
+            pc = self._vllm_config.parallel_config
+            shared = f"sd_{self._vllm_config.kv_transfer_config.engine_id}_dp{pc.data_parallel_rank or 0}"
+        self.worker = SparseDecodeWorker(self.settings, kv_caches, shared_pool=shared,
                                          tp_rank=get_tensor_model_parallel_rank())
 
     def _prepare(self) -> SparseDecodeWorker | None:

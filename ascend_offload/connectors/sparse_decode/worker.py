@@ -12,6 +12,7 @@ the model's attention calls, through the connector that owns it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSetting
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
 from ascend_offload.sparse.manager import SparseOffloadManager
-from ascend_offload.sparse.pools import HostKVPool
+from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,42 @@ def unwrap_paged_caches(kv_caches: Mapping[str, Any], settings: SparseDecodeSett
     return out, set(out) - mains
 
 
+ATTACH_TIMEOUT_S = 120.0
+
+
+def shared_tp_pool(settings: SparseDecodeSettings, *, num_layers: int, row: int, dtype: torch.dtype,
+                   tp_rank: int, name: str, timeout_s: float = ATTACH_TIMEOUT_S) -> HostKVPool:
+    """The host pool all TP ranks of one engine share through ``/dev/shm``.
+
+    Every rank holds the same (replicated, MLA) main KV, so one copy serves them all:
+    rank 0 creates the mapping and writes new rows, the others attach and read after
+    rank 0's per-layer publish fence. Ranks start concurrently, so a reader retries
+    the attach until rank 0's file exists with its header written, or ``timeout_s``.
+    """
+    kw = dict(num_layers=num_layers, num_rows=pool_rows_from_config(
+        settings.cfg, num_layers=num_layers, row_shape=(row,), dtype=dtype, block_size=settings.block_size),
+        row_shape=(row,), dtype=dtype, block_size=settings.block_size, shared_name=name)
+    if tp_rank == 0:
+        return HostKVPool(**kw, create=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return HostKVPool(**kw, create=False)
+        except (FileNotFoundError, RuntimeError) as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"TP rank {tp_rank}: could not attach the shared host pool "
+                                   f"{name!r} within {timeout_s}s: {exc}") from None
+            time.sleep(0.05)
+
+
 class SparseDecodeWorker:
     """Per-rank sparse decode state; applies the scheduler's metadata once per step."""
 
     def __init__(self, settings: SparseDecodeSettings, kv_caches: Mapping[str, Any], *,
-                 tp_rank: int = 0, pool: HostKVPool | None = None) -> None:
+                 tp_rank: int = 0, pool: HostKVPool | None = None, shared_pool: str | None = None
+                 ) -> None:
+        """``shared_pool``: with TP > 1, the name of the ``/dev/shm`` pool this engine's
+        ranks share (see :func:`shared_tp_pool`); ``None``: a private pool (TP = 1)."""
         names = [n for n in settings.layers if n in kv_caches]
         if not names:
             raise ConfigError("key 'sparse_offload.enabled'=True: the model registered no sparse "
@@ -104,12 +136,16 @@ class SparseDecodeWorker:
             row, dtype = main_kv_rows(kv_caches, names)
             rows = settings.max_num_seqs * settings.cfg.topk_buffer_size
             hot = [hot_buffer_view(kv_caches[n], rows) for n in names]
+        if shared_pool is not None and pool is None:
+            pool = shared_tp_pool(settings, num_layers=len(names), row=row, dtype=dtype,
+                                  tp_rank=tp_rank, name=shared_pool)
+        self._unlink_pending = pool is not None and pool.shared_name is not None and tp_rank == 0
         self.manager = SparseOffloadManager(
             settings.cfg, num_layers=len(names), row_shape=(row,), dtype=dtype,
             block_size=settings.block_size, max_requests=settings.max_num_seqs,
             index_topk=settings.index_topk, pool=pool, device=where, hot_buffers=hot,
             tp_rank=tp_rank)
-        if self.manager.pool.num_blocks != settings.pool_blocks and pool is None:
+        if self.manager.pool.num_blocks != settings.pool_blocks and (pool is None or shared_pool):
             raise ConfigError(f"host pool of {self.manager.pool.num_blocks} blocks, the scheduler "
                               f"counts {settings.pool_blocks}: the roles disagree on the config")
         if settings.max_model_len > self.manager.residency.max_positions:
@@ -123,18 +159,25 @@ class SparseDecodeWorker:
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
                  "hot buffers %d rows per request x %d requests %s (%.1f MiB), residency %s "
-                 "(%s)", len(names), kv.shape[1], row, dtype,
+                 "(%s)%s", len(names), kv.shape[1], row, dtype,
                  kv.numel() * kv.element_size() / 2**30, self.manager.hot_size,
                  self.manager.max_requests,
                  "beside the paged main KV" if settings.paged else "in the engine's KV allocation",
                  self.manager.hot.nbytes / 2**20,
-                 self.manager.residency.kind, settings.cfg.residency_policy)
+                 self.manager.residency.kind, settings.cfg.residency_policy,
+                 f"; pool shared by the TP ranks ({shared_pool}), rank {tp_rank} "
+                 f"{'writes' if tp_rank == 0 else 'reads'}" if self.manager.pool.shared_name else "")
 
     def apply(self, meta: SparseDecodeMetadata) -> None:
         """This step's facts, once: finishes first (their rows are free again), then admissions."""
         if meta is self._applied:
             return
         self._applied = meta
+        if self._unlink_pending:
+            # vLLM steps the model only after every rank registered its KV caches, so
+            # every reader has mapped the pool by now: drop the name (the mappings stay).
+            self._unlink_pending = False
+            self.manager.pool.unlink()
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():

@@ -132,6 +132,8 @@ def older_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     importlib.invalidate_caches()
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank",
                         lambda: 0)
+    monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_world_size",
+                        lambda: 1)
     assert integration.install()
     yield integration
     integration.uninstall()

@@ -144,6 +144,29 @@ def test_shared_pool_tp_rank0_writes_others_read() -> None:
         HostKVPool(2, 32, (3,), torch.float32, 4, shared_name=name, create=False)
 
 
+def test_shared_pool_rank0_ends_a_step_only_after_every_reader() -> None:
+    """Rows freed at a step boundary are reused only once a lagging reader finished the step."""
+    name = f"test_{uuid.uuid4().hex[:8]}"
+    pool0 = HostKVPool(2, 32, (3,), torch.float32, 4, shared_name=name, create=True)
+    try:
+        pool1 = HostKVPool(2, 32, (3,), torch.float32, 4, shared_name=name, create=False)
+        m0 = _mgr(pool=pool0, tp_rank=0, fence_timeout_s=0.05)
+        m0.admit("a", 8)
+        m0.begin_step([StepEntry("a", 4, 4)])
+        m0.end_step()  # no reader attached yet: nothing to wait for
+        m1 = _mgr(pool=pool1, tp_rank=1, fence_timeout_s=0.05)
+        m1.admit("a", 8)
+        for m in (m0, m1):
+            m.begin_step([StepEntry("a", 4, 4)])
+        m1._step_no = m0._step_no  # the reader replays the same steps (it joined late here)
+        with pytest.raises(PoolFenceTimeout, match=r"\(1, 0\)"):
+            m0.end_step()  # rank 1 has not finished this step's reads
+        m1.end_step()
+        m0.end_step()
+    finally:
+        pool0.unlink()
+
+
 def test_remote_d2h_runs_coalesce_adjacent_blocks() -> None:
     pool = HostKVPool(3, 64, (2,), torch.float16, 8)
     pool.admit("x", 8)  # block 0

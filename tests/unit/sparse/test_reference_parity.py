@@ -145,8 +145,8 @@ class _TwoRankOffloadKV:
         return b
 
     def end_step(self) -> None:
+        self.r1.end_step()  # the reader first: rank 0 waits for it to finish the step
         self.r0.end_step()
-        self.r1.end_step()
 
 
 def test_tp2_shared_pool_bit_identical() -> None:
