@@ -152,6 +152,21 @@ class AscendMultiConnector(MultiConnector):
         self._requests_to_connector[request.request_id] = chosen
         return offers[chosen]
 
+    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's aggregation, except that a key a later child (in invocation order) returns
+        again is dropped from its params instead of failing the request: two store
+        children both report ``ascend_store`` (their per-request counts)."""
+        seen: set[str] = set()
+
+        def finish(c: Any) -> tuple[bool, dict[str, Any] | None]:
+            async_save, params = c.request_finished(request, blocks)
+            if params:
+                params = {k: v for k, v in params.items() if k not in seen}
+                seen.update(params)
+            return async_save, params or None
+
+        return self._aggregate_request_finished(request, finish)
+
     @property
     def shares_slots_with_pd(self) -> bool:
         return self._store is not None and self._rd2h is not None
