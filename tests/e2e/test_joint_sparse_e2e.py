@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 
 from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import BLOCK_SIZE, MODEL_CACHE, generate, make_engine, store_transfer_config, tokens
+from tests.e2e.harness import (
+    BLOCK_SIZE,
+    MODEL_CACHE,
+    generate,
+    make_engine,
+    store_transfer_config,
+    tokens,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
