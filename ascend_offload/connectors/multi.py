@@ -114,11 +114,8 @@ class AscendMultiConnector(MultiConnector):
                 "vLLM with --disable-hybrid-kv-cache-manager (key 'disable_hybrid_kv_cache_manager'"
                 "=True)")
         super().__init__(vllm_config, role, kv_cache_config)
-        #: the config index of each child, in invocation order
-        self.config_index = canonical_order([
-            isinstance(c, AscendStoreConnector) and c.layerwise for c in self._connectors])
-        self._connectors = [self._connectors[i] for i in self.config_index]
-        self._ktc_kv_transfer_config = [self._ktc_kv_transfer_config[i] for i in self.config_index]
+        # Pairing on config indices (errors name connectors[i] as written), then the
+        # canonical invocation order.
         stores = [i for i, c in enumerate(self._connectors)
                   if isinstance(c, AscendStoreConnector) and c.layerwise]
         producers = [i for i, c in enumerate(self._connectors)
@@ -131,6 +128,10 @@ class AscendMultiConnector(MultiConnector):
             store, rd2h = self._connectors[pair[0]], self._connectors[pair[1]]
             assert isinstance(store, AscendStoreConnector) and isinstance(rd2h, SfaRemoteD2HConnector)
             self._store, self._rd2h = store, rd2h
+        #: the config index of each child, in invocation order
+        self.config_index = canonical_order([i in stores for i in range(len(self._connectors))])
+        self._connectors = [self._connectors[i] for i in self.config_index]
+        self._ktc_kv_transfer_config = [self._ktc_kv_transfer_config[i] for i in self.config_index]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -190,8 +191,8 @@ class AscendMultiConnector(MultiConnector):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Children in order (store: save + hold the slot for decode; producer: publish),
-        then the next layer's slot is made ready, which may wait for decode's reads."""
+        """Children in canonical order (store: save + hold the slot for decode; producer:
+        publish), then the next layer's slot is made ready, which may wait for decode's reads."""
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         pipe = self._shared_pipeline()
         if pipe is not None and pipe.defer_next_ready and pipe.in_step:
