@@ -11,18 +11,27 @@ consumers of the slot in the store pipeline's reuse gate, so the slot's next
 writer waits until decode answered (or the ack deadline passed); see
 ``SfaRemoteD2HConnector.attach_reuse_gate``.
 
+Children run in a canonical order, whatever their order in ``connectors``
+(:func:`canonical_order`): the slot-release provider (the layer-sharing store,
+whose ``save_kv_layer`` registers decode's reads before the slot is handed on)
+first, then the others in config order. Exactly one child loads a request's
+external tokens (:func:`choose_loader`): the one that offers the most, ties to a
+child that must deliver (P/D consumer) over a cache, then config order; the
+others are told 0 tokens and drop their offers.
+
 Rules checked at start-up (a wrong combination fails naming the key):
 * vLLM runs with ``--disable-hybrid-kv-cache-manager`` (vLLM switches the
   hybrid manager off by itself only for the name ``MultiConnector``);
-* the store connector comes before the producer in ``connectors`` (its
-  ``save_kv_layer`` registers the reads before the slot is handed on);
+* at most one layer-sharing store and one producer;
 * the producer publishes per layer (``use_layerwise``).
-Without layer sharing it behaves exactly like ``MultiConnector``.
+Without layer sharing it behaves like ``MultiConnector`` apart from the load
+choice and the worker-side order above.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +46,7 @@ from ascend_offload.pd.slot_sharing import SharedStepPipeline
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +56,45 @@ NAME = "AscendMultiConnector"
 def sharing_pair(stores: list[int], producers: list[int], publishes_per_layer: list[bool]
                  ) -> tuple[int, int] | None:
     """(store child, producer child) whose layer buffers and decode reads must share
-    the reuse gate, or None. ``stores``: indices of layer-sharing store children;
-    ``producers``: indices of P/D producer children; ``publishes_per_layer``: per
-    child, whether it publishes each layer as soon as it is written."""
+    the reuse gate, or None; any order in the config. ``stores``: indices of
+    layer-sharing store children; ``producers``: indices of P/D producer children;
+    ``publishes_per_layer``: per child, whether it publishes each layer as soon as it
+    is written."""
     if not stores or not producers:
         return None
     if len(stores) > 1 or len(producers) > 1:
         raise ConfigError(f"{NAME}: key 'connectors': at most one layer-sharing AscendStoreConnector and "
                           f"one SfaRemoteD2HConnector producer (got {len(stores)} and {len(producers)})")
     s, p = stores[0], producers[0]
-    if s > p:
-        raise ConfigError(
-            f"{NAME}: key 'connectors': AscendStoreConnector (layer sharing, index {s}) must come before "
-            f"SfaRemoteD2HConnector (index {p}), so a layer's decode reads are registered before its "
-            "buffer is handed to the next layer")
     if not publishes_per_layer[p]:
         raise ConfigError(
             f"{NAME}: key 'connectors[{p}].kv_connector_extra_config.use_layerwise'=False with layer "
             "sharing: each layer must be published as soon as it is written (accepted: True)")
     return s, p
+
+
+def canonical_order(releases_slots: Sequence[bool]) -> list[int]:
+    """Config indices in the order the children are invoked: slot-release providers
+    first (their ``save_kv_layer`` must register a layer's readers before any sibling
+    publishes it), the rest in config order. Same on scheduler and workers, so the
+    per-child metadata lines up."""
+    return sorted(range(len(releases_slots)), key=lambda i: (not releases_slots[i], i))
+
+
+def choose_loader(offers: Sequence[int], must_deliver: Sequence[bool]) -> int | None:
+    """The one child that loads a request's external tokens: the largest offer; ties go
+    to a child that must deliver (a P/D consumer: the prefill holds the request's KV for
+    it) before a cache, then to the first in ``offers``. None when nobody offers.
+    Why not "first that offers" (vLLM's ``MultiConnector``): that would make the result
+    depend on the config order, and a cache's shorter prefix would win over a P/D pull
+    of the whole prompt."""
+    best: int | None = None
+    for i, n in enumerate(offers):
+        if n <= 0:
+            continue
+        if best is None or (n, must_deliver[i]) > (offers[best], must_deliver[best]):
+            best = i
+    return best
 
 
 class AscendMultiConnector(MultiConnector):
@@ -84,6 +114,8 @@ class AscendMultiConnector(MultiConnector):
                 "vLLM with --disable-hybrid-kv-cache-manager (key 'disable_hybrid_kv_cache_manager'"
                 "=True)")
         super().__init__(vllm_config, role, kv_cache_config)
+        # Pairing on config indices (errors name connectors[i] as written), then the
+        # canonical invocation order.
         stores = [i for i, c in enumerate(self._connectors)
                   if isinstance(c, AscendStoreConnector) and c.layerwise]
         producers = [i for i, c in enumerate(self._connectors)
@@ -96,6 +128,45 @@ class AscendMultiConnector(MultiConnector):
             store, rd2h = self._connectors[pair[0]], self._connectors[pair[1]]
             assert isinstance(store, AscendStoreConnector) and isinstance(rd2h, SfaRemoteD2HConnector)
             self._store, self._rd2h = store, rd2h
+        #: the config index of each child, in invocation order
+        self.config_index = canonical_order([i in stores for i in range(len(self._connectors))])
+        self._connectors = [self._connectors[i] for i in self.config_index]
+        self._ktc_kv_transfer_config = [self._ktc_kv_transfer_config[i] for i in self.config_index]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Ask every child; exactly one (:func:`choose_loader`) is assigned the load."""
+        self._requests_to_connector.pop(request.request_id, None)
+        offers: list[tuple[int, bool]] = []
+        for c in self._connectors:
+            toks, load_async = c.get_num_new_matched_tokens(request, num_computed_tokens)
+            if toks is None:  # a child still looking up: ask again later
+                return None, False
+            offers.append((toks, load_async))
+        # ties in config order, not invocation order
+        by_config = sorted(range(len(offers)), key=lambda i: self.config_index[i])
+        pick = choose_loader([offers[i][0] for i in by_config],
+                             [self._connectors[i].requires_kv_delivery for i in by_config])
+        if pick is None:
+            return 0, False
+        chosen = by_config[pick]
+        self._requests_to_connector[request.request_id] = chosen
+        return offers[chosen]
+
+    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's aggregation, except that a key a later child (in invocation order) returns
+        again is dropped from its params instead of failing the request: two store
+        children both report ``ascend_store`` (their per-request counts)."""
+        seen: set[str] = set()
+
+        def finish(c: Any) -> tuple[bool, dict[str, Any] | None]:
+            async_save, params = c.request_finished(request, blocks)
+            if params:
+                params = {k: v for k, v in params.items() if k not in seen}
+                seen.update(params)
+            return async_save, params or None
+
+        return self._aggregate_request_finished(request, finish)
 
     @property
     def shares_slots_with_pd(self) -> bool:
@@ -120,8 +191,8 @@ class AscendMultiConnector(MultiConnector):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Children in order (store: save + hold the slot for decode; producer: publish),
-        then the next layer's slot is made ready, which may wait for decode's reads."""
+        """Children in canonical order (store: save + hold the slot for decode; producer:
+        publish), then the next layer's slot is made ready, which may wait for decode's reads."""
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         pipe = self._shared_pipeline()
         if pipe is not None and pipe.defer_next_ready and pipe.in_step:

@@ -135,6 +135,11 @@ class PrefillWorker:
             return
         assert self._gate is not None and self._gate_pipeline is not None
         for name in self._gate_pipeline.members_of(layer):
+            if name not in self._layer_index:
+                # an indexer cache: it travels in its main layer's wire layer, whose token
+                # holds the shared gate slot (a token of its own would never be released
+                # before the end of the step, stalling the slot's next layer)
+                continue
             tokens = {d_tp: self._gate.add_consumer(gate_slot, generation, f"rd2h d_tp={d_tp} {name}")
                       for d_tp in self._step_sends}
             self._gate_tokens[name] = (gate_slot, tokens)

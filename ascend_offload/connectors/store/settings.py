@@ -8,6 +8,7 @@ combination fails here naming the key (I7).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ascend_offload.config import (
@@ -26,9 +27,18 @@ NAME = "AscendStoreConnector"
 
 
 def object_bytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block across all cache-bearing layers on one rank."""
+    """Bytes of one block across all cache-bearing layers on one rank.
+
+    A group whose layers differ in page size (the sparse model: main KV and indexer
+    cache of every layer in one group) carries a per-layer spec mapping
+    (``UniformTypeKVCacheSpecs.kv_cache_specs``); its ``page_size_bytes`` is already
+    the sum over its layers, so each layer counts with its own page size."""
     group = kv_cache_config.kv_cache_groups[0]
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    spec = group.kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if isinstance(per_layer, Mapping):
+        return sum(int(per_layer[name].page_size_bytes) for name in group.layer_names)
+    return int(spec.page_size_bytes) * len(group.layer_names)
 
 
 @dataclasses.dataclass(frozen=True)

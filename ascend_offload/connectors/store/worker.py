@@ -253,9 +253,11 @@ class LayerwiseWorker(StoreWorker):
             raise ConfigError(f"{NAME}: use_layerwise is set but no layer plan could be built")
         num_blocks = self._kv_cache_config.num_blocks
         cfg, num_pages = self.settings.cfg, self.settings.num_pages
+        # Indexer caches (plan.followers) are stored with their main layer's block: one
+        # host plane each, at the page of the block, so an object holds both.
         layer_bytes = {
             name: kv_caches[name].numel() // num_blocks * kv_caches[name].element_size()
-            for name in plan.layers
+            for name in (*plan.layers, *plan.followers)
         }
         self.page_store = ScheduledPageStore(layer_bytes, num_pages)
         self.pipeline = LayerwisePipeline(

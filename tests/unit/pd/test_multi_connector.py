@@ -1,7 +1,8 @@
 """AscendMultiConnector's start-up rules for pairing layer sharing with P/D reads.
 
 The pairing itself (decode reads holding a shared buffer) runs end to end in
-tests/e2e/test_pd_layerwise_e2e.py; here, the configuration errors it refuses.
+tests/e2e/test_pd_layerwise_e2e.py and, in both orders, tests/e2e/test_joint_sparse_e2e.py;
+here, the configuration errors it refuses.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ def test_store_then_producer_is_paired() -> None:
     assert sharing_pair([0], [1], [False, True]) == (0, 1)
 
 
-def test_producer_before_store_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"key 'connectors'.*must come before"):
-        sharing_pair([1], [0], [True, False])
+def test_producer_before_store_is_paired_too() -> None:
+    assert sharing_pair([1], [0], [True, False]) == (1, 0)
 
 
 def test_producer_must_publish_per_layer() -> None:

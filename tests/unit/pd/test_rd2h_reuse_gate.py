@@ -132,3 +132,26 @@ def test_layer_sharing_needs_per_layer_publishing(monkeypatch) -> None:
     conn = _connector(monkeypatch, use_layerwise=False)
     with pytest.raises(ConfigError, match="use_layerwise"):
         conn.attach_reuse_gate(_Pipeline())
+
+
+def test_an_indexer_follower_takes_no_token_of_its_own(monkeypatch) -> None:
+    """The sparse model: the pipeline saves a main layer with its indexer cache (one unit);
+    the wire layer carries both, so one token per decode TP size holds the slot and the
+    main layer's publish hands it on: the slot's next layer needs nothing else."""
+    conn = _connector(monkeypatch)
+    pipe = _Pipeline()
+    pipe.members_of = lambda layer: (layer, f"{layer}.indexer")  # type: ignore[method-assign]
+    conn.attach_reuse_gate(pipe)
+    prod = _Producer()
+    conn.prefill._producers[1] = prod
+    conn.prefill._step_sends = {1: ["r1"]}
+    lease = pipe.gate.acquire_write(1, "l1")
+    pipe.listeners[0]("l1", 1, lease.generation)
+    pipe.gate.release_write(lease)
+    assert set(conn.prefill._gate_tokens) == {"l1"} and conn.prefill.gate_holds == 1
+    conn.prefill._publish(1, "l1")
+    (pub,) = prod.published
+    assert conn.prefill._gate_tokens == {}
+    gate_listener(pipe.gate)(SlotRelease(slot=1, generation=1, layer=1, ok=True, tag=pub["tag"]))
+    # Within the step (no wait_for_save yet) the next layer of the slot may write.
+    pipe.gate.release_write(pipe.gate.acquire_write(1, "l3", timeout_s=0.05))
