@@ -1,11 +1,13 @@
 """``ascend-offload demo`` (``make demo``): the P/D deployment with sparse decode offload.
 
-Starts our proxy, a prefill engine (``configs/cpu-demo/prefill.json``: the
-RD2H producer; ``--prefill-config`` switches it) and a decode engine
+Starts our proxy, a prefill engine (``configs/cpu-demo/prefill-joint.json``:
+AscendMultiConnector of the layerwise store with shared buffers and the RD2H
+producer; ``--prefill-config`` switches it, e.g. to ``prefill.json``, the RD2H
+producer alone), a plain engine of the same model, and a decode engine
 (``configs/cpu-demo/decode.json``: RD2H consumer with sparse decode offload, no
 main KV on the device) on a generated tiny sparse-MLA model; sends a workload
 with shared prefixes through the proxy (some streamed, most longer than the
-decode hot buffer); compares every answer with the plain answer; prints one
+decode hot buffer); compares every answer with the plain engine's; prints one
 table of per-request latency and the servers' counters, ending with
 ``demo: N/N requests identical``. Exit 0 iff every answer is identical.
 """
@@ -24,7 +26,7 @@ from ascend_offload.demo.workload import SPEC
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ascend-offload demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prefill-config", type=Path, default=CONFIG_DIR / "prefill.json",
+    ap.add_argument("--prefill-config", type=Path, default=CONFIG_DIR / "prefill-joint.json",
                     help="the prefill's --kv-transfer-config file (kv_port is replaced by a free port)")
     ap.add_argument("--decode-config", type=Path, default=CONFIG_DIR / "decode.json")
     ap.add_argument("--requests", type=int, default=len(SPEC), choices=range(1, len(SPEC) + 1),

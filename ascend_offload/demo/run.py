@@ -4,8 +4,9 @@ The prefill, the decode and the proxy are started as their own process groups
 (``ascend_offload.testing.servers.Server``), with their logs in files; on any
 exit path (end, error, Ctrl-C, SIGTERM) every group is stopped and reaped.
 Requests run one at a time so the counter deltas around a request are that
-request's. Plain answers come from the prefill server itself (a request
-without P/D parameters is an ordinary generation there).
+request's. Plain answers come from a third server of the same model with no KV
+connector at all (the prefill's own answers would not do: its store serves
+prefixes the P/D pass saved).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class Cluster:
         self.model = model
         self.log_dir = log_dir
         self.servers: list[Server] = []
-        ports = {k: free_port() for k in ("prefill", "decode", "proxy", "p_kv", "d_kv")}
-        self.urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("prefill", "decode", "proxy")}
+        ports = {k: free_port() for k in ("prefill", "decode", "proxy", "plain", "p_kv", "d_kv")}
+        self.urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("prefill", "decode", "proxy", "plain")}
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -75,6 +76,8 @@ class Cluster:
                          json.dumps(with_kv_port(prefill_cfg, ports["p_kv"]))], dict(env, VLLM_CPU_OMP_THREADS_BIND="0")),
             ("decode", [*common, "--port", str(ports["decode"]), "--max-num-seqs", "4", "--kv-transfer-config",
                         json.dumps(with_kv_port(decode_cfg, ports["d_kv"]))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1")),
+            ("plain", [*common, "--port", str(ports["plain"]), "--max-num-seqs", "4"],
+             dict(env, VLLM_CPU_OMP_THREADS_BIND="0")),
             ("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
                        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
                        "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"])], env),
@@ -90,7 +93,7 @@ class Cluster:
                 self.servers.append(Server(name, cmd, env, self.log_dir))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        waiting = ["prefill", "decode", "proxy"]
+        waiting = [name for name, _, _ in self._cmds]
         with httpx.Client() as client:
             while waiting:
                 for s in self.servers:
@@ -197,7 +200,7 @@ def _attempt(client: httpx.Client, url: str, body: dict[str, Any], index: int
 
 
 def run_workload(cluster: Cluster, requests: list[Request], max_tokens: int, tick: Any) -> list[RequestResult]:
-    """Every request through the proxy (metrics deltas around each), then plainly on the prefill."""
+    """Every request through the proxy (metrics deltas around each), then on the plain server."""
     urls = [cluster.urls["prefill"], cluster.urls["decode"]]
     pd: list[tuple[Request, list[int] | None, float, float | None, float | None, Metrics, Metrics]] = []
     with httpx.Client() as client:
@@ -211,7 +214,7 @@ def run_workload(cluster: Cluster, requests: list[Request], max_tokens: int, tic
             tick(f"P/D request {req.index}")
         results = []
         for req, ids, e2e, ttft, tpot, p_m, d_m in pd:
-            plain, *_ = _attempt(client, cluster.urls["prefill"], _body(cluster.model, req, False, max_tokens),
+            plain, *_ = _attempt(client, cluster.urls["plain"], _body(cluster.model, req, False, max_tokens),
                                  req.index)
             tick(f"plain request {req.index}")
             same = ids is not None and plain is not None and len(plain) == max_tokens and ids == plain
