@@ -250,6 +250,10 @@ def _wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
 
         configs = original(vllm_config, kv_cache_specs, available_memory)
         cfg = layerwise_settings(vllm_config)
+        if cfg is not None:
+            from ascend_offload.connectors.logging_setup import wire_logging
+
+            wire_logging()  # the engine core builds no connector before this runs
         sparse = sparse_decode_settings(vllm_config)
         if cfg is not None and sparse is not None:
             raise LayerwiseStartupError(
