@@ -20,7 +20,7 @@ How the contract (store/base.py) maps onto Mooncake's distributed object store:
   master can never pull bytes from under a read. An object the master already
   evicted (``OBJECT_NOT_FOUND``) makes the pin a miss, never an error.
 * **A master that disappears is a miss.** An RPC failure (codes -900..-999)
-  marks an outage (``mooncake_tier.MasterHealth``): one warning, then lookups and
+  marks an outage (``shared_tier.ServiceHealth``): one warning, then lookups and
   pins miss and saves are skipped without asking the master, while a background
   thread probes it every ``retry_interval_s``; its first answer logs that service
   resumed. Why not probe from the data path: while the master is gone every call
@@ -45,7 +45,8 @@ import torch
 
 from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.mooncake_tier import MasterHealth
+from ascend_offload.store.mooncake_tier import MooncakeTierClient
+from ascend_offload.store.shared_tier import ServiceHealth
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class MooncakeStore(KVStore):
         self._pins: dict[int, _PinRecord] = {}
         self._tokens = itertools.count(1)
         self._stats = StoreStats(total_pages=self._staging.num_pages)
-        self.health = MasterHealth(self._client, master_address, "this client", retry_interval_s)
+        self.health = ServiceHealth(MooncakeTierClient(self._client, master_address), "this client",
+                                    retry_interval_s)
         self.quarantined_pages = 0  # staging pages a failed transfer may still write
         self._closed = False
 
