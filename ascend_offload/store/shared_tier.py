@@ -123,9 +123,10 @@ class ServiceHealth:
         while not self._stop.wait(self.retry_interval_s):
             codes = self._client.exists([PROBE_KEY])
             if not any(self._client.unreachable(c) for c in codes):
+                # logged before the flip: whoever sees the tier up sees the line too
+                log.warning("%s answers %s again: store service resumed", self._client.service, self.who)
                 with self._lock:
                     self._down = False
-                log.warning("%s answers %s again: store service resumed", self._client.service, self.who)
                 return
 
     def close(self) -> None:
