@@ -224,3 +224,25 @@ def test_scheduler_fetch_flow_over_memcache() -> None:
         for p in [*writers, *readers]:
             p.close()
         index.close()
+
+
+def test_store_connector_runs_backend_memcache_as_its_shared_tier() -> None:
+    """Backend 'memcache' is accepted at start (the next check is the KV cache config) and
+    is a shared tier; without a meta service URL the tier fails naming the key."""
+    from ascend_offload.config import ConfigError, StoreConnectorConfig, parse
+    from ascend_offload.connectors.store.settings import StoreSettings
+    from ascend_offload.store.backends import shared_tier_index, shared_tier_pages
+
+    extra = {"backend": "memcache", "memcache": {"meta_service_url": "tcp://127.0.0.1:1"}}
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    with pytest.raises(ConfigError, match="needs the KV cache config"):
+        StoreSettings.from_vllm(vllm_config, None)  # type: ignore[arg-type]
+    cfg = parse(StoreConnectorConfig, extra, where="store config")
+    s = StoreSettings(cfg=cfg, block_size=16, hash_ratio=1, object_bytes=128, page_bytes=128, num_pages=4,
+                      world_size=1, fingerprint="f", engine_id="e")
+    assert s.shared_tier
+    bare = parse(StoreConnectorConfig, {"backend": "memcache"}, where="store config")
+    with pytest.raises(StoreError, match="memcache.meta_service_url"):
+        shared_tier_index(bare, 1)
+    with pytest.raises(StoreError, match="memcache.meta_service_url"):
+        shared_tier_pages(bare, planes(1), 0)
