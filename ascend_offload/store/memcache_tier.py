@@ -39,6 +39,7 @@ from ascend_offload.store.memcache import (
     OUTAGE_CODES,
     TIMED_OUT,
     real_client,
+    replicate_config,
 )
 from ascend_offload.store.shared_tier import IN_FLIGHT
 
@@ -148,19 +149,9 @@ class MemcacheTierClient:
         self.client.close()
 
 
-def _replicate_config(replica_num: int) -> Any:
-    try:
-        from memcache_hybrid import ReplicateConfig
-    except ImportError:  # a fake client without the wheel: the default is used
-        return None
-    rc = ReplicateConfig()
-    rc.replicaNum = replica_num
-    return rc
-
-
 def _tier(cfg: Any, client: Any) -> MemcacheTierClient:
     return MemcacheTierClient(client, cfg.meta_service_url, call_timeout_s=cfg.call_timeout_s,
-                              replicate=_replicate_config(cfg.replica_num))
+                              replicate=replicate_config(cfg.replica_num))
 
 
 class RemoteIndex(shared_tier.RemoteIndex):

@@ -226,7 +226,7 @@ def test_shipped_memcache_confs_start_the_real_service_and_client(tmp_path: Path
     """configs/ascend/mmc-meta.conf starts the real meta service, and mmc-local.conf sets up
     a real (metadata-only) client against it: Memcache's own parsers accept both files.
     Only the ports (and the log directory) are moved, so the test can run beside others."""
-    from ascend_offload.store.memcache_meta import _free_port
+    from ascend_offload.store.service_proc import free_port as _free_port
 
     ports = {":5000": f":{_free_port()}", ":6000": f":{_free_port()}", ":8000": f":{_free_port()}"}
 

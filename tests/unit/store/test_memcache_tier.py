@@ -242,7 +242,7 @@ def test_store_connector_runs_backend_memcache_as_its_shared_tier() -> None:
                       world_size=1, fingerprint="f", engine_id="e")
     assert s.shared_tier
     bare = parse(StoreConnectorConfig, {"backend": "memcache"}, where="store config")
-    with pytest.raises(StoreError, match="memcache.meta_service_url"):
+    with pytest.raises(StoreError, match=r"memcache\.meta_service_url"):
         shared_tier_index(bare, 1)
-    with pytest.raises(StoreError, match="memcache.meta_service_url"):
+    with pytest.raises(StoreError, match=r"memcache\.meta_service_url"):
         shared_tier_pages(bare, planes(1), 0)
