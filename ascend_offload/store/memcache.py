@@ -64,6 +64,13 @@ MMC_ERROR = -1
 # Keys per client call: the client refuses larger batches up front (MAX_BATCH_OP_COUNT).
 MAX_BATCH = 1024
 
+def data_call(client: Any, *, put: bool, layers: bool) -> tuple[str, Callable[..., Any]]:
+    """The client's batched put (H2G) or get (G2H) and its name: ``batch_put_from`` /
+    ``batch_get_into`` take one buffer per key, their ``_layers`` variants a list each."""
+    name = ("batch_put_from" if put else "batch_get_into") + ("_layers" if layers else "")
+    return name, getattr(client, name)
+
+
 def replicate_config(replica_num: int) -> Any:
     """A ``memcache_hybrid.ReplicateConfig`` of ``replica_num`` copies; None without the
     wheel (a fake client: its default is used)."""
@@ -226,12 +233,7 @@ class MemcacheStore(StagedStore):
         for group, layers in ((single, False), (multi, True)):
             if not group:
                 continue
-            if layers:
-                fn = c.batch_put_from_layers if put else c.batch_get_into_layers
-                name = "batch_put_from_layers" if put else "batch_get_into_layers"
-            else:
-                fn = c.batch_put_from if put else c.batch_get_into
-                name = "batch_put_from" if put else "batch_get_into"
+            name, fn = data_call(c, put=put, layers=layers)
 
             def args(lo: int, hi: int, group: list[int] = group, layers: bool = layers) -> list[Any]:
                 part = group[lo:hi]

@@ -38,6 +38,7 @@ from ascend_offload.store.memcache import (
     MMC_ERROR,
     OUTAGE_CODES,
     TIMED_OUT,
+    data_call,
     real_client,
     replicate_config,
 )
@@ -105,13 +106,7 @@ class MemcacheTierClient:
     def _move(self, put: bool, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
         keys = list(keys)
         single = all(len(p) == 1 for p in ptrs)
-        c = self.client
-        if single:
-            fn = c.batch_put_from if put else c.batch_get_into
-            name = "batch_put_from" if put else "batch_get_into"
-        else:
-            fn = c.batch_put_from_layers if put else c.batch_get_into_layers
-            name = "batch_put_from_layers" if put else "batch_get_into_layers"
+        name, fn = data_call(self.client, put=put, layers=not single)
 
         def args(lo: int, hi: int) -> list[Any]:
             p = [x[0] for x in ptrs[lo:hi]] if single else ptrs[lo:hi]
