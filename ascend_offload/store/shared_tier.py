@@ -204,7 +204,7 @@ class RemotePages:
                  retry_interval_s: float) -> None:
         self._client = client
         self._registered: list[tuple[int, int]] = []
-        self.health: ServiceHealth | None = None
+        self.health = ServiceHealth(client, f"worker rank {rank}", retry_interval_s)
         if not planes:
             self.close()
             raise StoreError("RemotePages needs at least one page plane")
@@ -223,7 +223,6 @@ class RemotePages:
                 self.close()
                 raise StoreError(f"{client.service}: registering a {nbytes}-byte page plane failed ({rc})")
             self._registered.append((p.data_ptr(), nbytes))
-        self.health = ServiceHealth(client, f"worker rank {rank}", retry_interval_s)
         self.counts = TierCounts()
 
     @property
@@ -241,7 +240,6 @@ class RemotePages:
         if not keys:
             return
         c = self.counts
-        assert self.health is not None
         if not self.health.up():
             c.publish_skipped += len(keys)
             return
@@ -265,7 +263,6 @@ class RemotePages:
         writing the pages (they must not be handed out again)."""
         if not keys:
             return True, True
-        assert self.health is not None
         if not self.health.up():
             self.counts.fetch_failed_blocks += len(keys)
             return False, True
@@ -292,8 +289,7 @@ class RemotePages:
         return not bad, not unsafe
 
     def close(self) -> None:
-        if self.health is not None:
-            self.health.close()
+        self.health.close()
         for ptr, nbytes in self._registered:
             self._client.unregister(ptr, nbytes)
         self._registered = []

@@ -100,7 +100,7 @@ def test_evicted_block_is_a_safe_miss() -> None:
     cluster.evict(["b@r0"])
     assert r.fetch(["a", "b"], [0, 1]) == (False, True)  # a miss; nothing can still write the pages
     assert r.counts.fetched_blocks == 1 and r.counts.fetch_failed_blocks == 1
-    assert r.health is not None and r.health.up()
+    assert r.health.up()
     w.close()
     r.close()
 
@@ -145,9 +145,9 @@ def test_unreachable_meta_service_is_a_miss_logged_once_then_probed_back(caplog:
         assert data_calls == [] and w.counts.publish_skipped == 11
         lines = [r.getMessage() for r in caplog.records if "unreachable from" in r.getMessage()]
         assert len(lines) == 2 and "Memcache meta service tcp://127.0.0.1:1" in lines[0]
-        assert index.health.outages == 1 and w.health is not None and w.health.outages == 1
+        assert index.health.outages == 1 and w.health.outages == 1
         cluster.down = False
-        wait_up(lambda: index.available() and w.health.up())  # type: ignore[union-attr]
+        wait_up(lambda: index.available() and w.health.up())
         assert index.lookup_prefix(["a"]) == 1
         w.publish(["b"], [1])
         assert w.counts.published_blocks == 2
@@ -169,9 +169,9 @@ def test_hung_get_keeps_its_pages_out_of_use_and_the_scheduler_never_waits_past_
         cluster.hang()
         assert r.fetch(["a"], [1]) == (False, False)  # the library may still write page 1
         assert index.lookup_prefix(["a"]) == 0  # a hung lookup is a miss after the deadline
-        assert index.health.outages == 1 and r.health is not None and r.health.outages == 1
+        assert index.health.outages == 1 and r.health.outages == 1
         cluster.unhang()
-        wait_up(lambda: index.available() and r.health.up())  # type: ignore[union-attr]
+        wait_up(lambda: index.available() and r.health.up())
         assert r.fetch(["a"], [2]) == (True, True)
         assert torch.equal(block(r, 2)[0], block(w, 0)[0])
     finally:
