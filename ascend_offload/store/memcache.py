@@ -39,19 +39,15 @@ asserted against the installed wheel in tests.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import dataclasses
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
-from ascend_offload.store.local import LocalStore
+from ascend_offload.store import deadline_calls
+from ascend_offload.store.base import Pin, StoreError, WriteHandle
+from ascend_offload.store.deadline_calls import DeadlineCalls
+from ascend_offload.store.staged import StagedStore
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +64,23 @@ MMC_ERROR = -1
 # Keys per client call: the client refuses larger batches up front (MAX_BATCH_OP_COUNT).
 MAX_BATCH = 1024
 
-_W = "w|"  # staging name of a pending object; pins use "r<token>|"
+def data_call(client: Any, *, put: bool, layers: bool) -> tuple[str, Callable[..., Any]]:
+    """The client's batched put (H2G) or get (G2H) and its name: ``batch_put_from`` /
+    ``batch_get_into`` take one buffer per key, their ``_layers`` variants a list each."""
+    name = ("batch_put_from" if put else "batch_get_into") + ("_layers" if layers else "")
+    return name, getattr(client, name)
 
 
-@dataclasses.dataclass
-class _PinRecord:
-    staging_pin: Pin
-    objects: dict[str, tuple[str, int]]  # key -> (staging key, size)
-    whole_pages: bool
+def replicate_config(replica_num: int) -> Any:
+    """A ``memcache_hybrid.ReplicateConfig`` of ``replica_num`` copies; None without the
+    wheel (a fake client: its default is used)."""
+    try:
+        from memcache_hybrid import ReplicateConfig
+    except ImportError:
+        return None
+    rc = ReplicateConfig()
+    rc.replicaNum = replica_num
+    return rc
 
 
 def real_client(*, meta_service_url: str, config_store_url: str, protocol: str, dram_size: str,
@@ -107,57 +112,30 @@ def real_client(*, meta_service_url: str, config_store_url: str, protocol: str, 
     return client
 
 
-class MemcacheStore(KVStore):
+class MemcacheStore(StagedStore):
     """``KVStore`` over ``memcache_hybrid.DistributedObjectStore`` (see module doc).
 
     ``client``: an initialized client (tests pass a fake of the same API); production
     code builds it with :func:`real_client` (``memcache_store_from_config``)."""
-
-    row_addressable = True
 
     def __init__(self, client: Any, *, page_bytes: int, staging_bytes: int, replica_num: int = 1,
                  retry_interval_s: float = 1.0, call_timeout_s: float = 5.0, call_threads: int = 2,
                  name: str = "Memcache meta service") -> None:
         if call_timeout_s <= 0 or call_threads < 1:
             raise StoreError(f"call_timeout_s={call_timeout_s} and call_threads={call_threads} must be > 0")
-        self.page_bytes = page_bytes
         self.name = name
         self.retry_interval_s = retry_interval_s
         self.call_timeout_s = call_timeout_s
         self._client = client
-        self._staging = LocalStore(staging_bytes, page_bytes)
-        plane = self._staging.pending_rows([])
-        assert plane is not None
-        self._plane = plane[0]
-        self._base = self._plane.data_ptr()
+        self._init_staging(staging_bytes, page_bytes)
         rc = client.register_buffer(self._base, self._plane.nbytes)
         if rc != 0:
             raise StoreError(f"Memcache register_buffer of the {self._plane.nbytes}-byte staging pool failed ({rc})")
-        self._replicate = self._replicate_config(replica_num)
-        self._pool = cf.ThreadPoolExecutor(max_workers=call_threads, thread_name_prefix="memcache-call")
-        self._threads = call_threads
-        self._overrun = 0  # calls past their deadline that still hold a thread
-        self._lock = threading.Lock()
-        self._stage_lock = threading.Lock()
-        self._pending: dict[str, int] = {}
-        self._pins: dict[int, _PinRecord] = {}
-        self._tokens = itertools.count(1)
-        self._stats = StoreStats(total_pages=self._staging.num_pages)
+        self._replicate = replicate_config(replica_num)
+        self._calls = DeadlineCalls(call_timeout_s, call_threads, "memcache-call")
         self._down = False
         self._retry_at = 0.0
         self.outages = 0
-        self.quarantined_pages = 0
-        self._closed = False
-
-    @staticmethod
-    def _replicate_config(replica_num: int) -> Any:
-        try:
-            from memcache_hybrid import ReplicateConfig
-        except ImportError:  # a fake client without the wheel: the default is used
-            return None
-        rc = ReplicateConfig()
-        rc.replicaNum = replica_num
-        return rc
 
     @property
     def client(self) -> Any:
@@ -195,24 +173,14 @@ class MemcacheStore(KVStore):
         """``fn(*args)`` on a call thread, waited for at most ``call_timeout_s``: its result,
         None when it overran (an outage; it may still run), or ``_NOT_SENT`` when no thread
         is free of an overrun call (nothing was submitted)."""
-        with self._lock:
-            busy = self._overrun >= self._threads
-        if busy:
+        got = self._calls.call(fn, *args)
+        if got is deadline_calls.NOT_SENT:
             self._outage(op, TIMED_OUT)
             return _NOT_SENT
-        fut = self._pool.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.call_timeout_s)
-        except cf.TimeoutError:
-            with self._lock:
-                self._overrun += 1
-            fut.add_done_callback(self._overrun_done)
+        if got is deadline_calls.OVERRAN:
             self._outage(op, TIMED_OUT)
             return None
-
-    def _overrun_done(self, _fut: cf.Future[Any]) -> None:
-        with self._lock:
-            self._overrun -= 1
+        return got
 
     def _codes(self, op: str, got: Any, n: int) -> list[int]:
         """Per-key codes of a batch call (an overrun call: ``TIMED_OUT`` for every key, one
@@ -251,28 +219,7 @@ class MemcacheStore(KVStore):
     # ------------------------------------------------------------------ staging
 
     def _spans(self, skey: str, size: int) -> tuple[list[int], list[int]]:
-        ptrs, lens, left = [], [], size
-        for p in self._staging.pages(skey):
-            n = min(self.page_bytes, left)
-            ptrs.append(self._base + p * self.page_bytes)
-            lens.append(n)
-            left -= n
-        return ptrs, lens
-
-    def _stage_alloc(self, keys: list[str], sizes: list[int]) -> list[WriteHandle | None] | None:
-        with self._stage_lock:
-            return self._staging.allocate(keys, sizes)
-
-    def _unstage(self, handles: Sequence[WriteHandle]) -> None:
-        self._staging.abort(handles)
-        self._staging.take_freed()
-
-    def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
-        with self._lock:
-            for h in handles:
-                if self._pending.get(h.key) != h.token:
-                    raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
-        return [WriteHandle(_W + h.key, h.size, h.token) for h in handles]
+        return self._page_spans(self._staging.pages(skey), size)
 
     def _transfer(self, op: str, keys: list[str], spans: list[tuple[list[int], list[int]]],
                   direct: int) -> list[int]:
@@ -286,12 +233,7 @@ class MemcacheStore(KVStore):
         for group, layers in ((single, False), (multi, True)):
             if not group:
                 continue
-            if layers:
-                fn = c.batch_put_from_layers if put else c.batch_get_into_layers
-                name = "batch_put_from_layers" if put else "batch_get_into_layers"
-            else:
-                fn = c.batch_put_from if put else c.batch_get_into
-                name = "batch_put_from" if put else "batch_get_into"
+            name, fn = data_call(c, put=put, layers=layers)
 
             def args(lo: int, hi: int, group: list[int] = group, layers: bool = layers) -> list[Any]:
                 part = group[lo:hi]
@@ -307,55 +249,14 @@ class MemcacheStore(KVStore):
     # ------------------------------------------------------------------ writes
 
     def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
-        if len(keys) != len(sizes):
-            raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
-        for key, size in zip(keys, sizes, strict=True):
-            if size <= 0:
-                raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
-        uniq = list(dict.fromkeys(keys))
+        uniq = self._checked(keys, sizes)
         if not uniq:
             return []
         codes = self._exists(uniq) if self._reachable() else None
         if codes is None or any(c in OUTAGE_CODES for c in codes):
-            with self._lock:
-                self._stats.skipped_stores += len(uniq)
+            self._skipped(len(uniq))
             return None
-        present = {k for k, c in zip(uniq, codes, strict=True) if c == 1}
-        new: list[tuple[int, str, int]] = []
-        seen: set[str] = set()
-        for i, key in enumerate(keys):
-            if key in present or key in seen:
-                continue
-            seen.add(key)
-            new.append((i, key, sizes[i]))
-        got = self._stage_alloc([_W + k for _, k, _ in new], [s for _, _, s in new])
-        if got is None:
-            with self._lock:
-                self._stats.skipped_stores += len(new)
-            return None
-        out: list[WriteHandle | None] = [None] * len(keys)
-        with self._lock:
-            for (i, key, size), h in zip(new, got, strict=True):
-                if h is None:  # pending here already
-                    continue
-                self._pending[key] = h.token
-                out[i] = WriteHandle(key, size, h.token)
-            made = sum(1 for h in out if h is not None)
-            self._stats.allocated_objects += made
-            self._stats.duplicate_stores += len(keys) - made
-        return out
-
-    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
-        self._staging.write(self._staged([handle])[0], offset, src)
-
-    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
-        self._staging.write_batch(self._staged(handles), src)
-
-    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor, rows: Sequence[int]) -> None:
-        self._staging.write_rows(self._staged(handles), src, rows)
-
-    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
-        return self._staging.pending_rows(self._staged(handles))
+        return self._allocate_absent(keys, sizes, {k for k, c in zip(uniq, codes, strict=True) if c == 1})
 
     def commit(self, handles: Sequence[WriteHandle]) -> None:
         """Put the objects (batched, from the staging pages) and free their pages. A put
@@ -374,41 +275,9 @@ class MemcacheStore(KVStore):
             # a put that overran may still read the pages: they are not reused
             unsafe = [s for s, c in zip(staged, codes, strict=True) if c == TIMED_OUT]
         finally:
-            with self._lock:
-                for h in handles:
-                    self._pending.pop(h.key, None)
-            self._release(staged, unsafe)
-        with self._lock:
-            st = self._stats
-            for h, code in zip(handles, codes, strict=True):
-                if code == 0:
-                    st.committed_objects += 1
-                    st.bytes_written += h.size
-                elif code == MMC_DUPLICATED_OBJECT:
-                    st.duplicate_stores += 1
-                else:
-                    st.skipped_stores += 1
-
-    def abort(self, handles: Sequence[WriteHandle]) -> None:
-        mine: list[WriteHandle] = []
-        with self._lock:
-            for h in handles:
-                if self._pending.get(h.key) == h.token:
-                    del self._pending[h.key]
-                    mine.append(WriteHandle(_W + h.key, h.size, h.token))
-            self._stats.aborted_objects += len(mine)
-        self._unstage(mine)
-
-    def _release(self, handles: Sequence[WriteHandle], unsafe: Sequence[WriteHandle]) -> None:
-        """Free staging objects except ``unsafe`` ones (quarantined: a transfer past its
-        deadline may still touch them)."""
-        keep = {h.key for h in unsafe}
-        if keep:
-            with self._lock:
-                self.quarantined_pages += sum(len(self._staging.pages(k)) for k in keep)
-            log.warning("%s: %d staging objects quarantined after a call past its deadline",
-                        self.name, len(keep))
-        self._unstage([h for h in handles if h.key not in keep])
+            self._unpend(handles)
+            self._release(staged, unsafe, f"{self.name}: a put outlived its deadline")
+        self._count_puts(handles, codes, MMC_DUPLICATED_OBJECT)
 
     # ------------------------------------------------------------------ reads
 
@@ -448,94 +317,17 @@ class MemcacheStore(KVStore):
         codes = self._transfer("get", keys, spans, G2H)
         if any(c != 0 for c in codes):
             unsafe = [h for h, c in zip(handles, codes, strict=True) if c != 0 and c not in _SAFE_GET_FAILURES]
-            self._release(handles, unsafe)
+            self._release(handles, unsafe, f"{self.name}: a get failed mid-way or outlived its deadline")
             return None
-        with self._stage_lock:  # no allocation may evict them between commit and pin
-            self._staging.commit(handles)
-            staging_pin = self._staging.pin(skeys)
-        assert staging_pin is not None
-        objects = {k: (s, n) for k, s, n in zip(keys, skeys, sizes, strict=True)}
-        whole = all(n == self.page_bytes for n in sizes)
-        with self._lock:
-            self._pins[token] = _PinRecord(staging_pin, objects, whole)
-            self._stats.reads += len(keys)
-            self._stats.bytes_read += sum(sizes)
-        return Pin(keys=tuple(keys), token=token)
-
-    def _record(self, pin: Pin) -> _PinRecord:
-        with self._lock:
-            rec = self._pins.get(pin.token)
-        if rec is None:
-            raise StoreError(f"read without an active pin (token {pin.token})")
-        return rec
-
-    def _object(self, rec: _PinRecord, key: str) -> tuple[str, int]:
-        got = rec.objects.get(key)
-        if got is None:
-            raise StoreError(f"read of {key!r} without an active pin")
-        return got
-
-    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
-        rec = self._record(pin)
-        skey, size = self._object(rec, key)
-        nbytes = dst.numel() * dst.element_size()
-        if offset < 0 or offset + nbytes > size:
-            raise StoreError(f"byte range [{offset}, {offset + nbytes}) outside object of {size} bytes")
-        self._staging.read(rec.staging_pin, skey, offset, dst)
-
-    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        if rec.whole_pages:
-            self._staging.read_batch(rec.staging_pin, skeys, dst)
-        else:
-            super().read_batch(pin, keys, dst)
-
-    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor, rows: Sequence[int]) -> None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        if rec.whole_pages:
-            self._staging.read_rows(rec.staging_pin, skeys, dst, rows)
-        else:
-            super().read_rows(pin, keys, dst, rows)
-
-    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        return self._staging.pinned_rows(rec.staging_pin, skeys) if rec.whole_pages else None
-
-    def unpin(self, pin: Pin) -> None:
-        with self._lock:
-            rec = self._pins.pop(pin.token, None)
-        if rec is None:
-            return
-        self._staging.unpin(rec.staging_pin)
-        self._staging.discard([s for s, _ in rec.objects.values()])
-        self._staging.take_freed()
-
-    # ------------------------------------------------------------------ misc
-
-    def stats(self) -> StoreStats:
-        """Counters of this client. ``stored_objects`` stays 0: the meta service holds the
-        index of the whole store; pages are those of the staging pool."""
-        staging = self._staging.stats()
-        with self._lock:
-            s = dataclasses.replace(self._stats)
-            s.pending_objects = len(self._pending)
-            s.pinned_objects = sum(len(r.objects) for r in self._pins.values())
-            s.free_pages = staging.free_pages
-            s.total_pages = staging.total_pages
-            return s
+        return self._hold(token, keys, skeys, handles, sizes)
 
     def close(self) -> None:
         """Unregister the staging pool and close the client; never waits on an overrun call."""
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            stuck = self._overrun > 0
-        if stuck:  # the library still runs a call; closing under it could free its pages
+        self._calls.shutdown()
+        if self._calls.overrun:  # the library still runs a call; closing under it could free its pages
             log.warning("%s: closing with a call past its deadline still running; the client is "
                         "left open", self.name)
             return

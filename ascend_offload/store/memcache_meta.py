@@ -14,14 +14,12 @@ runs one in the foreground (what configs/ascend/mmc-meta.conf describes).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ascend_offload.store.service_proc import LoopbackService, free_port
 
 _SERVE = """
 import sys
@@ -36,12 +34,6 @@ MetaService.main()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def available() -> bool:
     """``memcache_hybrid`` is importable here (the ``ascend`` extra)."""
     import importlib.util
@@ -49,18 +41,18 @@ def available() -> bool:
     return importlib.util.find_spec("memcache_hybrid") is not None
 
 
-class MemcacheMeta:
+class MemcacheMeta(LoopbackService):
     """One meta service on 127.0.0.1 (meta, config-store and metrics ports picked free
     unless given). ``stop()`` then ``start()`` restarts it on the same ports."""
 
     def __init__(self, log_dir: Path, *, meta_port: int = 0, config_store_port: int = 0,
                  metrics_port: int = 0, start_timeout_s: float = 30.0) -> None:
-        self.meta_port = meta_port or _free_port()
-        self.config_store_port = config_store_port or _free_port()
-        self.metrics_port = metrics_port or _free_port()
+        self.meta_port = meta_port or free_port()
+        self.config_store_port = config_store_port or free_port()
+        self.metrics_port = metrics_port or free_port()
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
         self.start()
 
     @property
@@ -71,46 +63,25 @@ class MemcacheMeta:
     def config_store_url(self) -> str:
         return f"tcp://127.0.0.1:{self.config_store_port}"
 
-    def start(self) -> None:
-        """Start (or restart) the service; wait until its meta port accepts connections."""
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-c", _SERVE, self.meta_service_url, self.config_store_url,
-               f"http://127.0.0.1:{self.metrics_port}", str(self.log_dir)]
-        with (self.log_dir / "meta.out").open("ab") as fh:
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                out = (self.log_dir / "meta.out").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"Memcache meta service exited with {self.proc.returncode}: {out}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.meta_port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"Memcache meta service did not listen on {self.meta_service_url} "
-                           f"within {self.start_timeout_s} s")
+    what = "Memcache meta service"
 
-    def stop(self) -> None:
-        """SIGKILL the service (what a crash looks like to clients); bounded wait."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(10)
+    @property
+    def listen_url(self) -> str:
+        return self.meta_service_url
+
+    def _listen_port(self) -> int:
+        return self.meta_port
+
+    def _log_file(self) -> Path:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / "meta.out"
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-c", _SERVE, self.meta_service_url, self.config_store_url,
+                f"http://127.0.0.1:{self.metrics_port}", str(self.log_dir)]
 
     def __enter__(self) -> MemcacheMeta:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def metadata_client(meta_service_url: str, config_store_url: str, *, log_level: str = "error") -> Any:

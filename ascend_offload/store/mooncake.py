@@ -20,7 +20,7 @@ How the contract (store/base.py) maps onto Mooncake's distributed object store:
   master can never pull bytes from under a read. An object the master already
   evicted (``OBJECT_NOT_FOUND``) makes the pin a miss, never an error.
 * **A master that disappears is a miss.** An RPC failure (codes -900..-999)
-  marks an outage (``mooncake_tier.MasterHealth``): one warning, then lookups and
+  marks an outage (``shared_tier.ServiceHealth``): one warning, then lookups and
   pins miss and saves are skipped without asking the master, while a background
   thread probes it every ``retry_interval_s``; its first answer logs that service
   resumed. Why not probe from the data path: while the master is gone every call
@@ -34,18 +34,14 @@ per outage and one per recovery.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
-from ascend_offload.store.local import LocalStore
-from ascend_offload.store.mooncake_tier import MasterHealth
+from ascend_offload.store.base import Pin, StoreError, WriteHandle
+from ascend_offload.store.mooncake_tier import MooncakeTierClient
+from ascend_offload.store.shared_tier import ServiceHealth
+from ascend_offload.store.staged import StagedStore
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +59,11 @@ RPC_FIRST, RPC_LAST = -999, -900  # RPC_FAIL, RPC_TIMEOUT, heartbeat errors: mas
 _SAFE_GET_FAILURES = frozenset({NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND,
                                 -703, -707, *range(RPC_FIRST, RPC_LAST + 1)})
 
-_W = "w|"  # staging name of a pending object; pins use "r<token>|"
-
-
-@dataclasses.dataclass
-class _PinRecord:
-    staging_pin: Pin
-    # key -> (staging key, object size)
-    objects: dict[str, tuple[str, int]]
-    whole_pages: bool  # every object is exactly one staging page (fast row paths)
-
-
-class MooncakeStore(KVStore):
+class MooncakeStore(StagedStore):
     """``KVStore`` over ``mooncake.store.MooncakeDistributedStore`` (see module doc).
 
     ``client`` is for tests that need to reach the raw client; production code builds
     it from the arguments."""
-
-    row_addressable = True
 
     def __init__(
         self,
@@ -106,14 +89,9 @@ class MooncakeStore(KVStore):
                 f"the Mooncake backend needs the mooncake package ({exc}); "
                 "pip install mooncake-transfer-engine-non-cuda (and libibverbs1 librdmacm1 libnuma1)"
             ) from exc
-        self.page_bytes = page_bytes
         self.master_address = master_address
         self.retry_interval_s = retry_interval_s
-        self._staging = LocalStore(staging_bytes, page_bytes)
-        plane = self._staging.pending_rows([])  # public accessor of the pool plane
-        assert plane is not None
-        self._plane = plane[0]
-        self._base = self._plane.data_ptr()
+        self._init_staging(staging_bytes, page_bytes)
         self._client: Any = MooncakeDistributedStore()
         rc = self._client.setup(local_hostname, metadata_server, global_segment_bytes,
                                 local_buffer_bytes, protocol, device_name, master_address)
@@ -126,15 +104,8 @@ class MooncakeStore(KVStore):
             raise StoreError(f"Mooncake register_buffer of the {self._plane.nbytes}-byte staging pool failed ({rc})")
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = replica_num
-        self._lock = threading.Lock()
-        self._stage_lock = threading.Lock()
-        self._pending: dict[str, int] = {}  # key -> token of its live allocation
-        self._pins: dict[int, _PinRecord] = {}
-        self._tokens = itertools.count(1)
-        self._stats = StoreStats(total_pages=self._staging.num_pages)
-        self.health = MasterHealth(self._client, master_address, "this client", retry_interval_s)
-        self.quarantined_pages = 0  # staging pages a failed transfer may still write
-        self._closed = False
+        self.health = ServiceHealth(MooncakeTierClient(self._client, master_address), "this client",
+                                    retry_interval_s)
 
     @property
     def client(self) -> Any:
@@ -163,95 +134,20 @@ class MooncakeStore(KVStore):
     def _ptr(self, page: int) -> int:
         return self._base + page * self.page_bytes
 
-    def _page_spans(self, pages: list[int], size: int) -> tuple[list[int], list[int]]:
-        """(addresses, lengths) of an object's pages, the last one partial."""
-        ptrs, lens, left = [], [], size
-        for p in pages:
-            n = min(self.page_bytes, left)
-            ptrs.append(self._ptr(p))
-            lens.append(n)
-            left -= n
-        return ptrs, lens
-
-    def _stage_alloc(self, keys: list[str], sizes: list[int]) -> list[WriteHandle | None] | None:
-        """Staging allocation. Serialized with a pin's commit-then-pin, the one moment a
-        staged object is committed but not yet pinned (the pool evicts such objects)."""
-        with self._stage_lock:
-            return self._staging.allocate(keys, sizes)
-
-    def _unstage(self, handles: Sequence[WriteHandle]) -> None:
-        """Free staging objects. The pool also lists every freed key for its index users
-        (``take_freed``); nobody reads that list here, so it is drained at once."""
-        self._staging.abort(handles)
-        self._staging.take_freed()
-
-    def _staged(self, handles: Sequence[WriteHandle]) -> list[WriteHandle]:
-        """The staging handles of pending ``handles`` (one lock for the batch: per-object
-        Python is what small objects pay for)."""
-        with self._lock:
-            pending = self._pending
-            for h in handles:
-                if pending.get(h.key) != h.token:
-                    raise StoreError(f"write handle for {h.key!r} is not a pending allocation")
-        return [WriteHandle(_W + h.key, h.size, h.token) for h in handles]
-
     # ------------------------------------------------------------------ writes
 
     def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> list[WriteHandle | None] | None:
-        if len(keys) != len(sizes):
-            raise StoreError(f"allocate: {len(keys)} keys but {len(sizes)} sizes")
-        for key, size in zip(keys, sizes, strict=True):
-            if size <= 0:
-                raise StoreError(f"allocate: size of {key!r} must be > 0, got {size}")
-        uniq = list(dict.fromkeys(keys))
+        uniq = self._checked(keys, sizes)
         if not uniq:
             return []
         if not self._reachable():
-            with self._lock:
-                self._stats.skipped_stores += len(uniq)
+            self._skipped(len(uniq))
             return None
         codes = list(self._client.batch_is_exist(uniq))
         if not self._check("batch_is_exist", codes):
-            with self._lock:
-                self._stats.skipped_stores += len(uniq)
+            self._skipped(len(uniq))
             return None
-        present = {k for k, c in zip(uniq, codes, strict=True) if c == 1}
-        new: list[tuple[int, str, int]] = []
-        seen: set[str] = set()
-        for i, key in enumerate(keys):
-            if key in present or key in seen:
-                continue
-            seen.add(key)
-            new.append((i, key, sizes[i]))
-        got = self._stage_alloc([_W + k for _, k, _ in new], [s for _, _, s in new])
-        if got is None:
-            with self._lock:
-                self._stats.skipped_stores += len(new)
-            return None
-        out: list[WriteHandle | None] = [None] * len(keys)
-        with self._lock:
-            for (i, key, size), h in zip(new, got, strict=True):
-                if h is None:  # pending here already
-                    continue
-                self._pending[key] = h.token
-                out[i] = WriteHandle(key, size, h.token)
-            made = sum(1 for h in out if h is not None)
-            self._stats.allocated_objects += made
-            self._stats.duplicate_stores += len(keys) - made
-        return out
-
-    def write(self, handle: WriteHandle, offset: int, src: torch.Tensor) -> None:
-        self._staging.write(self._staged([handle])[0], offset, src)
-
-    def write_batch(self, handles: Sequence[WriteHandle], src: torch.Tensor) -> None:
-        self._staging.write_batch(self._staged(handles), src)
-
-    def write_rows(self, handles: Sequence[WriteHandle], src: torch.Tensor,
-                   rows: Sequence[int]) -> None:
-        self._staging.write_rows(self._staged(handles), src, rows)
-
-    def pending_rows(self, handles: Sequence[WriteHandle]) -> tuple[torch.Tensor, list[int]] | None:
-        return self._staging.pending_rows(self._staged(handles))
+        return self._allocate_absent(keys, sizes, {k for k, c in zip(uniq, codes, strict=True) if c == 1})
 
     def commit(self, handles: Sequence[WriteHandle]) -> None:
         """Put the objects (one batched, zero-copy put) and free their staging pages.
@@ -277,30 +173,9 @@ class MooncakeStore(KVStore):
                     keys, [s[0] for s in spans], [s[1] for s in spans], self._replicate))
                 self._check("batch_put_from_multi_buffers", codes)
         finally:
-            with self._lock:
-                for h in handles:
-                    self._pending.pop(h.key, None)
+            self._unpend(handles)
             self._unstage(staged)
-        with self._lock:
-            st = self._stats
-            for h, code in zip(handles, codes, strict=True):
-                if code == 0:
-                    st.committed_objects += 1
-                    st.bytes_written += h.size
-                elif code == OBJECT_ALREADY_EXISTS:  # another client put it first
-                    st.duplicate_stores += 1
-                else:
-                    st.skipped_stores += 1
-
-    def abort(self, handles: Sequence[WriteHandle]) -> None:
-        mine: list[WriteHandle] = []
-        with self._lock:
-            for h in handles:
-                if self._pending.get(h.key) == h.token:
-                    del self._pending[h.key]
-                    mine.append(WriteHandle(_W + h.key, h.size, h.token))
-            self._stats.aborted_objects += len(mine)
-        self._unstage(mine)
+        self._count_puts(handles, codes, OBJECT_ALREADY_EXISTS)
 
     # ------------------------------------------------------------------ reads
 
@@ -340,17 +215,7 @@ class MooncakeStore(KVStore):
         if not self._check("batch_get_into", list(sizes.values())) or any(c <= 0 for c in sizes.values()):
             self._release_failed(handles, sizes)
             return None
-        with self._stage_lock:  # no allocation may evict them between commit and pin
-            self._staging.commit(handles)
-            staging_pin = self._staging.pin(skeys)
-        assert staging_pin is not None  # committed and ours alone
-        objects = {k: (s, sizes[s]) for k, s in zip(keys, skeys, strict=True)}
-        whole = all(size == self.page_bytes for size in sizes.values())
-        with self._lock:
-            self._pins[token] = _PinRecord(staging_pin, objects, whole)
-            self._stats.reads += len(keys)
-            self._stats.bytes_read += sum(sizes.values())
-        return Pin(keys=tuple(keys), token=token)
+        return self._hold(token, keys, skeys, handles, [sizes[k] for k in skeys])
 
     def _fetch_large(self, keys: list[str], skeys: list[str], handles: list[WriteHandle],
                      big: list[int], sizes: dict[str, int]) -> tuple[list[WriteHandle], bool]:
@@ -378,79 +243,7 @@ class MooncakeStore(KVStore):
         """Free the staging pages of a failed pin, except where a transfer may still be
         writing into them (see ``_SAFE_GET_FAILURES``)."""
         unsafe = [h for h in handles if sizes.get(h.key, 0) < 0 and sizes[h.key] not in _SAFE_GET_FAILURES]
-        if unsafe:
-            with self._lock:
-                self.quarantined_pages += sum(len(self._staging.pages(h.key)) for h in unsafe)
-            log.warning("Mooncake get failed with %d; %d staging objects quarantined",
-                        sizes[unsafe[0].key], len(unsafe))
-        keep = {h.key for h in unsafe}
-        self._unstage([h for h in handles if h.key not in keep])
-
-    def _record(self, pin: Pin) -> _PinRecord:
-        with self._lock:
-            rec = self._pins.get(pin.token)
-        if rec is None:
-            raise StoreError(f"read without an active pin (token {pin.token})")
-        return rec
-
-    def _object(self, rec: _PinRecord, key: str) -> tuple[str, int]:
-        got = rec.objects.get(key)
-        if got is None:
-            raise StoreError(f"read of {key!r} without an active pin")
-        return got
-
-    def read(self, pin: Pin, key: str, offset: int, dst: torch.Tensor) -> None:
-        rec = self._record(pin)
-        skey, size = self._object(rec, key)
-        nbytes = dst.numel() * dst.element_size()
-        if offset < 0 or offset + nbytes > size:
-            raise StoreError(f"byte range [{offset}, {offset + nbytes}) outside object of {size} bytes")
-        self._staging.read(rec.staging_pin, skey, offset, dst)
-
-    def read_batch(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor) -> None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        if rec.whole_pages:
-            self._staging.read_batch(rec.staging_pin, skeys, dst)
-        else:
-            super().read_batch(pin, keys, dst)
-
-    def read_rows(self, pin: Pin, keys: Sequence[str], dst: torch.Tensor,
-                  rows: Sequence[int]) -> None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        if rec.whole_pages:
-            self._staging.read_rows(rec.staging_pin, skeys, dst, rows)
-        else:
-            super().read_rows(pin, keys, dst, rows)
-
-    def pinned_rows(self, pin: Pin, keys: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
-        rec = self._record(pin)
-        skeys = [self._object(rec, k)[0] for k in keys]
-        return self._staging.pinned_rows(rec.staging_pin, skeys) if rec.whole_pages else None
-
-    def unpin(self, pin: Pin) -> None:
-        with self._lock:
-            rec = self._pins.pop(pin.token, None)
-        if rec is None:
-            return
-        self._staging.unpin(rec.staging_pin)
-        self._staging.discard([s for s, _ in rec.objects.values()])
-        self._staging.take_freed()
-
-    # ------------------------------------------------------------------ misc
-
-    def stats(self) -> StoreStats:
-        """Counters of this client. ``stored_objects`` stays 0: the master holds the
-        index of the whole store; pages are those of the staging pool."""
-        staging = self._staging.stats()
-        with self._lock:
-            s = dataclasses.replace(self._stats)
-            s.pending_objects = len(self._pending)
-            s.pinned_objects = sum(len(r.objects) for r in self._pins.values())
-            s.free_pages = staging.free_pages
-            s.total_pages = staging.total_pages
-            return s
+        self._release(handles, unsafe, f"Mooncake get failed with {sizes[unsafe[0].key] if unsafe else 0}")
 
     def close(self) -> None:
         if self._closed:

@@ -7,15 +7,12 @@ up with), and every start must be reaped, bounded, whatever the test does.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+
+from ascend_offload.store.service_proc import LoopbackService, free_port
 
 
 def master_binary() -> str | None:
@@ -26,13 +23,7 @@ def master_binary() -> str | None:
     return shutil.which("mooncake_master")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class MooncakeMaster:
+class MooncakeMaster(LoopbackService):
     """One ``mooncake_master`` bound to 127.0.0.1 (RPC and metrics ports picked free).
 
     ``stop()`` then ``start()`` restarts it on the same ports, which is what a client
@@ -46,12 +37,12 @@ class MooncakeMaster:
         if binary is None:
             raise FileNotFoundError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
         self.binary = binary
-        self.rpc_port = _free_port()
-        self.metrics_port = _free_port()
+        self.rpc_port = free_port()
+        self.metrics_port = free_port()
         self.log_path = log_path
         self.extra_args = list(extra_args or [])
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
         self.start()
 
     @property
@@ -59,32 +50,26 @@ class MooncakeMaster:
         """``host:port`` for ``MooncakeStoreConfig.master_address``."""
         return f"127.0.0.1:{self.rpc_port}"
 
-    def start(self) -> None:
-        """Start (or restart) the master and wait until its RPC port accepts connections."""
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        cmd = [
+    what = "mooncake_master"
+
+    @property
+    def listen_url(self) -> str:
+        return self.address
+
+    def _listen_port(self) -> int:
+        return self.rpc_port
+
+    def _log_file(self) -> Path:
+        return self.log_path
+
+    def _command(self) -> list[str]:
+        return [
             self.binary,
             f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
             f"-metrics_port={self.metrics_port}", "-metrics_host=127.0.0.1",
             "-enable_http_metadata_server=false",
             *self.extra_args,
         ]
-        with self.log_path.open("ab") as fh:
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: "
-                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {self.start_timeout_s} s")
 
     def key_count(self) -> int:
         """Objects the master indexes now (its ``master_key_count`` metric): tests check
@@ -97,20 +82,5 @@ class MooncakeMaster:
                 return int(float(line.split()[1]))
         raise RuntimeError(f"no master_key_count in {url}")
 
-    def stop(self) -> None:
-        """SIGKILL the master (what a crash looks like to clients); bounded wait."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(10)
-
     def __enter__(self) -> MooncakeMaster:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

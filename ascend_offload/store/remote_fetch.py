@@ -1,4 +1,4 @@
-"""Scheduler-side fetches from a shared store tier (Mooncake) into the local pages.
+"""Scheduler-side fetches from a shared store tier (Mooncake, Memcache) into the local pages.
 
 Why fetch first and offer after: vLLM fails a request whose offered blocks then do
 not arrive (``kv_load_failure_policy`` defaults to ``fail``). So blocks the local
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class SharedTier(Protocol):
-    """What the scheduler asks the shared tier (``store/mooncake_tier.RemoteIndex``)."""
+    """What the scheduler asks the shared tier (``store/shared_tier.RemoteIndex``)."""
 
     def available(self) -> bool: ...
 

@@ -1,6 +1,7 @@
 """The real Memcache metadata path on loopback: a ``memcache_hybrid`` meta service on
 127.0.0.1 and a metadata-only client (``init_bm=False``, no Ascend driver needed)
-answering existence lookups, directly and through ``MemcacheStore``; the meta service
+answering existence lookups, directly, through ``MemcacheStore`` and through the
+connector's shared tier (``memcache_tier.RemoteIndex``); the meta service
 killed mid-run turns lookups into misses (one log line), and they answer again when it
 is back. The data path (puts, gets) needs the driver: tests/npu covers it.
 
@@ -134,6 +135,90 @@ def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: Mem
             proc.wait(10)
 
 
+TIER_CHILD = textwrap.dedent("""
+    import json, logging, os, sys, threading, time
+    from types import SimpleNamespace
+    from ascend_offload.store.memcache_meta import metadata_client
+    from ascend_offload.store.memcache_tier import RemoteIndex
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
+
+    def say(**kw):
+        print("@@" + json.dumps(kw), flush=True)
+
+    class Counting:
+        # The real metadata-only client; counts the lookups of the scheduler's thread
+        # (the background probe asks from its own).
+        def __init__(self, client):
+            self.client, self.calls = client, 0
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+        def batch_is_exist(self, keys):
+            if threading.current_thread() is threading.main_thread():
+                self.calls += 1
+            return self.client.batch_is_exist(keys)
+
+    cfg = SimpleNamespace(meta_service_url=sys.argv[1], config_store_url=sys.argv[2],
+                          call_timeout_s=3.0, retry_interval_s=0.5, replica_num=1)
+    client = Counting(metadata_client(cfg.meta_service_url, cfg.config_store_url))
+    index = RemoteIndex(cfg, world_size=2, client=client)
+    raw = client.batch_is_exist(["k0@r0", "k0@r1"])
+    say(step="up", raw=raw, lookup=index.lookup_prefix(["k0", "k1"]), up=index.available(),
+        counters=index.counters())
+    sys.stdin.readline()  # the meta service was killed
+    end = time.monotonic() + 90
+    while index.available() and time.monotonic() < end:
+        index.lookup_prefix(["k0"])
+        time.sleep(0.1)
+    calls = client.calls
+    hits = [index.lookup_prefix(["k0"]) for _ in range(5)]
+    say(step="down", up=index.available(), outages=index.health.outages, hits=hits,
+        asked=client.calls - calls)
+    sys.stdin.readline()  # the meta service is back
+    end = time.monotonic() + 120
+    while not index.available() and time.monotonic() < end:
+        time.sleep(0.2)
+    say(step="back", up=index.available(), outages=index.health.outages,
+        lookup=index.lookup_prefix(["k0"]), counters=index.counters())
+    os._exit(0)
+""")
+
+
+def test_scheduler_tier_lookups_on_the_real_meta_service(meta: MemcacheMeta) -> None:
+    """The connector's scheduler-side shared tier (``memcache_tier.RemoteIndex``) on the
+    real metadata path: real answers (absent, not error codes), a killed meta service is
+    an outage logged once during which the scheduler's lookups miss without asking it,
+    and the background probe brings it back after a restart."""
+    proc = subprocess.Popen([sys.executable, "-c", TIER_CHILD, meta.meta_service_url, meta.config_store_url],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        up = _line(proc)
+        assert up["raw"] == [0, 0] and up["lookup"] == 0 and up["up"]
+        assert up["counters"] == {"remote_lookups": 1, "remote_hit_blocks": 0, "remote_outages": 0}
+
+        meta.stop()
+        assert proc.stdin is not None
+        proc.stdin.write("killed\n")
+        proc.stdin.flush()
+        down = _line(proc)
+        assert not down["up"] and down["outages"] == 1
+        assert down["hits"] == [0] * 5 and down["asked"] == 0  # misses without calling the service
+
+        meta.start()
+        proc.stdin.write("back\n")
+        proc.stdin.flush()
+        back = _line(proc)
+        assert back["up"] and back["outages"] == 1 and back["lookup"] == 0
+        proc.wait(30)
+        logs = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if ln.startswith("LOG")]
+        assert sum("unreachable from the scheduler" in ln for ln in logs) == 1, logs
+        assert sum("store service resumed" in ln for ln in logs) == 1, logs
+        print(f"memcache tier: scheduler lookups answered, outage logged once, probed back ({meta.meta_service_url})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
 CONFS = Path(__file__).resolve().parents[2] / "configs" / "ascend"
 
 
@@ -141,7 +226,7 @@ def test_shipped_memcache_confs_start_the_real_service_and_client(tmp_path: Path
     """configs/ascend/mmc-meta.conf starts the real meta service, and mmc-local.conf sets up
     a real (metadata-only) client against it: Memcache's own parsers accept both files.
     Only the ports (and the log directory) are moved, so the test can run beside others."""
-    from ascend_offload.store.memcache_meta import _free_port
+    from ascend_offload.store.service_proc import free_port as _free_port
 
     ports = {":5000": f":{_free_port()}", ":6000": f":{_free_port()}", ":8000": f":{_free_port()}"}
 

@@ -2,8 +2,8 @@
 
 The store *index* lives here (``LocalStore(with_data=False)``): lookups, page
 placement, commit/abort, pins and eviction are decided in one process, single
-threaded, so they never race. With backend ``mooncake`` the master is the index of
-the shared tier behind the local pages: a prefix the local index lacks is looked
+threaded, so they never race. With backend ``mooncake`` or ``memcache`` the store's
+service (master / meta service) is the index of the shared tier behind the local pages: a prefix the local index lacks is looked
 up there and fetched into local pages before it is offered
 (``store/remote_fetch.py``); saved blocks are published by the workers. The rules themselves are vLLM-free
 (``store/prefix_jobs.py``, ``store/layerwise_saves.py``); this module only reads
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from ascend_offload.store.mooncake_tier import RemoteIndex
+    from ascend_offload.store.shared_tier import RemoteIndex
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ class StoreScheduler(abc.ABC):
         self.remote_index: RemoteIndex | None = None
         self.fetches: RemoteFetches | None = None
         if s.shared_tier:
-            from ascend_offload.store.mooncake_tier import RemoteIndex
+            from ascend_offload.store.backends import shared_tier_index
 
-            self.remote_index = RemoteIndex(s.cfg.mooncake, s.world_size)
+            self.remote_index = shared_tier_index(s.cfg, s.world_size)
             self.fetches = RemoteFetches(self.index, self.remote_index, page_bytes=s.page_bytes,
                                          world_size=s.world_size, timeout_s=s.cfg.load_timeout_s)
         log.info("%s: local store index with %d pages of %d bytes per rank%s", NAME, s.num_pages,
-                 s.page_bytes, f", shared tier at {s.cfg.mooncake.master_address}" if s.shared_tier else "")
+                 s.page_bytes, f", shared tier at the {self.remote_index.service}" if self.remote_index else "")
 
     def _book_args(self) -> dict[str, Any]:
         s = self.settings

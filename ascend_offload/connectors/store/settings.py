@@ -17,6 +17,7 @@ from ascend_offload.config import (
     check_store_backend,
     parse_extra_config,
 )
+from ascend_offload.store.backends import SHARED_BACKENDS
 from ascend_offload.store.keys import layout_fingerprint
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ class StoreSettings:
 
     @property
     def shared_tier(self) -> bool:
-        """Backend ``mooncake``: local pages plus the shared Mooncake Store behind them."""
-        return self.cfg.backend == "mooncake"
+        """Backend ``mooncake`` or ``memcache``: local pages plus that shared store behind them."""
+        return self.cfg.backend in SHARED_BACKENDS
 
     @property
     def partial_prefix(self) -> str:
@@ -73,10 +74,6 @@ class StoreSettings:
         assert tc is not None
         cfg: StoreConnectorConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
         check_store_backend(cfg)
-        if cfg.backend == "memcache":
-            raise ConfigError(
-                f"key 'backend'='memcache': {NAME} does not run the Memcache store yet (it is a "
-                "library backend, store/memcache.py); accepted here: 'local', 'mooncake'")
         if kv_cache_config is None:
             raise ConfigError(f"{NAME} needs the KV cache config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:

@@ -9,10 +9,11 @@ One class per mode:
 * :class:`LayerwiseWorker` - the layerwise pipeline loads and saves each layer
   around its attention, on layer buffers that several layers may share.
 
-With backend ``mooncake`` both modes register their page planes with a Mooncake
-client (``RemotePages``): before the step's loads a rank fetches the blocks the
-scheduler asked for into the pages it reserved, and after a block's pages are
-written the rank publishes them, when the scheduler saw the master up.
+With backend ``mooncake`` or ``memcache`` both modes register their page planes with
+a client of that store (``RemotePages``, store/shared_tier.py): before the step's
+loads a rank fetches the blocks the scheduler asked for into the pages it reserved,
+and after a block's pages are written the rank publishes them, when the scheduler
+saw the service up.
 """
 
 from __future__ import annotations
@@ -45,9 +46,16 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from ascend_offload.store.mooncake_tier import RemotePages
+    from ascend_offload.store.shared_tier import RemotePages
 
 log = logging.getLogger(__name__)
+
+
+def _device_id() -> int:
+    """This rank's accelerator on its host (a Memcache client contributes its HBM)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return int(get_world_group().local_rank)
 
 
 def _worker_rank() -> int:
@@ -76,21 +84,21 @@ class StoreWorker(abc.ABC):
         self._fetched: Counter[int] = Counter()
         self._fetch_failed: Counter[int] = Counter()
         self._fetch_unsafe: Counter[int] = Counter()
-        #: the shared tier's client (backend "mooncake", after ``register_kv_caches``)
+        #: the shared tier's client (backend mooncake / memcache, after ``register_kv_caches``)
         self.remote: RemotePages | None = None
         self._remote_deltas = CounterDeltas()
 
     def _connect_shared_tier(self, planes: Mapping[str, torch.Tensor]) -> None:
-        """Backend ``mooncake``: register this rank's page planes with a Mooncake client."""
+        """Backend ``mooncake`` / ``memcache``: register this rank's page planes with a
+        client of the shared store."""
         if not self.settings.shared_tier:
             return
-        from ascend_offload.store.mooncake_tier import RemotePages
+        from ascend_offload.store.backends import shared_tier_pages
 
-        cfg = self.settings.cfg
-        self.remote = RemotePages(cfg.mooncake, planes, _worker_rank(),
-                                  deadline_s=min(cfg.load_timeout_s, cfg.save_timeout_s))
-        log.info("%s: rank %d publishes to and fetches from the Mooncake master at %s", NAME,
-                 self.remote.rank, self.settings.cfg.mooncake.master_address)
+        self.remote = shared_tier_pages(self.settings.cfg, planes, _worker_rank(),
+                                        device_id=_device_id() if self.settings.cfg.backend == "memcache" else 0)
+        log.info("%s: rank %d publishes to and fetches from the %s", NAME, self.remote.rank,
+                 self.remote.service)
 
     def _run_jobs(self, jobs: Iterable[CopyJob], run: Callable[[CopyJob], None], what: str,
                   on_failure: Callable[[CopyJob], None] | None = None) -> None:

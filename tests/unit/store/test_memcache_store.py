@@ -211,7 +211,7 @@ def test_a_service_that_stops_answering_is_bounded(cluster: FakeMemcacheCluster,
     finally:
         cluster.unhang()
     done = threading.Event()
-    a._pool.submit(done.set)  # the overrun call returned: its thread is free again
+    a._calls._pool.submit(done.set)  # the overrun call returned: its thread is free again
     assert done.wait(10)
     assert a.lookup_prefix(["h0"]) == 1 and not a.down
     a.close()

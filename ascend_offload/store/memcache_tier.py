@@ -1,0 +1,195 @@
+"""The shared tier of the store connector (store/shared_tier.py) on Memcache
+(``memcache_hybrid``): block objects published by every instance that points at the
+same meta service.
+
+What is Memcache-specific, behind :class:`~ascend_offload.store.shared_tier.TierClient`
+(:class:`MemcacheTierClient`):
+
+* existence lookups are ``batch_is_exist`` (1 present, 0 absent); the scheduler's
+  client is metadata-only (``init(device_id, init_bm=False)``: no Ascend driver, no
+  memory contributed), a rank's client has the data path on;
+* a rank registers its page planes (``register_buffer``), publishes with
+  ``batch_put_from`` (direction H2G) and fetches with ``batch_get_into`` (G2H) when
+  the KV has one layer plane, and with the ``_layers`` variants (one buffer per layer
+  row of the block) otherwise; batches of at most ``MAX_BATCH`` keys (the client
+  refuses larger ones);
+* the meta service's link codes (``OUTAGE_CODES``) are an unreachable service; so is
+  a call that outlived ``call_timeout_s`` (the library's own first call after the
+  service died waited 60 s): calls run through :class:`DeadlineCalls`, and a get that
+  overran reports ``IN_FLIGHT``, its pages never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ascend_offload.store import shared_tier
+from ascend_offload.store.deadline_calls import NOT_SENT, OVERRAN, DeadlineCalls
+from ascend_offload.store.memcache import (
+    _SAFE_GET_FAILURES,
+    G2H,
+    H2G,
+    MAX_BATCH,
+    MMC_DUPLICATED_OBJECT,
+    MMC_ERROR,
+    OUTAGE_CODES,
+    TIMED_OUT,
+    data_call,
+    real_client,
+    replicate_config,
+)
+from ascend_offload.store.shared_tier import IN_FLIGHT
+
+log = logging.getLogger(__name__)
+
+_NOT_SENT_CODE = -3017  # MMC "not connected": reported for calls never submitted (nothing moved)
+
+
+class MemcacheTierClient:
+    """A ``memcache_hybrid.DistributedObjectStore`` as the shared tier's ``TierClient``.
+
+    ``client``: set up and initialized (tests pass a fake of the same API);
+    ``replicate``: a ``memcache_hybrid.ReplicateConfig`` for puts, or None (default)."""
+
+    duplicate = MMC_DUPLICATED_OBJECT
+
+    def __init__(self, client: Any, meta_service_url: str, *, call_timeout_s: float = 5.0,
+                 call_threads: int = 2, replicate: Any = None) -> None:
+        self.client = client
+        self.service = f"Memcache meta service {meta_service_url}"
+        self._calls = DeadlineCalls(call_timeout_s, call_threads, "memcache-tier")
+        self._replicate = replicate
+
+    def _batched(self, op: str, fn: Callable[..., Any], n: int, args: Callable[[int, int], list[Any]],
+                 *, getting: bool = False) -> list[int]:
+        """Per-key codes of ``fn`` over ``n`` keys in calls of at most ``MAX_BATCH``;
+        after an unreachable answer the rest are not sent."""
+        out: list[int] = []
+        for lo in range(0, n, MAX_BATCH):
+            hi = min(n, lo + MAX_BATCH)
+            if out and any(self.unreachable(c) for c in out):
+                out.extend([_NOT_SENT_CODE] * (n - lo))
+                break
+            try:
+                got = self._calls.call(fn, *args(lo, hi))
+            except Exception:
+                if getting:
+                    raise  # a get that raised may still run: the caller keeps its pages
+                log.exception("Memcache %s raised; treated as an unreachable meta service", op)
+                out.extend([TIMED_OUT] * (hi - lo))
+                continue
+            if got is OVERRAN:
+                out.extend([IN_FLIGHT if getting else TIMED_OUT] * (hi - lo))
+            elif got is NOT_SENT:
+                out.extend([_NOT_SENT_CODE] * (hi - lo))
+            else:
+                codes = [int(c) for c in got]
+                if len(codes) != hi - lo:  # the client refused the batch as a whole
+                    log.warning("Memcache %s answered %d codes for %d keys", op, len(codes), hi - lo)
+                    codes = [IN_FLIGHT if getting else MMC_ERROR] * (hi - lo)
+                out.extend(codes)
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        keys = list(keys)
+        return self._batched("batch_is_exist", self.client.batch_is_exist, len(keys),
+                             lambda lo, hi: [keys[lo:hi]])
+
+    @staticmethod
+    def unreachable(code: int) -> bool:
+        return code in OUTAGE_CODES or code == IN_FLIGHT
+
+    def _move(self, put: bool, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
+        keys = list(keys)
+        single = all(len(p) == 1 for p in ptrs)
+        name, fn = data_call(self.client, put=put, layers=not single)
+
+        def args(lo: int, hi: int) -> list[Any]:
+            p = [x[0] for x in ptrs[lo:hi]] if single else ptrs[lo:hi]
+            n = [x[0] for x in lens[lo:hi]] if single else lens[lo:hi]
+            if put:
+                return [keys[lo:hi], p, n, H2G, self._replicate]
+            return [keys[lo:hi], p, n, G2H]
+
+        return self._batched(name, fn, len(keys), args, getting=not put)
+
+    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
+        return self._move(True, keys, ptrs, lens)
+
+    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
+        return self._move(False, keys, ptrs, lens)
+
+    @staticmethod
+    def safe_failure(code: int) -> bool:
+        return code in _SAFE_GET_FAILURES
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        return int(self.client.register_buffer(ptr, nbytes))
+
+    def unregister(self, ptr: int, nbytes: int) -> None:
+        self.client.unregister_buffer(ptr, nbytes)
+
+    def close(self) -> None:
+        """Close the client, unless a call past its deadline still runs in it (closing
+        under it could free memory it writes): then it is left open, logged."""
+        self._calls.shutdown()
+        if self._calls.overrun:
+            log.warning("%s: closing with a call past its deadline still running; the client is "
+                        "left open", self.service)
+            return
+        self.client.close()
+
+
+def _tier(cfg: Any, client: Any) -> MemcacheTierClient:
+    return MemcacheTierClient(client, cfg.meta_service_url, call_timeout_s=cfg.call_timeout_s,
+                              replicate=replicate_config(cfg.replica_num))
+
+
+class RemoteIndex(shared_tier.RemoteIndex):
+    """The shared tier's scheduler view on a Memcache meta service (``cfg``: a
+    ``MemcacheStoreConfig``); its client is metadata-only unless ``client`` is given."""
+
+    def __init__(self, cfg: Any, world_size: int, *, client: Any = None) -> None:
+        if client is None:
+            client = _metadata_client(cfg)
+        super().__init__(_tier(cfg, client), world_size, cfg.retry_interval_s)
+
+
+class RemotePages(shared_tier.RemotePages):
+    """A worker rank's shared-tier client on Memcache (data path: needs the Ascend
+    driver; ``device_id``: the rank's accelerator, whose HBM ``hbm_size`` contributes)."""
+
+    def __init__(self, cfg: Any, planes: Mapping[str, torch.Tensor], rank: int, *,
+                 device_id: int = 0, client: Any = None) -> None:
+        if client is None:
+            client = real_client(meta_service_url=_url(cfg), config_store_url=cfg.config_store_url,
+                                 protocol=cfg.protocol, dram_size=cfg.dram_size, hbm_size=cfg.hbm_size,
+                                 device_id=device_id, world_size=cfg.world_size,
+                                 client_timeout_s=max(1, round(cfg.call_timeout_s)))
+        super().__init__(_tier(cfg, client), planes, rank, cfg.retry_interval_s)
+
+
+def _url(cfg: Any) -> str:
+    from ascend_offload.store.base import StoreError
+
+    if not cfg.meta_service_url:
+        raise StoreError("the Memcache backend needs 'memcache.meta_service_url' "
+                         "(tcp://host:port of the meta service)")
+    return str(cfg.meta_service_url)
+
+
+def _metadata_client(cfg: Any) -> Any:
+    from ascend_offload.store.base import StoreError
+    from ascend_offload.store.memcache_meta import metadata_client
+
+    try:
+        return metadata_client(_url(cfg), cfg.config_store_url)
+    except ImportError as exc:
+        raise StoreError(f"the Memcache backend needs memcache_hybrid ({exc}); "
+                         "pip install 'ascend-offload[ascend]'") from exc
+    except RuntimeError as exc:
+        raise StoreError(f"{exc}; is the meta service running?") from exc
