@@ -35,13 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
+from ascend_offload.connectors.ours import our_connectors
 from ascend_offload.kv_layout import layer_index
 from ascend_offload.layerwise.plan import LayerSpec, LayerwisePlan, plan_layers
 
 log = logging.getLogger(__name__)
 
 STORE_CONNECTOR = "AscendStoreConnector"
-MULTI_CONNECTORS = ("AscendMultiConnector", "MultiConnector")
 _MARK = "_ascend_offload_layerwise_hook"
 
 
@@ -52,30 +52,16 @@ class LayerwiseStartupError(ConfigError):
 # ------------------------------------------------------------------ settings
 
 
-def _store_config_from(connector: str | None, extra: Mapping[str, Any] | None) -> StoreConnectorConfig | None:
-    if connector == STORE_CONNECTOR:
-        cfg = parse_extra_config(STORE_CONNECTOR, extra)
-        return cfg if cfg.use_layerwise else None
-    if connector in MULTI_CONNECTORS:
-        for child in (extra or {}).get("connectors", []) or []:
-            if not isinstance(child, Mapping):
-                continue
-            found = _store_config_from(
-                child.get("kv_connector"), child.get("kv_connector_extra_config")
-            )
-            if found is not None:
-                return found
-    return None
-
-
 def layerwise_settings(vllm_config: Any) -> StoreConnectorConfig | None:
-    """The layerwise store settings if this engine runs layer sharing, else ``None``."""
-    kvt = getattr(vllm_config, "kv_transfer_config", None)
-    if kvt is None:
-        return None
-    return _store_config_from(
-        getattr(kvt, "kv_connector", None), getattr(kvt, "kv_connector_extra_config", None)
-    )
+    """The layerwise store settings if this engine runs layer sharing, else ``None``
+    (our ``AscendStoreConnector`` only, directly or in a multi connector; a same-named
+    connector of another package, e.g. vllm-ascend's, is not parsed)."""
+    for name, _role, extra in our_connectors(vllm_config):
+        if name == STORE_CONNECTOR:
+            cfg = parse_extra_config(STORE_CONNECTOR, extra)
+            if cfg.use_layerwise:
+                return cfg
+    return None
 
 
 def check_engine_constraints(vllm_config: Any) -> None:

@@ -20,43 +20,15 @@ from ascend_offload.config import (
     StoreConnectorConfig,
     parse_extra_config,
 )
+from ascend_offload.connectors.ours import our_connectors
 
 STORE = "AscendStoreConnector"
 SPARSE_CONNECTORS = ("AscendSparseDecodeConnector", "SfaRemoteD2HConnector")
-MULTI_CONNECTORS = ("AscendMultiConnector", "MultiConnector")
-_OUR_PREFIX = "ascend_offload."
-
-
-def connector_is_ours(name: str | None, module_path: str | None) -> bool:
-    """``name`` (with ``module_path``, as vLLM's factory resolves them) is one of our classes."""
-    if not name:
-        return False
-    if module_path:
-        return module_path == "ascend_offload" or module_path.startswith(_OUR_PREFIX)
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    except ImportError:  # no vLLM: only our own names can be meant
-        return True
-    if name not in KVConnectorFactory._registry:
-        return False
-    cls = KVConnectorFactory.get_connector_class_by_name(name)
-    return getattr(cls, "__module__", "").startswith(_OUR_PREFIX)
 
 
 def _entries(vllm_config: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """(connector name, extra config) of every connector of ours the engine runs."""
-    kvt = getattr(vllm_config, "kv_transfer_config", None)
-    if kvt is None:
-        return
-    name = getattr(kvt, "kv_connector", None)
-    extra = getattr(kvt, "kv_connector_extra_config", None) or {}
-    path = getattr(kvt, "kv_connector_module_path", None)
-    if name in MULTI_CONNECTORS:
-        for child in extra.get("connectors", []) or []:
-            if isinstance(child, Mapping) and connector_is_ours(
-                    child.get("kv_connector"), child.get("kv_connector_module_path")):
-                yield child["kv_connector"], child.get("kv_connector_extra_config") or {}
-    elif connector_is_ours(name, path):
+    for name, _role, extra in our_connectors(vllm_config):
         yield name, extra
 
 

@@ -18,6 +18,14 @@ from ascend_offload.connectors.kv_layout_hook import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _registered() -> None:
+    """What vLLM's plugin loader does in every process: our connector names resolve to us."""
+    from ascend_offload.plugin import register
+
+    register()
+
+
 def _vcfg(connector: str | None, extra: dict | None = None, **cache: object) -> SimpleNamespace:
     kvt = None if connector is None else SimpleNamespace(
         kv_connector=connector, kv_connector_extra_config=extra or {}

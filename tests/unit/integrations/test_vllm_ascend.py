@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.connectors.ours import connector_is_ours
 from ascend_offload.integrations.vllm_ascend import runner, settings, sfa
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
@@ -298,12 +299,12 @@ def test_ours_on_selects_our_impl_and_refuses_conflicts(va: Any,
 def test_connector_ownership(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    assert settings.connector_is_ours("AscendStoreConnector", "ascend_offload.connectors.store")
-    assert not settings.connector_is_ours(
+    assert connector_is_ours("AscendStoreConnector", "ascend_offload.connectors.store")
+    assert not connector_is_ours(
         "AscendStoreConnector", "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store")
     theirs = type("AscendStoreConnector", (), {"__module__": "vllm_ascend.distributed.x"})
     monkeypatch.setitem(KVConnectorFactory._registry, "AscendStoreConnector", lambda: theirs)
-    assert not settings.connector_is_ours("AscendStoreConnector", None)
+    assert not connector_is_ours("AscendStoreConnector", None)
     # vllm-ascend's own store keys are never parsed by our strict schema
     vcfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
         kv_connector="AscendStoreConnector", kv_connector_module_path=None,
