@@ -10,11 +10,12 @@ import pytest
 from ascend_offload import cli
 from ascend_offload.demo.run import CONFIG_DIR
 
-CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
+CONFIGS = sorted([*CONFIG_DIR.glob("*.json"), *CONFIG_DIR.glob("*.args")])
 
 
 def test_demo_configs_exist() -> None:
-    assert {p.name for p in CONFIGS} >= {"prefill.json", "prefill-joint.json", "decode.json"}
+    assert {p.name for p in CONFIGS} >= {"prefill.json", "prefill-joint.json", "decode.json",
+                                         "proxy.args"}
     assert (CONFIG_DIR / "README.md").is_file()
 
 
