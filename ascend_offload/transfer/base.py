@@ -99,6 +99,68 @@ class TransferEngine(abc.ABC):
         """Release engine resources; the default has none."""
 
 
+class LibraryEngine(TransferEngine):
+    """A transfer engine backed by a vendor library object with Mooncake's shape
+    (``register_memory`` / ``unregister_memory`` / ``batch_transfer_sync_read``,
+    0 = success): the registration bookkeeping and close both vendors share.
+
+    The library objects are thread-safe for transfers, but registration and close
+    must not race a read that is being set up, hence the lock.
+    """
+
+    def __init__(self, eng: Any, endpoint: str) -> None:
+        self._eng = eng
+        self._endpoint = endpoint
+        self._regions: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, addr: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"register length={length}: must be > 0")
+        with self._lock:
+            rc = self._eng.register_memory(addr, length)
+            if rc != 0:
+                raise TransferError(f"{self.name} register_memory({addr:#x}, {length}) failed rc={rc}")
+            self._regions.add(addr)
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            if addr in self._regions:
+                self._eng.unregister_memory(addr)
+                self._regions.discard(addr)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"{self.name} engine is closed")
+
+    def _batch_read(self, peer: str, ops: Sequence[ReadOp], what: str = "") -> None:
+        """One ``batch_transfer_sync_read`` of every op; a TransferError naming the runs."""
+        rc = self._eng.batch_transfer_sync_read(peer, [o.local_addr for o in ops],
+                                                [o.remote_addr for o in ops], [o.length for o in ops])
+        if rc != 0:
+            total = sum(o.length for o in ops)
+            raise TransferError(f"{self.name} read of {len(ops)} runs ({total} B) from {peer}"
+                                f"{what} failed rc={rc}")
+
+    def _shutdown(self) -> None:
+        """After every region is unregistered: release the library object (default: nothing)."""
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for addr in list(self._regions):
+                self._eng.unregister_memory(addr)
+            self._regions.clear()
+            self._closed = True
+        self._shutdown()
+
+
 # ----------------------------------------------------------------- loopback
 
 

@@ -21,11 +21,10 @@ not used (pd/consumer.py); the request recomputes.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+from ascend_offload.transfer.base import LibraryEngine, ReadOp, TransferError
 
 #: ``memfabric_transfer_protocol`` -> ``memfabric_hybrid.TransDataOpType`` member name.
 PROTOCOLS = {"sdma": "SDMA", "device_rdma": "DEVICE_RDMA", "device_urma": "DEVICE_URMA"}
@@ -50,7 +49,7 @@ def _module() -> Any:
     return memfabric_hybrid
 
 
-class MemFabricEngine(TransferEngine):
+class MemFabricEngine(LibraryEngine):
     """One MemFabric endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
     ``engine`` / ``op_types`` replace the library's objects
@@ -69,52 +68,16 @@ class MemFabricEngine(TransferEngine):
         op = data_op_type(protocol, op_types)
         self.protocol = protocol
         self.role = role
-        self._eng = engine
         session = f"{host}:{engine.get_rpc_port()}"
         rc = engine.initialize(f"tcp://{session}", session, role, device_id, op, "Prefill", nic)
         if rc != 0:
             raise TransferError(f"MemFabric initialize(session={session!r}, role={role!r}, device_id={device_id}, "
                                 f"protocol={protocol!r}) failed with rc={rc}")
-        self._endpoint = session
-        self._regions: set[int] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def register(self, addr: int, length: int) -> None:
-        if length <= 0:
-            raise ValueError(f"register length={length}: must be > 0")
-        with self._lock:
-            rc = self._eng.register_memory(addr, length)
-            if rc != 0:
-                raise TransferError(f"MemFabric register_memory({addr:#x}, {length}) failed rc={rc}")
-            self._regions.add(addr)
-
-    def unregister(self, addr: int) -> None:
-        with self._lock:
-            if addr in self._regions:
-                self._eng.unregister_memory(addr)
-                self._regions.discard(addr)
+        super().__init__(engine, session)
 
     def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
-        if self._closed:
-            raise TransferError("MemFabric engine is closed")
-        rc = self._eng.batch_transfer_sync_read(peer, [o.local_addr for o in ops],
-                                                [o.remote_addr for o in ops], [o.length for o in ops])
-        if rc != 0:
-            total = sum(o.length for o in ops)
-            raise TransferError(f"MemFabric read of {len(ops)} runs ({total} B) from {peer} "
-                                f"({self.protocol}) failed rc={rc}")
+        self._check_open()
+        self._batch_read(peer, ops, f" ({self.protocol})")
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            for addr in list(self._regions):
-                self._eng.unregister_memory(addr)
-            self._regions.clear()
-            self._closed = True
+    def _shutdown(self) -> None:
         self._eng.unInitialize()

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Sequence
 
-from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+from ascend_offload.transfer.base import LibraryEngine, ReadOp, TransferError
 
 # Mooncake's TCP transport waits for a stalled (alive but silent) peer without
 # bound unless these are set; they are read when the engine starts (per process).
@@ -39,7 +38,7 @@ def apply_read_deadline(timeout_s: float, env: dict[str, str] | None = None) -> 
     return out
 
 
-class MooncakeEngine(TransferEngine):
+class MooncakeEngine(LibraryEngine):
     """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
     ``timeout_s`` bounds a read from a peer that stops answering (measured: a
@@ -68,61 +67,21 @@ class MooncakeEngine(TransferEngine):
         # memory where the NIC can reach it (GPUDirect RDMA: nvidia-peermem / the NPU's
         # peer-memory driver); where it cannot, registration fails and the caller stages.
         self.device_memory = protocol == "rdma"
-        self._eng = _MC()
-        rc = self._eng.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        eng = _MC()
+        rc = eng.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise TransferError(
                 f"Mooncake initialize(host={host!r}, protocol={protocol!r}, "
                 f"device_name={device_name!r}) failed with rc={rc}"
             )
-        self._endpoint = f"{host}:{self._eng.get_rpc_port()}"
-        self._regions: set[int] = set()
-        # The pybind engine is thread-safe for transfers, but registration and
-        # close must not race a read that is being set up.
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def register(self, addr: int, length: int) -> None:
-        if length <= 0:
-            raise ValueError(f"register length={length}: must be > 0")
-        with self._lock:
-            rc = self._eng.register_memory(addr, length)
-            if rc != 0:
-                raise TransferError(f"Mooncake register_memory({addr:#x}, {length}) failed rc={rc}")
-            self._regions.add(addr)
-
-    def unregister(self, addr: int) -> None:
-        with self._lock:
-            if addr in self._regions:
-                self._eng.unregister_memory(addr)
-                self._regions.discard(addr)
+        super().__init__(eng, f"{host}:{eng.get_rpc_port()}")
 
     def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
-        if self._closed:
-            raise TransferError("Mooncake engine is closed")
-        if len(ops) == 1:
-            op = ops[0]
-            rc = self._eng.transfer_sync_read(peer, op.local_addr, op.remote_addr, op.length)
-        else:
-            rc = self._eng.batch_transfer_sync_read(
-                peer,
-                [o.local_addr for o in ops],
-                [o.remote_addr for o in ops],
-                [o.length for o in ops],
-            )
+        self._check_open()
+        if len(ops) != 1:
+            self._batch_read(peer, ops)
+            return
+        op = ops[0]
+        rc = self._eng.transfer_sync_read(peer, op.local_addr, op.remote_addr, op.length)
         if rc != 0:
-            total = sum(o.length for o in ops)
-            raise TransferError(f"Mooncake read of {len(ops)} runs ({total} B) from {peer} failed rc={rc}")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            for addr in list(self._regions):
-                self._eng.unregister_memory(addr)
-            self._regions.clear()
-            self._closed = True
+            raise TransferError(f"mooncake read of 1 run ({op.length} B) from {peer} failed rc={rc}")
