@@ -27,8 +27,8 @@ class _Real:
         self.made: list[Any] = []
         self._make = kv_region._engine
 
-    def __call__(self, cfg: Any, host: str) -> Any:
-        eng = self._make(cfg, host)
+    def __call__(self, cfg: Any, host: str, is_producer: bool = False, device_id: int = 0) -> Any:
+        eng = self._make(cfg, host, is_producer, device_id)
         self.made.append(eng)
         return eng
 
