@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
+    from ascend_offload.sparse.colocated import ColocatedSparseDecode
 
 log = logging.getLogger(__name__)
 
@@ -227,16 +227,16 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     # ======================================================================= sparse decode adapter
     # (the model's attention finds the active connector; see sparse/adapter.py)
 
-    def _sparse(self) -> SparseDecodeWorker:
+    def _sparse(self) -> ColocatedSparseDecode:
         assert self.decode is not None and self.decode.sparse is not None, \
             f"{NAME}: sparse decode call without sparse offload on this decode"
         self._prepare()
-        return self.decode.sparse
+        return self.decode.sparse.decode
 
     def sparse_layer_index(self, layer_name: str) -> int | None:
         if self.decode is None or self.decode.sparse is None:
             return None
-        return self.decode.sparse.sparse_layer_index(layer_name)
+        return self.decode.sparse.decode.sparse_layer_index(layer_name)
 
     def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
         return self._sparse().plan_step(rows)

@@ -160,26 +160,26 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     # ======================================================================= adapter
 
     def sparse_layer_index(self, layer_name: str) -> int | None:
-        return None if self.worker is None else self.worker.sparse_layer_index(layer_name)
+        return None if self.worker is None else self.worker.decode.sparse_layer_index(layer_name)
 
     def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
         worker = self._prepare()
         assert worker is not None, f"{NAME}: plan_step without an offloaded layer"
-        return worker.plan_step(rows)
+        return worker.decode.plan_step(rows)
 
     def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
         assert self.worker is not None
-        self.worker.offload_new_kv(layer, new_kv, positions)
+        self.worker.decode.offload_new_kv(layer, new_kv, positions)
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         assert self.worker is not None
-        return self.worker.onload_topk(layer, topk)
+        return self.worker.decode.onload_topk(layer, topk)
 
     def hot_buffer(self, layer: int) -> torch.Tensor:
         assert self.worker is not None
-        return self.worker.hot_buffer(layer)
+        return self.worker.decode.hot_buffer(layer)
 
     def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.worker is not None
-        return self.worker.context_rows(layer, batch_index, positions)
+        return self.worker.decode.context_rows(layer, batch_index, positions)

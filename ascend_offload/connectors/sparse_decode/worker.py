@@ -22,7 +22,6 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.sparse_decode.kv_cut import HOT_ALIGN, hot_buffer_view
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
-from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
@@ -191,27 +190,6 @@ class SparseDecodeWorker:
     def end_step(self) -> None:
         self.decode.end_step()
 
-    # ------------------------------------------------------------------ adapter
-
-    def sparse_layer_index(self, layer_name: str) -> int | None:
-        return self.decode.sparse_layer_index(layer_name)
-
-    def plan_step(self, rows: Sequence[BatchRow]) -> SparseStepPlan:
-        return self.decode.plan_step(rows)
-
-    def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
-        self.decode.offload_new_kv(layer, new_kv, positions)
-
-    def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
-        return self.decode.onload_topk(layer, topk)
-
-    def hot_buffer(self, layer: int) -> torch.Tensor:
-        return self.decode.hot_buffer(layer)
-
-    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decode.context_rows(layer, batch_index, positions)
-
     # ------------------------------------------------------------------ metrics
 
     def device_kv_gauges(self) -> dict[str, int]:
@@ -220,8 +198,9 @@ class SparseDecodeWorker:
         vLLM backs every layer's KV with one allocation; the cut put one hot region
         per main-KV layer at its end (:mod:`.kv_cut`), so the main-KV bytes are the
         hot buffers and everything before the first of them is the indexer cache
-        (the rest: page alignment and the slack vLLM's overlapping views need). Hot buffers that are not views of one backing (the manager
-        allocated them itself) count whole, with no indexer bytes known here.
+        (the rest: page alignment and the slack vLLM's overlapping views need). Hot
+        buffers that are not views of one backing (the manager allocated them itself)
+        count whole, with no indexer bytes known here.
         """
         hot = self.manager.hot.buffers
         storages = {b.untyped_storage().data_ptr() for b in hot}
