@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 	@touch $(STAMP)
 
 test: bootstrap
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS) tests
 
 test-unit: bootstrap
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit
