@@ -170,7 +170,7 @@ def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int
     import torch
 
     from ascend_offload.store import ssd_format as fmt
-    from ascend_offload.store.ssd_file import RankTier, SlotFile, _Staging
+    from ascend_offload.store.ssd_file import CHUNK_BYTES, RankTier, SlotFile, _Staging
 
     page = layer_bytes * layers
     sb = fmt.slot_bytes(page)
@@ -185,7 +185,7 @@ def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int
             raise RuntimeError("bench: spilling the slots failed")
         want = {n: p.clone() for n, p in planes.items()}
         pages = order[::-1]  # scattered back into other pages: the connector's case
-        raw_buf = _Staging(sb, slots)
+        raw_buf = _Staging(sb, max(1, CHUNK_BYTES // sb))
 
         def tier_load() -> None:
             good, bad = tier.promote(keys, order, pages)
@@ -193,7 +193,9 @@ def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int
                 raise RuntimeError(f"bench: {slots - good} slots failed verification")
 
         def raw_read() -> None:
-            tier.file.read(order, raw_buf.view[:slots * sb])
+            for start in range(0, slots, raw_buf.slots):  # the same chunks the tier reads
+                n = min(raw_buf.slots, slots - start)
+                tier.file.read(order[start:start + n], raw_buf.view[:n * sb])
 
         tier_load()
         raw_read()
