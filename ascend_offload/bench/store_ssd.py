@@ -156,7 +156,8 @@ def run_workload(model: str, object_bytes: int, *, convs: int, turns: int, host_
         runs[name]["tokens_equal_plain"] = [list(o.outputs[0].token_ids) for o in outs] == plain
     result["runs"] = runs
     base = runs["host_only"]["hit_rate"]
-    result["hit_rate_ratio"] = runs["ssd"]["hit_rate"] / base if base else float("inf")
+    # None when the host pages alone hit nothing (the ratio is unbounded then)
+    result["hit_rate_ratio"] = runs["ssd"]["hit_rate"] / base if base else None
     return result
 
 
@@ -288,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ssd counters: spilled {st.get('ssd_spilled_blocks')}, hits {st.get('ssd_hit_blocks')}, promoted "
           f"{st.get('ssd_promoted_blocks')}, checksum failures {st.get('ssd_checksum_failures')}, "
           f"used slots {st.get('ssd_used_slots')}")
-    print(f"hit rate ratio (SSD / host only): {res['hit_rate_ratio']:.2f}")
+    ratio = res["hit_rate_ratio"]
+    print("hit rate ratio (SSD / host only): " + (f"{ratio:.2f}" if ratio is not None else
+                                                   "unbounded (the host pages alone hit nothing)"))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -33,6 +33,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ascend_offload import device
 from ascend_offload.store import ssd_format as fmt
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class RankTier:
         self._planes = list(planes.values())
         offsets, off = [], fmt.HEADER_BYTES
         for p in self._planes:
-            if p.dtype != torch.uint8 or p.dim() != 2 or not p.is_contiguous() or p.device.type != "cpu":
+            if p.dtype != torch.uint8 or p.dim() != 2 or not p.is_contiguous() or not device.is_host(p):
                 raise ValueError("page planes must be contiguous 2-D uint8 host tensors")
             offsets.append((off, off + p.shape[1]))
             off += p.shape[1]

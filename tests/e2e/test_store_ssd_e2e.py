@@ -74,3 +74,22 @@ def test_ssd_tier_raises_the_hit_rate_and_damaged_slots_are_misses(plain: list[l
         after = again[-1].kv_transfer_params["ascend_store"]["store"]
         assert after["ssd_checksum_failures"] > 0  # served as misses: recomputed, never loaded
         assert after["pinned_objects"] == 0 and after["pending_objects"] == 0
+
+
+def test_persistent_tier_serves_a_restarted_engine(plain: list[list[int]], tmp_path: Path) -> None:
+    """``persist: true``: the index written at close is loaded by the next engine on the
+    same directory, whose requests then load their prefixes from the slot files."""
+    ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 32 << 20, "persist": True}
+    cfg = store_config(HOST_PAGES, OBJECT_BYTES, ssd)
+    first_turn, second_turn = PROMPTS[:6], PROMPTS[6:12]
+    with tiny_engine(tiny_model(), cfg) as llm:
+        outs = run_sequence(llm, first_turn, 16)
+        assert _tokens(outs) == plain[:6]
+        assert outs[-1].kv_transfer_params["ascend_store"]["store"]["ssd_spilled_blocks"] > 0
+    assert list((tmp_path / "ssd").glob("ssd-*.index.json"))
+    with tiny_engine(tiny_model(), cfg) as llm:
+        outs = run_sequence(llm, second_turn, 16)
+        assert _tokens(outs) == plain[6:12]
+        st = outs[-1].kv_transfer_params["ascend_store"]["store"]
+        assert st["ssd_promoted_blocks"] > 0 and st["ssd_checksum_failures"] == 0
+        assert sum(o.kv_transfer_params["ascend_store"]["loaded_blocks"] for o in outs) > 0
