@@ -16,6 +16,7 @@ copy only verified payloads into pages. The scheduler decides every slot and pag
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 DirectIO = Literal["auto", "on", "off"]
 #: bytes moved per system call batch (staging buffer of each direction)
 CHUNK_BYTES = 4 << 20
+#: chunks a promote reads ahead of the one it verifies
+READ_AHEAD = 2
 
 
 class SsdError(RuntimeError):
@@ -197,8 +200,9 @@ class RankTier:
         self._np_planes = [p.numpy() for p in self._planes]
         per_chunk = max(1, CHUNK_BYTES // file.slot_bytes)
         self._write_buf = _Staging(file.slot_bytes, per_chunk)
-        # two read buffers: the next chunk is read (GIL released) while this one is verified
-        self._read_bufs = (_Staging(file.slot_bytes, per_chunk), _Staging(file.slot_bytes, per_chunk))
+        # READ_AHEAD chunks are read (GIL released) while one is verified and copied: on a
+        # busy host a reader thread's wake-up can take a time slice, which a queue of reads absorbs
+        self._read_bufs = tuple(_Staging(file.slot_bytes, per_chunk) for _ in range(READ_AHEAD + 1))
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ssd-reader-r{rank}")
         self._lock = threading.Lock()
         self._spilled: Counter[int] = Counter()
@@ -286,27 +290,31 @@ class RankTier:
             return 0, []
         sb = self.file.slot_bytes
 
+        nbuf = len(self._read_bufs)
+
         def read(k: int) -> Future[None]:
             start, n = chunks[k]
             return self._reader.submit(self.file.read, slots[start:start + n],
-                                       self._read_bufs[k % 2].view[:n * sb])
+                                       self._read_bufs[k % nbuf].view[:n * sb])
 
         good = 0
-        pending = read(0)
+        pending = collections.deque(read(k) for k in range(min(nbuf - 1, len(chunks))))
         try:
             for k, (start, n) in enumerate(chunks):
-                pending.result()
-                if k + 1 < len(chunks):
-                    pending = read(k + 1)
-                ok, bad = self._verify_chunk(self._read_bufs[k % 2], keys[start:start + n], slots[start:start + n])
-                self._scatter(self._read_bufs[k % 2], ok, pages[start:start + ok])
+                pending.popleft().result()
+                if k + nbuf - 1 < len(chunks):
+                    pending.append(read(k + nbuf - 1))
+                buf = self._read_bufs[k % nbuf]
+                ok, bad = self._verify_chunk(buf, keys[start:start + n], slots[start:start + n])
+                self._scatter(buf, ok, pages[start:start + ok])
                 good += ok
                 if bad is not None:
                     return good, [bad]
             return good, []
         finally:
-            with contextlib.suppress(Exception):
-                pending.result()  # a read ahead of a miss must land before its buffer is reused
+            for fut in pending:  # reads ahead of a miss must land before their buffers are reused
+                with contextlib.suppress(Exception):
+                    fut.result()
 
     def _verify_chunk(self, buf: _Staging, keys: Sequence[str], slots: Sequence[int]) -> tuple[int, str | None]:
         """(leading slots of the chunk that verify, the key of the first that does not)."""
