@@ -203,8 +203,9 @@ class StoreConnectorConfig(_Strict):
 
 
 def check_store_backend(cfg: StoreConnectorConfig) -> None:
-    """Cross-key rule of the store backend (the schema checks keys one by one): backend
-    ``mooncake`` names its master. Used at engine start and by ``check-config``."""
+    """Cross-key rules of the store backend (the schema checks keys one by one): backend
+    ``mooncake`` names its master; ``local.ssd`` only with backend ``local`` in
+    whole-prefix mode. Used at engine start and by ``check-config``."""
     if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
         raise ConfigError(
             "key 'mooncake.master_address' is required with backend 'mooncake' "
