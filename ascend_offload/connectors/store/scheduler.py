@@ -76,7 +76,7 @@ class StoreScheduler(abc.ABC):
             self.fetches = RemoteFetches(self.index, self.remote_index, page_bytes=s.page_bytes,
                                          world_size=s.world_size, timeout_s=s.cfg.load_timeout_s)
         self.ssd: SsdScheduler | None = None  # local.ssd: the SSD tier under the host pages
-        if s.cfg.local.ssd is not None:
+        if s.ssd_tier:
             from ascend_offload.connectors.store.ssd import SsdScheduler
 
             self.ssd = SsdScheduler(s, self.index)

@@ -216,7 +216,7 @@ class PrefixWorker(StoreWorker):
             expected_page_bytes=self.settings.page_bytes,
         )
         self._connect_shared_tier(self.pool.planes)
-        if self.settings.cfg.local.ssd is not None:
+        if self.settings.ssd_tier:
             from ascend_offload.connectors.store.ssd import SsdWorker
 
             self.ssd = SsdWorker(self.settings, self.pool.planes, _worker_rank())
