@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
 import sys
@@ -72,6 +73,8 @@ def check(raw: Any) -> dict[str, Any]:
         parsed = parse_extra_config(str(name), extra)
         if isinstance(parsed, StoreConnectorConfig):
             check_store_backend(parsed)
+            if parsed.local.ssd is not None:
+                check_ssd_path(parsed.local.ssd.path, parsed.local.ssd.capacity_bytes)
         cfg = parsed.model_dump()
     if name in MULTI:
         children = (extra or {}).get("connectors")
@@ -88,6 +91,30 @@ def check(raw: Any) -> dict[str, Any]:
                 out.append(child)
         cfg["connectors"] = out
     return {"kv_connector": name, "kv_connector_extra_config": cfg}
+
+
+def check_ssd_path(path: str, capacity_bytes: int) -> None:
+    """``local.ssd``: the directory exists and is writable, or can be created (its nearest
+    existing ancestor is a writable directory); the file system's free space (statvfs, as
+    an unprivileged process sees it) holds one rank file of ``capacity_bytes``, counting
+    slot files already there (they are reused). Raises :class:`ConfigError` naming the key."""
+    p = Path(path).expanduser()
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"key 'local.ssd.path'={path!r}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == p else f"cannot be created ({probe} is not writable)"
+        raise ConfigError(f"key 'local.ssd.path'={path!r}: {what}")
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    existing = sum(f.stat().st_size for f in p.glob("ssd-*.slots")) if p.is_dir() else 0
+    if capacity_bytes > free + existing:
+        raise ConfigError(f"key 'local.ssd.capacity_bytes'={capacity_bytes}: {path!r} has {free} bytes free "
+                          f"(+{existing} in slot files there); every worker rank needs capacity_bytes")
 
 
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")

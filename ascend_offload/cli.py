@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
 
 BENCHES: dict[str, str] = {
     "store": "ascend_offload.bench.store",
+    "store-ssd": "ascend_offload.bench.store_ssd",
     "sparse": "ascend_offload.bench.sparse",
     "layerwise": "ascend_offload.bench.layerwise",
     "pd": "ascend_offload.bench.pd",
@@ -26,7 +27,7 @@ BENCHES: dict[str, str] = {
     "sparse-admission": "ascend_offload.bench.sparse_admission",
 }
 # minutes long (real vLLM engines): ``bench all`` skips them; run them by name
-SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission"})
+SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission", "store-ssd"})
 
 USAGE = (
     "usage: ascend-offload {plan,check-config,demo,bench} ...\n"

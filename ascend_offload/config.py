@@ -79,6 +79,22 @@ def parse(model: type[_Strict], raw: Mapping[str, Any] | None, *, where: str) ->
 # --------------------------------------------------------------------------- store
 
 
+class SsdTierConfig(_Strict):
+    """The SSD tier under the host pages (``local.ssd``; docs/store.md "SSD tier"): one
+    preallocated file of ``capacity_bytes`` per worker rank in ``path``."""
+
+    # Directory of the tier's files (created if missing); one engine per directory.
+    path: str = Field(min_length=1)
+    # Bytes of each rank's slot file (fallocated at start); slots of one page + 4 KiB-aligned header.
+    capacity_bytes: int = Field(gt=0)
+    # Keep the index and the files across restarts (entries verified by their slot headers on read).
+    persist: bool = False
+    # O_DIRECT: "auto" probes the file system at open (buffered when refused), "on" requires it.
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    # With persist: the index is rewritten (atomically) at most this often when it changed, and at close.
+    persist_interval_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S)
+
+
 class LocalStoreConfig(_Strict):
     """The embedded host page pool (``backend: local``)."""
 
@@ -87,6 +103,8 @@ class LocalStoreConfig(_Strict):
     # lets a batch of objects move with a single indexed copy.
     page_bytes: int | None = Field(None, gt=0)
     eviction: Literal["lru"] = "lru"
+    # Off (None) by default: host pages only.
+    ssd: SsdTierConfig | None = None
 
 
 class MooncakeStoreConfig(_Strict):
@@ -185,13 +203,21 @@ class StoreConnectorConfig(_Strict):
 
 
 def check_store_backend(cfg: StoreConnectorConfig) -> None:
-    """Cross-key rule of the store backend (the schema checks keys one by one): backend
-    ``mooncake`` names its master. Used at engine start and by ``check-config``."""
+    """Cross-key rules of the store backend (the schema checks keys one by one): backend
+    ``mooncake`` names its master; ``local.ssd`` only with backend ``local`` in
+    whole-prefix mode. Used at engine start and by ``check-config``."""
     if cfg.backend == "mooncake" and not cfg.mooncake.master_address:
         raise ConfigError(
             "key 'mooncake.master_address' is required with backend 'mooncake' "
             "(host:port of the mooncake_master every instance shares)"
         )
+    if cfg.local.ssd is not None and cfg.backend != "local":
+        raise ConfigError(
+            f"key 'local.ssd' is not supported with backend {cfg.backend!r} (the SSD tier is the "
+            "local backend's; the shared tier already holds what the host pages lose)"
+        )
+    if cfg.local.ssd is not None and cfg.use_layerwise:
+        raise ConfigError("key 'local.ssd' is not supported with use_layerwise=True (whole-prefix mode only)")
 
 
 # --------------------------------------------------------------------------- sparse

@@ -279,16 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-master", default="",
                     help="host:port of a running mooncake_master (default: start one on 127.0.0.1)")
     ap.add_argument("--mooncake-mib", type=int, default=16, help="bytes per measured Mooncake call")
+    ap.add_argument("--ssd", choices=("on", "off", "only"), default="on",
+                    help="SSD tier load rows (bench/store_ssd.py); only: just those rows")
+    ap.add_argument("--ssd-dir", default=None, help="file system of the SSD rows' file (default: the temp dir)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     total = args.total_mib << 20
     rows: list[dict[str, Any]] = []
-    if args.mooncake != "only":
+    if args.mooncake != "only" and args.ssd != "only":
         for obj in (64 << 10, 256 << 10, 1 << 20):  # tiny-model block .. a large-model layer group
             rows.append(bench_store(obj, total // obj, args.repeats))
         for layer_bytes, layers in ((16 << 10, 4), (16 << 10, 32), (144 << 10, 8)):
             rows.append(bench_worker(layer_bytes, layers, total // (layer_bytes * layers), args.repeats))
-    mooncake_rows, mooncake_skip = _mooncake_rows(args) if args.mooncake != "off" else ([], "off")
+    mooncake_rows, mooncake_skip = (_mooncake_rows(args) if args.mooncake != "off" and args.ssd != "only"
+                                    else ([], "off"))
     rows += mooncake_rows
     print(f"{'path':8} {'object':>9} {'objs':>6} {'save GB/s':>10} {'load GB/s':>10} {'copy GB/s':>10} {'save x':>7} {'load x':>7}")
     for r in rows:
@@ -324,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"mooncake rows skipped: {mooncake_skip}")
         result["mooncake_skipped"] = mooncake_skip
+    if args.ssd != "off":
+        from ascend_offload.bench.store_ssd import print_ssd_rows, ssd_rows
+
+        result["ssd_rows"] = ssd_rows(args.ssd_dir, args.total_mib, args.repeats)
+        result["ssd_worst_direct_ratio"] = print_ssd_rows(result["ssd_rows"], args.target)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -39,6 +39,14 @@ COUNTERS: dict[str, str] = {
     "layerwise_gate_queued_waits": "layerwise: loads ordered behind a buffer's queued store saves",
     "layerwise_gate_timeouts": "layerwise: reuse-gate waits that hit their deadline",
     "layerwise_native_copies": "layerwise: copy jobs run by the native copy queue",
+    "ssd_spilled_blocks": "SSD tier: blocks every rank wrote to its slot (ready for lookups)",
+    "ssd_spill_failed": "SSD tier: blocks whose slot write failed on some rank (slot freed)",
+    "ssd_spill_skipped": "SSD tier: committed blocks not spilled (no slot free, or evicted from host first)",
+    "ssd_hit_blocks": "SSD tier: blocks a lookup found on the tier (promote started)",
+    "ssd_promoted_blocks": "SSD tier: blocks read, verified and committed into host pages",
+    "ssd_checksum_failures": "SSD tier: slot reads that failed header/checksum verification (a miss)",
+    "ssd_promote_wait_timeouts": "SSD tier: requests that stopped waiting for a promote (load_timeout_s)",
+    "ssd_evicted": "SSD tier: entries evicted to make room for spills",
 }
 
 
@@ -105,6 +113,7 @@ STORE_GAUGES: dict[str, str] = {
     "pinned_objects": "store objects pinned for a load",
     "pending_objects": "store objects allocated for a save and not committed yet",
     "layerwise_gate_consumers_held": "layerwise: reuse-gate consumers (saves, decode reads) holding a buffer",
+    "ssd_used_slots": "SSD tier: slots holding or being written with a block",
 }
 
 

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ascend_offload.layerwise.steps import StepIO
 from ascend_offload.store.prefix_jobs import CopyJob
 from ascend_offload.store.remote_fetch import FetchJob
+from ascend_offload.store.ssd_jobs import PromoteJob, SpillJob
 
 __all__ = ["CopyJob", "FetchJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]
 
@@ -34,6 +35,10 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     # and whether the ranks publish this step's saves (the scheduler saw the master up)
     fetches: list[FetchJob] = dataclasses.field(default_factory=list)
     publish: bool = False
+    # SSD tier (local.ssd): slots to write from committed pages (behind, on a writer
+    # thread) and slots to read into reserved pages (before the loads)
+    ssd_spills: list[SpillJob] = dataclasses.field(default_factory=list)
+    ssd_promotes: list[PromoteJob] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -59,6 +64,12 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     fetched: Counter[int] = dataclasses.field(default_factory=Counter)
     fetch_failed: Counter[int] = dataclasses.field(default_factory=Counter)
     fetch_unsafe: Counter[int] = dataclasses.field(default_factory=Counter)
+    # SSD tier: spill job id -> ranks written / failed; (promote job id, leading blocks that
+    # arrived whole) -> ranks; block key -> ranks whose slot failed verification
+    ssd_spilled: Counter[int] = dataclasses.field(default_factory=Counter)
+    ssd_spill_failed: Counter[int] = dataclasses.field(default_factory=Counter)
+    ssd_promoted: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
+    ssd_corrupt: Counter[str] = dataclasses.field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
@@ -66,7 +77,12 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
             done=self.done + other.done, failed=self.failed + other.failed,
             fetched=self.fetched + other.fetched, fetch_failed=self.fetch_failed + other.fetch_failed,
             fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe,
+            ssd_spilled=self.ssd_spilled + other.ssd_spilled,
+            ssd_spill_failed=self.ssd_spill_failed + other.ssd_spill_failed,
+            ssd_promoted=self.ssd_promoted + other.ssd_promoted,
+            ssd_corrupt=self.ssd_corrupt + other.ssd_corrupt,
         )
 
     def empty(self) -> bool:
-        return not (self.done or self.failed or self.fetched or self.fetch_failed)
+        return not (self.done or self.failed or self.fetched or self.fetch_failed or self.ssd_spilled
+                    or self.ssd_spill_failed or self.ssd_promoted or self.ssd_corrupt)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from ascend_offload.connectors.store.ssd import SsdScheduler
     from ascend_offload.store.shared_tier import RemoteIndex
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,20 @@ class StoreScheduler(abc.ABC):
             self.remote_index = shared_tier_index(s.cfg, s.world_size)
             self.fetches = RemoteFetches(self.index, self.remote_index, page_bytes=s.page_bytes,
                                          world_size=s.world_size, timeout_s=s.cfg.load_timeout_s)
+        self.ssd: SsdScheduler | None = None  # local.ssd: the SSD tier under the host pages
+        if s.ssd_tier:
+            from ascend_offload.connectors.store.ssd import SsdScheduler
+
+            self.ssd = SsdScheduler(s, self.index)
         log.info("%s: local store index with %d pages of %d bytes per rank%s", NAME, s.num_pages,
                  s.page_bytes, f", shared tier at the {self.remote_index.service}" if self.remote_index else "")
 
     def _book_args(self) -> dict[str, Any]:
         s = self.settings
         return {"block_size": s.block_size, "page_bytes": s.page_bytes, "world_size": s.world_size,
-                "min_load_blocks": s.cfg.min_load_blocks, "remote": self.fetches}
+                "min_load_blocks": s.cfg.min_load_blocks,
+                # the tier behind the host pages: shared (fetches) or SSD (promotes), never both
+                "remote": self.fetches if self.ssd is None else self.ssd.jobs}
 
     def _shared_tier_meta(self) -> dict[str, Any]:
         """This step's fetch jobs and whether the ranks publish its saves."""
@@ -123,6 +131,8 @@ class StoreScheduler(abc.ABC):
             self.book.report(meta.done, meta.failed)
             if self.fetches is not None and (meta.fetched or meta.fetch_failed):
                 self.fetches.report(meta.fetched, meta.fetch_failed, meta.fetch_unsafe)
+            if self.ssd is not None:
+                self.ssd.report(meta.ssd_spilled, meta.ssd_spill_failed, meta.ssd_promoted, meta.ssd_corrupt)
 
     def _request_ended(self, req_id: str) -> None:  # noqa: B027 - optional hook
         """Mode-specific cleanup of a finished request (before its pins are released)."""
@@ -138,6 +148,8 @@ class StoreScheduler(abc.ABC):
         stats["store"] = self.book.store_gauges()
         if self.remote_index is not None:
             stats["store"].update(self.remote_index.counters())
+        if self.ssd is not None:
+            stats["store"].update(self.ssd.jobs.counters(), **self.ssd.gauges())
         log.debug("%s: request %s finished: %s", NAME, rid, stats)
         return False, {"ascend_store": stats}
 
@@ -146,6 +158,8 @@ class StoreScheduler(abc.ABC):
         totals, gauges = self.book.metrics()
         if self.remote_index is not None:
             totals.update(self.remote_index.counters())
+        if self.ssd is not None:
+            gauges.update(self.ssd.gauges())
         return self._deltas.take(totals, gauges)
 
     def close(self) -> None:
@@ -153,6 +167,9 @@ class StoreScheduler(abc.ABC):
         if self.remote_index is not None:
             self.remote_index.close()
             self.remote_index = None
+        if self.ssd is not None:
+            self.ssd.close()  # writes the index one last time (persist)
+            self.ssd = None
 
 
 class PrefixScheduler(StoreScheduler):
@@ -168,7 +185,8 @@ class PrefixScheduler(StoreScheduler):
         self.book.accept_load(request.request_id, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        meta = StoreConnectorMetadata(loads=self.book.take_loads(), **self._shared_tier_meta())
+        meta = StoreConnectorMetadata(loads=self.book.take_loads(), **self._shared_tier_meta(),
+                                      **(self.ssd.meta() if self.ssd is not None else {}))
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -185,6 +203,8 @@ class PrefixScheduler(StoreScheduler):
                 job = self.book.plan_save(req_id, self._keys(request, full), self._block_ids_of(req_id))
                 if job is not None:
                     meta.saves.append(job)
+                    if self.ssd is not None:
+                        self.ssd.watch(job.keys)
         return meta
 
 

@@ -64,6 +64,11 @@ class StoreSettings:
         return self.cfg.backend in SHARED_BACKENDS
 
     @property
+    def ssd_tier(self) -> bool:
+        """``local.ssd`` is set: an SSD tier under the host pages (connectors/store/ssd.py)."""
+        return self.cfg.local.ssd is not None
+
+    @property
     def partial_prefix(self) -> str:
         """Key prefix of partial blocks (layerwise): private to this engine, never published."""
         return f"partial:{self.engine_id}"

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from ascend_offload.connectors.store.ssd import SsdWorker
     from ascend_offload.store.shared_tier import RemotePages
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class StoreWorker(abc.ABC):
         #: the shared tier's client (backend mooncake / memcache, after ``register_kv_caches``)
         self.remote: RemotePages | None = None
         self._remote_deltas = CounterDeltas()
+        #: the SSD tier's file and writer (local.ssd, whole-prefix mode, after ``register_kv_caches``)
+        self.ssd: SsdWorker | None = None
 
     def _connect_shared_tier(self, planes: Mapping[str, torch.Tensor]) -> None:
         """Backend ``mooncake`` / ``memcache``: register this rank's page planes with a
@@ -171,7 +174,8 @@ class StoreWorker(abc.ABC):
     def build_worker_meta(self) -> StoreWorkerMetadata | None:
         """This step's completions; None when there are none."""
         meta = StoreWorkerMetadata(done=self._done, failed=self._failed, fetched=self._fetched,
-                                   fetch_failed=self._fetch_failed, fetch_unsafe=self._fetch_unsafe)
+                                   fetch_failed=self._fetch_failed, fetch_unsafe=self._fetch_unsafe,
+                                   **(self.ssd.take_report() if self.ssd is not None else {}))
         if meta.empty():
             return None
         self._done, self._failed = Counter(), Counter()
@@ -191,6 +195,9 @@ class StoreWorker(abc.ABC):
         if self.remote is not None:
             self.remote.close()
             self.remote = None
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
 
 
 class PrefixWorker(StoreWorker):
@@ -209,12 +216,19 @@ class PrefixWorker(StoreWorker):
             expected_page_bytes=self.settings.page_bytes,
         )
         self._connect_shared_tier(self.pool.planes)
+        if self.settings.ssd_tier:
+            from ascend_offload.connectors.store.ssd import SsdWorker
+
+            self.ssd = SsdWorker(self.settings, self.pool.planes, _worker_rank())
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Fetch the shared tier's blocks into their pages, then load the accepted
         prefixes from the pages into vLLM's blocks."""
         assert isinstance(meta, StoreConnectorMetadata)
         self._run_fetches(meta.fetches)
+        if self.ssd is not None:
+            self.ssd.submit_spills(meta.ssd_spills)  # behind, on the writer thread
+            self.ssd.run_promotes(meta.ssd_promotes)  # verified, before the loads
         if not meta.loads:
             return
         pool = self.pool

@@ -60,7 +60,7 @@ def test_prefix_worker_jobs_on_device_kv() -> None:
     kv = _caches()
     before = {n: t.clone() for n, t in kv.items()}
     with installed() as fake:
-        settings = SimpleNamespace(num_pages=NUM_PAGES, page_bytes=None, shared_tier=False)
+        settings = SimpleNamespace(num_pages=NUM_PAGES, page_bytes=None, shared_tier=False, ssd_tier=False)
         worker = PrefixWorker(settings, None, SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[]))  # type: ignore[arg-type]
         worker.register_kv_caches({n: fake.place(t) for n, t in kv.items()})
         worker.wait_for_save(StoreConnectorMetadata(saves=[CopyJob(1, (6, 2), (0, 3))]))

@@ -1,0 +1,179 @@
+"""The store connector's SSD tier (``local.ssd``): the hooks the scheduler and the
+workers call; the rules are vLLM-free in ``store/ssd_*.py`` (docs/store.md, "SSD tier").
+
+Files in ``local.ssd.path`` (one engine per directory; each file is held under an
+exclusive ``flock``): ``ssd-<fingerprint>-r<rank>.slots`` per worker rank, and with
+``persist`` the scheduler's ``ssd-<fingerprint>.index.json`` (and ``.lock``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascend_offload.config import ConfigError
+from ascend_offload.connectors.store.settings import NAME, StoreSettings
+from ascend_offload.store import ssd_format as fmt
+from ascend_offload.store.local import LocalStore
+from ascend_offload.store.ssd_file import RankTier, SlotFile, SsdError
+from ascend_offload.store.ssd_index import (
+    SsdIndex,
+    read_index_file,
+    remove_index_file,
+    write_index_file,
+)
+from ascend_offload.store.ssd_jobs import PromoteJob, SpillJob, SsdJobs
+
+log = logging.getLogger(__name__)
+
+
+def geometry(settings: StoreSettings) -> tuple[int, int]:
+    """(slot bytes, slots per rank file) of the configured tier."""
+    c = settings.cfg.local.ssd
+    assert c is not None
+    sb = fmt.slot_bytes(settings.page_bytes)
+    n = c.capacity_bytes // sb
+    if n < 1:
+        raise ConfigError(f"key 'local.ssd.capacity_bytes'={c.capacity_bytes}: holds no slot of {sb} bytes "
+                          f"(one block of {settings.page_bytes} bytes + header; accepted: >= {sb})")
+    return sb, n
+
+
+class SsdScheduler:
+    """The scheduler's side: the tier's index, its jobs, and the persisted index file."""
+
+    def __init__(self, settings: StoreSettings, index: LocalStore,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        c = settings.cfg.local.ssd
+        assert c is not None
+        self.cfg = c
+        slot_b, num_slots = geometry(settings)
+        self.ssd = SsdIndex(num_slots, settings.cfg.local.eviction)
+        self.jobs = SsdJobs(index, self.ssd, page_bytes=settings.page_bytes, world_size=settings.world_size,
+                            timeout_s=settings.cfg.load_timeout_s,
+                            max_inflight=max(1, settings.num_pages // 2))
+        self._clock = clock
+        directory = Path(c.path)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(directory / f"ssd-{settings.fingerprint}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"key 'local.ssd.path'={c.path!r}: {exc}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"key 'local.ssd.path'={c.path!r}: in use by another engine") from None
+        self.index_path = directory / f"ssd-{settings.fingerprint}.index.json"
+        self._meta = {"fingerprint": settings.fingerprint, "slot_bytes": slot_b,
+                      "page_bytes": settings.page_bytes, "world_size": settings.world_size}
+        kept = 0
+        if c.persist:
+            data = read_index_file(self.index_path)
+            if data is not None:
+                kept = self.ssd.restore(data, self._meta)
+                if not kept and data.get("entries"):
+                    log.warning("%s: SSD index %s does not match this engine's layout or is malformed; "
+                                "starting empty", NAME, self.index_path)
+        else:
+            remove_index_file(self.index_path)
+        self._saved_generation = self.ssd.generation
+        self._last_save = clock()
+        log.info("%s: SSD tier in %s: %d slots of %d bytes per rank%s", NAME, c.path, num_slots, slot_b,
+                 f", persistent ({kept} entries kept)" if c.persist else "")
+
+    def meta(self) -> dict[str, Any]:
+        """This step's spill and promote jobs (fields of ``StoreConnectorMetadata``)."""
+        self.jobs.plan_spills()
+        self.maybe_persist()
+        return {"ssd_spills": self.jobs.take_spills(), "ssd_promotes": self.jobs.take_promotes()}
+
+    def watch(self, keys: Iterable[str]) -> None:
+        self.jobs.watch(keys)
+
+    def report(self, spilled: Mapping[int, int], spill_failed: Mapping[int, int],
+               promoted: Mapping[tuple[int, int], int], corrupt: Mapping[str, int]) -> None:
+        if spilled or spill_failed:
+            self.jobs.report_spills(spilled, spill_failed)
+        if promoted or corrupt:
+            self.jobs.report_promotes(promoted, corrupt)
+
+    def maybe_persist(self, force: bool = False) -> bool:
+        """Write the index when it changed, at most every ``persist_interval_s`` (always when
+        ``force``); True when written."""
+        if not self.cfg.persist or self.ssd.generation == self._saved_generation:
+            return False
+        now = self._clock()
+        if not force and now - self._last_save < self.cfg.persist_interval_s:
+            return False
+        try:
+            write_index_file(self.index_path, self.ssd.snapshot(self._meta))
+        except OSError as exc:
+            log.warning("%s: cannot write the SSD index %s: %s", NAME, self.index_path, exc)
+            return False
+        self._saved_generation, self._last_save = self.ssd.generation, now
+        return True
+
+    def gauges(self) -> dict[str, int]:
+        return {"ssd_used_slots": self.ssd.used_slots}
+
+    def close(self) -> None:
+        self.maybe_persist(force=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+class SsdWorker:
+    """A rank's side: its slot file, spills handed to the writer thread, verified promotes."""
+
+    def __init__(self, settings: StoreSettings, planes: Mapping[str, torch.Tensor], rank: int) -> None:
+        c = settings.cfg.local.ssd
+        assert c is not None
+        slot_b, num_slots = geometry(settings)
+        path = Path(c.path) / f"ssd-{settings.fingerprint}-r{rank}.slots"
+        try:
+            file = SlotFile(path, num_slots, slot_b, direct_io=c.direct_io, keep=c.persist)
+        except SsdError as exc:
+            raise ConfigError(str(exc)) from None
+        self.tier = RankTier(planes, file, rank)
+        if fmt.checksum_implementation() == "python":
+            log.warning("%s: google-crc32c has no C extension here; SSD slot checksums run in Python (slow)", NAME)
+        log.info("%s: rank %d SSD tier file %s (%d slots, %s I/O%s)", NAME, rank, path, num_slots,
+                 "O_DIRECT" if file.direct else "buffered", ", kept" if file.kept else "")
+        self._promoted: Counter[tuple[int, int]] = Counter()
+        self._corrupt: Counter[str] = Counter()
+
+    def submit_spills(self, jobs: Iterable[SpillJob]) -> None:
+        for job in jobs:
+            self.tier.submit_spill(job.job_id, job.keys, job.pages, job.slots)
+
+    def run_promotes(self, jobs: Iterable[PromoteJob]) -> None:
+        """Read, verify and copy each job's slots into its pages (before the step's loads)."""
+        for job in jobs:
+            try:
+                good, corrupt = self.tier.promote(job.keys, job.slots, job.pages)
+            except Exception:
+                log.exception("%s: rank %d SSD promote %d failed", NAME, self.tier.rank, job.job_id)
+                good, corrupt = 0, []
+            self._promoted[(job.job_id, good)] += 1
+            self._corrupt.update(corrupt)
+
+    def take_report(self) -> dict[str, Counter[Any]]:
+        """This rank's spill and promote results since the last call (worker metadata fields)."""
+        spilled, failed = self.tier.take_spill_report()
+        promoted, corrupt = self._promoted, self._corrupt
+        self._promoted, self._corrupt = Counter(), Counter()
+        return {"ssd_spilled": spilled, "ssd_spill_failed": failed, "ssd_promoted": promoted,
+                "ssd_corrupt": corrupt}
+
+    def close(self) -> None:
+        self.tier.close()

@@ -1,0 +1,246 @@
+"""The SSD tier's index, held by the scheduler: key -> slot, eviction order, capacity.
+
+Why in the scheduler: one process decides which slot every rank writes a page to
+and which slot a lookup reads from, single-threaded, so the ranks' files never
+disagree about a key (each rank holds its own shard of a block at the *same* slot
+number in its own file). Workers only write page -> slot and read slot -> page.
+
+An entry is *writing* from the slot's allocation until every rank reported its
+write, then *ready*: only ready entries are found by lookups and only ready,
+unpinned entries are evicted (a pin holds a slot while ranks read it). Order is an
+:class:`~ascend_offload.store.eviction.EvictionPolicy` over the ready keys.
+
+Persistence (``ssd.persist``): :meth:`SsdIndex.snapshot` / :meth:`SsdIndex.restore`
+and :func:`write_index_file` / :func:`read_index_file`. The file is written to a
+temporary name, fsynced, then renamed over the old one (and the directory
+fsynced): a crash at any point leaves either the old or the new index, both
+usable. Entries are trusted only as far as the slot headers confirm them on read
+(``store/ssd_format.py``): a slot rewritten after the index was saved is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ascend_offload.store.eviction import make_policy
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1
+
+
+class _Entry:
+    __slots__ = ("pins", "ready", "slot")
+
+    def __init__(self, slot: int, ready: bool) -> None:
+        self.slot = slot
+        self.ready = ready
+        self.pins = 0
+
+
+class SsdIndex:
+    """Slots of one SSD tier (the same slot numbers on every rank's file)."""
+
+    def __init__(self, num_slots: int, eviction: str = "lru") -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.policy = make_policy(eviction, num_slots)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, ...
+        self._entries: dict[str, _Entry] = {}
+        #: bumped on every change that a persisted index would show
+        self.generation = 0
+        #: monotonic totals
+        self.evicted = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def is_ready(self, key: str) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e.ready
+
+    def slot(self, key: str) -> int:
+        return self._entries[key].slot
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` that are ready on the tier."""
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or not e.ready:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ writes
+
+    def allocate(self, keys: Sequence[str]) -> list[int | None]:
+        """A slot for each key not on the tier yet (``None`` for a key already there or
+        when no slot is free and none can be evicted). New entries are *writing*."""
+        out: list[int | None] = []
+        for k in keys:
+            if k in self._entries or not (self._free or self._evict_one()):
+                out.append(None)
+                continue
+            slot = self._free.pop()
+            self._entries[k] = _Entry(slot, ready=False)
+            out.append(slot)
+        return out
+
+    def _evict_one(self) -> bool:
+        for victim in self.policy.victims():
+            e = self._entries[victim]
+            if e.pins == 0:
+                self._remove(victim)
+                self.evicted += 1
+                return True
+        return False
+
+    def mark_ready(self, keys: Iterable[str]) -> None:
+        """Every rank wrote these keys' slots: lookups find them now."""
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None and not e.ready:
+                e.ready = True
+                self.policy.insert(k)
+                self.generation += 1
+
+    def drop(self, keys: Iterable[str]) -> int:
+        """Forget entries (a failed write, a slot that failed verification); their slots
+        are free again. Pinned entries stay until unpinned. Returns how many went."""
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None and e.pins == 0:
+                self._remove(k)
+                n += 1
+        return n
+
+    def _remove(self, key: str) -> None:
+        e = self._entries.pop(key)
+        self.policy.remove(key)
+        self._free.append(e.slot)
+        if e.ready:
+            self.generation += 1
+
+    # ------------------------------------------------------------------ reads
+
+    def pin(self, keys: Sequence[str]) -> list[int]:
+        """Hold the slots of ready ``keys`` while ranks read them (never evicted
+        meanwhile); a hit, so the policy sees it."""
+        slots = []
+        for k in keys:
+            e = self._entries[k]
+            if not e.ready:
+                raise KeyError(f"ssd entry {k!r} is not ready")
+            e.pins += 1
+            self.policy.touch(k)
+            slots.append(e.slot)
+        return slots
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+
+    # ------------------------------------------------------------------ persistence
+
+    def snapshot(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The ready entries in eviction order (first victim first), with ``meta`` (the
+        geometry a reader must match)."""
+        entries = [[k, self._entries[k].slot] for k in self.policy.victims()]
+        return {"format": INDEX_FORMAT, **meta, "num_slots": self.num_slots, "entries": entries}
+
+    def restore(self, data: dict[str, Any], meta: dict[str, Any]) -> int:
+        """Load the ready entries of a snapshot whose geometry equals ``meta`` and
+        ``num_slots``; returns how many were kept (0 and nothing changed when the
+        snapshot does not match or is malformed: it is untrusted input)."""
+        if self._entries:
+            raise RuntimeError("restore into a non-empty SSD index")
+        if data.get("format") != INDEX_FORMAT or data.get("num_slots") != self.num_slots:
+            return 0
+        if any(data.get(k) != v for k, v in meta.items()):
+            return 0
+        entries = data.get("entries")
+        if not isinstance(entries, list):
+            return 0
+        seen_slots: set[int] = set()
+        parsed: list[tuple[str, int]] = []
+        for item in entries:
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or type(item[1]) is not int or not 0 <= item[1] < self.num_slots
+                    or item[1] in seen_slots):
+                return 0
+            seen_slots.add(item[1])
+            parsed.append((item[0], item[1]))
+        if len({k for k, _ in parsed}) != len(parsed):
+            return 0
+        for key, slot in parsed:
+            self._entries[key] = _Entry(slot, ready=True)
+            self.policy.insert(key)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in seen_slots]
+        return len(parsed)
+
+
+def write_index_file(path: Path, data: dict[str, Any]) -> None:
+    """Atomically replace ``path`` with ``data`` (tmp file, fsync, rename, fsync dir)."""
+    tmp = path.with_name(path.name + ".tmp")
+    payload = json.dumps(data, separators=(",", ":")).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_index_file(path: Path) -> dict[str, Any] | None:
+    """The index saved at ``path``; None when absent or unreadable (logged)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("SSD tier: cannot read index %s (%s); starting empty", path, exc)
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        log.warning("SSD tier: index %s is not valid JSON (%s); starting empty", path, exc)
+        return None
+    if not isinstance(data, dict):
+        log.warning("SSD tier: index %s is not an object; starting empty", path)
+        return None
+    return data
+
+
+def remove_index_file(path: Path) -> None:
+    """Forget a persisted index (a tier started without ``persist``)."""
+    for p in (path, path.with_name(path.name + ".tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
