@@ -233,11 +233,13 @@ class IndexerStash:
         budget cannot hold them or the order names too few blocks."""
         self.counters.preempted_requests += 1
         self.drop(req_id)
-        if order.tokens <= 0 or not self.caches:
+        if order.tokens <= 0:
             return False
         n = -(-order.tokens // self.block_size)
         nbytes = n * self.block_bytes
         try:
+            if not self.caches:
+                raise ValueError("no indexer cache to stash from")
             if self.bytes_held + nbytes > self.capacity_bytes:
                 raise MemoryError(f"{nbytes} B over the stash budget ({self.bytes_held} of "
                                   f"{self.capacity_bytes} B held)")

@@ -152,6 +152,13 @@ def test_stash_budget_is_bounded_and_a_refused_request_is_counted() -> None:
     assert stash.counters.stash_failures == 2
 
 
+def test_a_stash_without_indexer_caches_refuses_and_counts() -> None:
+    stash = IndexerStash([], [], BS, capacity_tokens=0)
+    assert not stash.save("a", StashOrder(0, ()))  # nothing to stash: not a failure
+    assert not stash.save("b", StashOrder(5, ((1, 2),)))
+    assert stash.counters.stash_failures == 1 and stash.counters.preempted_requests == 2
+
+
 def test_load_without_a_stash_reports_the_blocks_to_recompute() -> None:
     stash = IndexerStash(_caches(), [0, 0], BS, capacity_tokens=8 * BS)
     assert stash.load("x", ResumeOrder(6, ((4, 7),))) == [4, 7]
