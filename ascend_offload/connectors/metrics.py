@@ -90,6 +90,7 @@ SPARSE_COUNTERS: dict[str, str] = {
     "resumed_tokens": "tokens of resumed requests loaded back, not recomputed",
     "recomputed_tokens": "positions computed again after their main-KV rows were pooled",
     "stash_failures": "preempted requests whose indexer rows could not be stashed (recomputed)",
+    "stash_seconds": "host time copying preempted requests' indexer rows out and back",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",

@@ -231,6 +231,7 @@ class ColocatedSparseDecode:
             "preempted_requests": self.stash.counters.preempted_requests,
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
+            "stash_ns": self.stash.counters.stash_ns,
         }
 
     def gauges(self) -> dict[str, int]:

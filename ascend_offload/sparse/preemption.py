@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -189,6 +190,7 @@ class StashCounters:
     stashed_tokens: int = 0  # tokens whose indexer rows went to host
     resumed_tokens: int = 0  # tokens loaded back on resumption (not recomputed)
     stash_failures: int = 0  # stash orders this worker could not hold (recomputed)
+    stash_ns: int = 0  # host time saving and loading stashes (copies finished on return)
 
 
 class IndexerStash:
@@ -237,6 +239,7 @@ class IndexerStash:
             return False
         n = -(-order.tokens // self.block_size)
         nbytes = n * self.block_bytes
+        t0 = time.perf_counter_ns()
         try:
             if not self.caches:
                 raise ValueError("no indexer cache to stash from")
@@ -252,6 +255,7 @@ class IndexerStash:
         self._held[req_id] = (order.tokens, rows)
         self.bytes_held += nbytes
         self.counters.stashed_tokens += order.tokens
+        self.counters.stash_ns += time.perf_counter_ns() - t0
         return True
 
     def load(self, req_id: str, order: ResumeOrder) -> list[int]:
@@ -259,6 +263,7 @@ class IndexerStash:
         the block ids that could not be loaded (vLLM recomputes them), ``[]`` on success."""
         n = -(-order.tokens // self.block_size)
         held = self._held.get(req_id)
+        t0 = time.perf_counter_ns()
         try:
             if held is None or held[0] < order.tokens:
                 raise KeyError(f"{0 if held is None else held[0]} tokens stashed, "
@@ -272,6 +277,7 @@ class IndexerStash:
             return sorted({b for g in order.blocks for b in g[:n]})
         self.drop(req_id)
         self.counters.resumed_tokens += order.tokens
+        self.counters.stash_ns += time.perf_counter_ns() - t0
         return []
 
     def drop(self, req_id: str) -> None:

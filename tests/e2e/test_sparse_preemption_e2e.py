@@ -96,7 +96,7 @@ def runs() -> dict[str, Any]:
                 out["metrics"] = {n: _metric(n) for n in (
                     "preempted_requests", "resumed_tokens", "recomputed_tokens", "stash_failures",
                     "offload_rows", "admission_failures", "unmatched_rows", "resolved_positions",
-                    "miss_rows")}
+                    "miss_rows", "stash_seconds", "steps")}
     return out
 
 

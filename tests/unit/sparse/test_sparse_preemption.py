@@ -134,6 +134,7 @@ def test_stash_round_trip_into_other_blocks_is_exact() -> None:
     assert stash.bytes_held == 0 and not stash.holds("a")
     c = stash.counters
     assert (c.preempted_requests, c.stashed_tokens, c.resumed_tokens, c.stash_failures) == (1, 7, 7, 0)
+    assert c.stash_ns > 0
 
 
 def test_stash_budget_is_bounded_and_a_refused_request_is_counted() -> None:
