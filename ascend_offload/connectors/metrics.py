@@ -94,6 +94,11 @@ SPARSE_COUNTERS: dict[str, str] = {
     "admission_failures": "requests the worker's host pool could not admit (0 unless the "
                           "scheduler's pool ledger and the pool disagree)",
     "unmatched_rows": "batch rows matched to no request (an engine error)",
+    "preempted_requests": "requests vLLM preempted (their pool rows stay; indexer rows stashed)",
+    "resumed_tokens": "tokens of resumed requests loaded back, not recomputed",
+    "recomputed_tokens": "positions computed again after their main-KV rows were pooled",
+    "stash_failures": "preempted requests whose indexer rows could not be stashed (recomputed)",
+    "stash_seconds": "host time copying preempted requests' indexer rows out and back",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
@@ -102,6 +107,7 @@ SPARSE_GAUGES: dict[str, str] = {
     "device_kv_bytes": "device KV allocation of the engine (bytes, one rank)",
     "device_main_kv_bytes": "device bytes of the sparse main-KV layers (their hot buffers)",
     "device_indexer_kv_bytes": "device bytes of the rest of the KV allocation (indexer cache)",
+    "stash_bytes": "host bytes holding preempted requests' indexer rows",
 }
 # A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
 # stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).

@@ -17,7 +17,13 @@ raised, never attended over wrong rows.
 
 Requests arrive two ways: :meth:`ColocatedSparseDecode.admit` (this engine
 prefills them) or :meth:`ColocatedSparseDecode.attach` (the remote-D2H consumer
-already reserved their rows and filled the prompt's KV).
+already reserved their rows and filled the prompt's KV). A preempted request
+is :meth:`~ColocatedSparseDecode.preempt`-ed (its hot row is freed, its pool
+rows and pooled count stay, its indexer rows go to the
+:class:`~ascend_offload.sparse.preemption.IndexerStash`) and
+:meth:`~ColocatedSparseDecode.resume`-d on a fresh hot row (the stash loaded
+into its new blocks); positions it writes again below its high-water mark are
+counted as recomputed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
+from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +44,20 @@ logger = logging.getLogger(__name__)
 class ColocatedSparseDecode:
     """Request bookkeeping and step binding over one :class:`SparseOffloadManager`."""
 
-    def __init__(self, manager: SparseOffloadManager, layer_names: Sequence[str]) -> None:
+    def __init__(self, manager: SparseOffloadManager, layer_names: Sequence[str],
+                 stash: IndexerStash | None = None) -> None:
+        """``stash``: where preempted requests' indexer rows wait (default: none, every
+        preempted request is recomputed)."""
         if len(layer_names) != manager.num_layers:
             raise ValueError(f"{len(layer_names)} layer names for a manager of "
                              f"{manager.num_layers} layers")
         self.manager = manager
+        self.stash = stash if stash is not None else IndexerStash([], [], manager.block_size, 0)
         self.layer_names = list(layer_names)
         self._layer_of = {n: i for i, n in enumerate(layer_names)}
         self._pooled: dict[str, int] = {}  # admitted request -> leading positions in the pool
+        self._high: dict[str, int] = {}  # admitted request -> most positions it ever pooled
+        self._detached: set[str] = set()  # preempted: pool rows kept, no hot row
         self._keys: Mapping[int, str] = {}
         self._step_key: object = None
         self._plan: SparseStepPlan | None = None
@@ -53,6 +66,7 @@ class ColocatedSparseDecode:
         self._warned: set[str] = set()  # admitted-or-refused requests only: bounded by finish
         self.admission_failures = 0
         self.unmatched_rows = 0
+        self.recomputed_tokens = 0  # positions written again after they had been pooled
 
     # ------------------------------------------------------------------ requests
 
@@ -79,12 +93,44 @@ class ColocatedSparseDecode:
             return
         self.manager.attach(req_id, max_tokens)
         self._pooled[req_id] = pooled
+        self._high[req_id] = pooled
 
     def finish(self, req_id: str) -> None:
         """Free the request's pool rows, hot row and residency state (idempotent)."""
         self._pooled.pop(req_id, None)
+        self._high.pop(req_id, None)
         self._warned.discard(req_id)
+        self.stash.drop(req_id)
+        if req_id in self._detached:  # preempted: no hot row, its pool rows are still held
+            self._detached.discard(req_id)
+            self.manager.pool.release(req_id)
         self.manager.finish(req_id)
+
+    def preempt(self, req_id: str, order: StashOrder) -> bool:
+        """vLLM preempted the request (its blocks are freed, not yet reused): stash its
+        indexer rows as ``order`` says, free its hot row and residency state, keep its
+        pool rows and pooled count (what its resumption does not recompute). ``True``
+        if its rows were stashed."""
+        if req_id in self._pooled and self.manager.detach(req_id):
+            self._detached.add(req_id)
+        return self.stash.save(req_id, order)
+
+    def resume(self, req_id: str, order: ResumeOrder) -> list[int]:
+        """vLLM scheduled a preempted request again: load its stash into its new blocks
+        (``order``), and give it a hot row whose contents start invalid (a new residency
+        tag), so its top-k misses fetch from the pool. Returns the blocks whose load
+        failed (vLLM recomputes them)."""
+        failed = self.stash.load(req_id, order) if order.tokens else []
+        if not order.tokens:
+            self.stash.drop(req_id)
+        if req_id in self._detached:
+            self.manager.attach(req_id, self.manager.pool.capacity(req_id))
+            self._detached.discard(req_id)
+        return failed
+
+    def pooled(self, req_id: str) -> int:
+        """Leading positions of the request whose main-KV rows are in the pool."""
+        return self._pooled.get(req_id, 0)
 
     @property
     def admitted(self) -> list[str]:
@@ -129,11 +175,16 @@ class ColocatedSparseDecode:
             decode.append(row.num_new == 1)
             # positions written this step are not trusted in the hot buffer (recomputation)
             entries.append(StepEntry(req, row.num_tokens, first))
-            self._pooled[req] = row.num_tokens
         plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries))
         if entries:
-            self.manager.begin_step(entries)
+            self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
+        for row, e in zip(rows, entries, strict=True):
+            high = self._high.get(e.req_id, 0)
+            # positions this step writes that the pool already held (a recomputation)
+            self.recomputed_tokens += max(0, min(high, row.num_tokens) - (row.num_tokens - row.num_new))
+            self._high[e.req_id] = max(high, row.num_tokens)
+            self._pooled[e.req_id] = row.num_tokens
         self._plan, self._plan_rows = plan, rows
         return plan
 
@@ -176,11 +227,17 @@ class ColocatedSparseDecode:
             "context_rows": st.context_rows,
             "admission_failures": self.admission_failures,
             "unmatched_rows": self.unmatched_rows,
+            "recomputed_tokens": self.recomputed_tokens,
+            "preempted_requests": self.stash.counters.preempted_requests,
+            "resumed_tokens": self.stash.counters.resumed_tokens,
+            "stash_failures": self.stash.counters.stash_failures,
+            "stash_ns": self.stash.counters.stash_ns,
         }
 
     def gauges(self) -> dict[str, int]:
         return {"pool_rows_used": self.manager.pool_rows_used,
-                "admitted_requests": len(self._pooled)}
+                "admitted_requests": len(self._pooled),
+                "stash_bytes": self.stash.bytes_held}
 
     def _warn(self, who: str, msg: str) -> None:
         if who not in self._warned:

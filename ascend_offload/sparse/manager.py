@@ -178,14 +178,24 @@ class SparseOffloadManager:
 
     def finish(self, req_id: str) -> None:
         """Free the request's host blocks, hot-buffer row and residency state (idempotent)."""
+        if self.detach(req_id):
+            self.pool.release(req_id)
+
+    def detach(self, req_id: str) -> bool:
+        """Free the request's hot-buffer row and residency state but keep its host rows
+        (a preempted request: :meth:`attach` takes a row again, whose contents start
+        invalid). ``False`` if it held no hot row."""
         entry = self._rows.pop(req_id, None)
         if entry is None:
-            return
+            return False
         row, _ = entry
         self.residency.release(row)
-        self.pool.release(req_id)
         self._free_rows.append(row)
         self._free_rows.sort()
+        return True
+
+    def holds_row(self, req_id: str) -> bool:
+        return req_id in self._rows
 
     @property
     def pool_rows_used(self) -> int:

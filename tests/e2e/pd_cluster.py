@@ -35,10 +35,12 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
-               decode_args: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+               decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None
+               ) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
-    are functions of the role's kv port returning the transfer config dict."""
+    are functions of the role's kv port returning the transfer config dict; a ``None`` in
+    ``decode_env`` removes that variable from the decode's environment."""
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     p_kv, d_kv = free_port(), free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -52,7 +54,9 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                                           *prefill_args, "--kv-transfer-config", json.dumps(prefill_kv(p_kv))],
                               {**env, "VLLM_CPU_OMP_THREADS_BIND": "0", **(prefill_env or {})}, log_dir))
         servers.append(Server("decode", [*common, "--port", str(d_port), *decode_args, "--kv-transfer-config",
-                                         json.dumps(decode_kv(d_kv))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                                         json.dumps(decode_kv(d_kv))],
+                              {k: v for k, v in {**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
+                                                 **(decode_env or {})}.items() if v is not None},
                               log_dir))
         servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
                                         str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",

@@ -216,6 +216,8 @@ class DecodeWorker:
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        if self.sparse is not None:  # resumed preempted requests whose stash did not load
+            out |= self.sparse.take_load_errors()
         return out
 
     def close(self) -> None:

@@ -62,9 +62,14 @@ class RemoteD2HScheduler:
             return 0, False
         if self.sparse is not None and not self.sparse.admit(request):
             return None, False  # its host pool rows are not free yet: wait
-        return self.decode.num_new_matched_tokens(request, num_computed_tokens)
+        count, load_async = self.decode.num_new_matched_tokens(request, num_computed_tokens)
+        if count == 0 and self.sparse is not None:  # a resumed preempted request
+            return max(0, self.sparse.resume_offer(request) - num_computed_tokens), False
+        return count, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.sparse is not None and self.sparse.after_alloc(request, num_external_tokens):
+            return  # a resumed preempted request: its stash loads, nothing is pulled
         params = request.kv_transfer_params
         if not params:
             return

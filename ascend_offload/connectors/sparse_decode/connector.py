@@ -89,13 +89,18 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if self.scheduler is not None and not self.scheduler.admit(request):
+        if self.scheduler is None:
+            return 0, False
+        if not self.scheduler.admit(request):
             return None, False  # its host pool rows are not free yet: wait
-        return 0, False
+        # a resumed preempted request: its history is in the pool and the stash (loaded
+        # before the forward, synchronously)
+        return max(0, self.scheduler.resume_offer(request) - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        return None
+        if self.scheduler is not None:
+            self.scheduler.after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.scheduler is None:
@@ -135,8 +140,16 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
             self.worker.apply(meta)
         return self.worker
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward reuses the freed blocks: stash preempted requests' indexer rows."""
+        if self.worker is not None and isinstance(kv_connector_metadata, SparseDecodeMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._prepare()
+        self._prepare()  # resumed requests' stashes go into their new blocks here
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.worker is None else self.worker.take_load_errors()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._prepare()

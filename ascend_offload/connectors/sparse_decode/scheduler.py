@@ -5,6 +5,13 @@ reserve), which finished, and how to name each scheduled request from the
 attention's batch (the block holding its newest position -> request id). It
 also keeps the host pool's ledger (:class:`~ascend_offload.sparse.admission.PoolLedger`):
 a request enters vLLM's running set only when its pool rows are reserved.
+
+Preemption (:class:`~ascend_offload.sparse.preemption.PreemptionBook`): a preempted
+request keeps its pool rows; the step that preempts it orders the workers to
+stash its indexer rows (its old blocks, remembered here: vLLM freed them before
+this side sees the preemption), and on resumption the stashed tokens are offered
+to vLLM as computed (``get_num_new_matched_tokens``) and loaded into the new
+blocks before the forward.
 """
 
 from __future__ import annotations
@@ -17,6 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.sparse.admission import PoolLedger
+from ascend_offload.sparse.preemption import (
+    PreemptionBook,
+    PreemptState,
+    ResumeOrder,
+    StashOrder,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -36,6 +49,10 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     # new requests' computed tokens when scheduled (remote-D2H: the prompt rows the
     # consumer already put in the pool)
     computed: dict[str, int] = dataclasses.field(default_factory=dict)
+    # preempted this step -> what to stash before the forward (tokens 0: recomputed later)
+    preempted: dict[str, StashOrder] = dataclasses.field(default_factory=dict)
+    # resumed this step -> what to load into its new blocks before the forward
+    resumed: dict[str, ResumeOrder] = dataclasses.field(default_factory=dict)
 
 
 class SparseDecodeScheduler:
@@ -44,6 +61,7 @@ class SparseDecodeScheduler:
     def __init__(self, settings: SparseDecodeSettings) -> None:
         self.s = settings
         self.ledger = PoolLedger(settings.pool_blocks, settings.block_size)
+        self.preemption = PreemptionBook(settings.stash_tokens, settings.block_size)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
 
     def admit(self, request: Request) -> bool:
@@ -56,9 +74,26 @@ class SparseDecodeScheduler:
 
     def finished(self, request_id: str) -> None:
         self.ledger.release(request_id)
+        self.preemption.finish(request_id)
+
+    def resume_offer(self, request: Request) -> int:
+        """Tokens of a preempted request that vLLM need not recompute (0: none)."""
+        rid = request.request_id
+        if self.preemption.state(rid) is not PreemptState.STASHED:
+            return 0
+        return self.preemption.offer(rid, request.num_tokens)
+
+    def after_alloc(self, request: Request, num_external_tokens: int) -> bool:
+        """vLLM allocated blocks for ``request``; ``True``: a resumption we load."""
+        return self.preemption.after_alloc(request.request_id, num_external_tokens)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
         finished = tuple(sorted(scheduler_output.finished_req_ids))
+        # before the scheduled requests update the book: a request preempted this step
+        # stashes what it had after the last step it ran
+        preempted = {rid: self.preemption.preempt(rid)
+                     for rid in sorted(scheduler_output.preempted_req_ids or ())
+                     if rid not in scheduler_output.finished_req_ids}
         new: dict[str, int] = {}
         computed: dict[str, int] = {}
         for r in scheduler_output.scheduled_new_reqs:
@@ -72,10 +107,16 @@ class SparseDecodeScheduler:
         keys: dict[int, str] = {}
         assert self.kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
         bs = self.s.block_size
+        resumed: dict[str, ResumeOrder] = {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            blocks = self.kv_cache_manager.get_block_ids(req_id)[self.s.group]
+            groups = self.kv_cache_manager.get_block_ids(req_id)
+            blocks = groups[self.s.group]
             last = (computed[req_id] + n - 1) // bs
             if last < len(blocks):
                 keys[blocks[last]] = req_id
+            if req_id in cached.resumed_req_ids:
+                resumed[req_id] = self.preemption.resumed(req_id, groups)
+            self.preemption.scheduled(req_id, computed[req_id] + n, groups)
+        self.preemption.step_built()
         return SparseDecodeMetadata(new, keys, finished,
-                                    {r: computed[r] for r in new})
+                                    {r: computed[r] for r in new}, preempted, resumed)

@@ -79,6 +79,17 @@ class SparseDecodeSettings:
     # main KV paged on the device by the engine (an integration's allocation, not cut):
     # the worker allocates the hot buffers and reads (k_cache, v_cache) pairs
     paged: bool = False
+    # every other cache layer (the indexer caches) with its KV cache group: what a
+    # preempted request's stash copies out of vLLM's blocks and back
+    indexer_layers: tuple[tuple[str, int], ...] = ()
+    num_blocks: int = 0  # vLLM's device blocks (the block dimension of those caches)
+
+    @property
+    def stash_tokens(self) -> int:
+        """The preemption stash budget: the pool's token capacity; 0 with the main KV
+        paged on the device (vllm-ascend): vLLM's own prefill there reads the paged main
+        KV the preemption freed, so a preempted request is recomputed."""
+        return 0 if self.paged else self.pool_blocks * self.block_size
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, cfg: SparseOffloadConfig,
@@ -93,6 +104,8 @@ class SparseDecodeSettings:
         max_len = vllm_config.model_config.max_model_len
         layers: list[str] = []
         group, row_bytes, pool_blocks, paged = 0, 0, 0, False
+        indexers: list[tuple[str, int]] = []
+        num_blocks = 0
         if kv_cache_config is not None:
             from ascend_offload.connectors.sparse_decode.kv_cut import cut_facts
 
@@ -108,6 +121,9 @@ class SparseDecodeSettings:
             group = next(g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
                          if layers[0] in grp.layer_names)
             row_bytes = facts.row_bytes
+            indexers = [(n, g) for g, grp in enumerate(kv_cache_config.kv_cache_groups)
+                        for n in grp.layer_names if n not in layers]
+            num_blocks = int(kv_cache_config.num_blocks)
             rows = rows_for_budget(cfg.dram_size_per_dp_GB * GiB, len(layers), row_bytes, block)
             pool_blocks = rows // block
             if rows < max_len:
@@ -116,7 +132,8 @@ class SparseDecodeSettings:
                     f"pool holds {rows} tokens x {len(layers)} layers x {row_bytes} B, less than "
                     f"one request of max_model_len={max_len}; raise it or lower max_model_len")
         return cls(cfg, topk, block, max_len, vllm_config.scheduler_config.max_num_seqs,
-                   tuple(layers), group, row_bytes, pool_blocks, paged)
+                   tuple(layers), group, row_bytes, pool_blocks, paged, tuple(indexers),
+                   num_blocks)
 
     def reservation(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
         """Positions a request may ever need (prompt + new tokens, capped)."""

@@ -25,6 +25,7 @@ from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSetting
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
+from ascend_offload.sparse.preemption import IndexerStash, block_major
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,11 @@ class SparseDecodeWorker:
                 f"{self.manager.residency.kind} residency table indexes "
                 f"{self.manager.residency.max_positions} positions, less than "
                 f"max_model_len={settings.max_model_len}")
-        self.decode = ColocatedSparseDecode(self.manager, names)
+        self.decode = ColocatedSparseDecode(self.manager, names,
+                                            self._indexer_stash(settings, kv_caches))
         self._applied: object = None
+        self._preempts_handled: object = None
+        self._load_errors: set[int] = set()
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
                  "hot buffers %d rows per request x %d requests %s (%.1f MiB), residency %s "
@@ -167,10 +171,46 @@ class SparseDecodeWorker:
                  f"; pool shared by the TP ranks ({shared_pool}), rank {tp_rank} "
                  f"{'writes' if tp_rank == 0 else 'reads'}" if self.manager.pool.shared_name else "")
 
+    @staticmethod
+    def _indexer_stash(settings: SparseDecodeSettings, kv_caches: Mapping[str, Any]) -> IndexerStash:
+        """The preemption stash over the engine's indexer caches (none: every preempted
+        request is recomputed; see :attr:`SparseDecodeSettings.stash_tokens`)."""
+        names = [n for n, _ in settings.indexer_layers if n in kv_caches]
+        groups = [g for n, g in settings.indexer_layers if n in kv_caches]
+        caches: list[torch.Tensor] = []
+        if settings.stash_tokens and names:
+            try:
+                caches = block_major(kv_caches, names, settings.num_blocks)
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.warning("sparse decode: indexer caches not block-addressable (%s): preempted "
+                            "requests are recomputed", exc)
+                caches, groups = [], []
+        else:
+            groups = []
+        return IndexerStash(caches, groups, settings.block_size,
+                            settings.stash_tokens if caches else 0)
+
+    def handle_preemptions(self, meta: SparseDecodeMetadata) -> None:
+        """Requests vLLM preempted this step (once per step, before the forward reuses their
+        freed blocks): stash their indexer rows to host, free their hot rows."""
+        if meta is self._preempts_handled:
+            return
+        self._preempts_handled = meta
+        for rid, order in meta.preempted.items():
+            self.decode.preempt(rid, order)
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of resumed requests whose stash could not be loaded (vLLM recomputes them)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
     def apply(self, meta: SparseDecodeMetadata) -> None:
-        """This step's facts, once: finishes first (their rows are free again), then admissions."""
+        """This step's facts, once: preemptions (if vLLM did not hand them over first),
+        finishes (their rows are free again), admissions, then resumptions (their stashed
+        indexer rows into the new blocks, before the forward)."""
         if meta is self._applied:
             return
+        self.handle_preemptions(meta)
         self._applied = meta
         if self._unlink_pending:
             # vLLM steps the model only after every rank registered its KV caches, so
@@ -185,6 +225,8 @@ class SparseDecodeWorker:
                                    meta.computed.get(rid, 0))
             else:
                 self.decode.admit(rid, max_tokens)
+        for rid, order in meta.resumed.items():
+            self._load_errors.update(self.decode.resume(rid, order))
         self.decode.begin(meta, meta.keys)
 
     def end_step(self) -> None:

@@ -186,7 +186,9 @@ def test_scheduler_asks_for_the_whole_prompt_reserves_max_tokens_and_waits_for_r
         conn.update_state_after_alloc(req, blocks, 54)
         conn.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([8, 3, 5, 6, 2],))
         out = SimpleNamespace(num_scheduled_tokens={}, finished_req_ids=set(), scheduled_new_reqs=[],
-                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+                              preempted_req_ids=set(),
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[],
+                                                                    resumed_req_ids=set()))
         meta = conn.build_connector_meta(out)
         # load errors name only the externally loaded device blocks; the pool gets the whole prompt
         assert meta.recv == [rd.RecvJob("r", (3, 5, 6, 2), 70, 79)]

@@ -1,0 +1,98 @@
+"""P/D: a preempted request on the sparse decode resumes from the host pool without
+recomputing its history (the RD2H decode reuses the colocated connector's objects).
+
+Our 4-layer sparse-MLA model (index_topk 32, hot buffers of 64 rows). Prefill:
+``SfaRemoteD2HConnector`` producer; decode: the consumer with ``sparse_offload``,
+given so little KV memory (1 MiB: 44 indexer blocks after the hot buffers) that
+decoding requests outgrow it and vLLM preempts: prompts of 150-260 tokens (a
+request's prompt blocks must fit before its pull starts) grow by 180-240 tokens
+each, four at a time. The pool
+holds every reservation, so preempted requests keep their rows. Greedy tokens
+must equal the prefill engine's own plain answer, no load may have failed, the
+decode's preemptions (vLLM's counter) must all have been resumed from the stash
+(``..._rd2h_sparse_resumed_tokens`` > 0, nothing recomputed), and the decode must
+have written only the rows of the tokens it computed (the last prompt token and
+the new ones): no main-KV history moved on resumption.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mooncake.engine")
+httpx = pytest.importorskip("httpx")
+
+from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model  # noqa: E402
+from tests.e2e.harness import MODEL_CACHE  # noqa: E402
+from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+N_LAYERS = 4
+TOPK = 32
+HOT = 64
+ROW_BYTES = (64 + 16) * 4  # latent + rope, float32
+MAX_SEQS = 4
+MAX_LEN = 512
+DECODE_KV_BYTES = 1 << 20
+POOL_ROWS = 12 * MAX_LEN  # every reservation at once
+POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
+_rng = random.Random(17)
+LENGTHS = [_rng.randrange(150, 260) for _ in range(8)]
+MAX_TOKENS = [_rng.randrange(180, 240) for _ in LENGTHS]
+PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did not read", "cannot send",
+       "cannot receive", "Traceback", "admission failed", "not stashed", "stash not loaded")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    model = str(make_tiny_sparse_model(MODEL_CACHE / "tiny-sparse-mla-4l", index_topk=TOPK))
+    extra = {"ack_timeout_s": 60, "request_timeout_s": 60, "registration_timeout_s": 30}
+    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
+              "dram_size_per_dp_GB": POOL_GB}
+    with pd_cluster(model, tmp_path_factory.mktemp("pd-sparse-preempt-e2e"),
+                    lambda port: rd2h_config("kv_producer", port, extra),
+                    lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
+                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS),
+                                 "--max-model-len", str(MAX_LEN),
+                                 "--kv-cache-memory-bytes", str(DECODE_KV_BYTES)),
+                    # the legacy GiB setting would replace --kv-cache-memory-bytes
+                    decode_env={"VLLM_CPU_KVCACHE_SPACE": None}) as c:
+        yield c
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_pd_preempted_requests_resume_from_the_pool(cluster: dict[str, Any]) -> None:
+    model = cluster["model"]
+    since = log_sizes(cluster)
+    bodies = [body(model, p, False, k, return_token_ids=True)
+              for p, k in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    baseline = [complete(cluster["prefill"], b) for b in bodies]
+    with ThreadPoolExecutor(8) as pool:
+        pd = list(pool.map(lambda b: complete(cluster["proxy"], b), bodies))
+    assert [len(a.token_ids or ()) for a in baseline] == MAX_TOKENS
+    assert [a.token_ids for a in pd] == [a.token_ids for a in baseline]
+    assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
+    text = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
+    preemptions = _metric(text, "vllm:num_preemptions_total")
+    m = {name: _metric(text, f"vllm:ascend_offload_rd2h_{name}_total") for name in (
+        "sparse_preempted_requests", "sparse_resumed_tokens", "sparse_recomputed_tokens",
+        "sparse_stash_failures", "sparse_offload_rows", "sparse_admission_failures",
+        "sparse_unmatched_rows")}
+    print(f"\nP/D sparse preemption: vLLM preemptions {preemptions}, metrics {m}")
+    assert preemptions > 0, (preemptions, m)
+    assert m["sparse_preempted_requests"] == preemptions, (preemptions, m)
+    assert m["sparse_resumed_tokens"] >= preemptions, m
+    assert m["sparse_recomputed_tokens"] == 0 and m["sparse_stash_failures"] == 0, m
+    assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
+    # decode computed the last prompt token and the new ones but the last, once each
+    assert m["sparse_offload_rows"] == N_LAYERS * sum(MAX_TOKENS), m
