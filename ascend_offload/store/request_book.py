@@ -188,6 +188,14 @@ class RequestBook(Generic[E]):
     def _finished(self, e: E) -> None:
         """Mode-specific release of what a finished request still holds."""
 
+    def reset(self) -> None:
+        """The index is about to forget every object (``LocalStore.clear``): drop every
+        offer (its pin becomes inert with the clear). Modes extend this to settle their
+        in-flight jobs; the per-request counters and the totals stay."""
+        for e in self._entries.values():
+            e.load_pin = None
+            e.load_range = (0, 0)
+
     # ------------------------------------------------------------------ reporting
 
     def store_gauges(self) -> dict[str, int]:

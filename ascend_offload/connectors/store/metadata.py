@@ -34,6 +34,10 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     # and whether the ranks publish this step's saves (the scheduler saw the master up)
     fetches: list[FetchJob] = dataclasses.field(default_factory=list)
     publish: bool = False
+    # the store's epoch (``reset_cache`` increments it): the ranks echo it in their
+    # reports, and reports of an older epoch never commit into the reset index
+    epoch: int = 0
+    preempted: int = 0  # requests vLLM preempted this step (the worker's fence checks)
 
 
 @dataclasses.dataclass
@@ -46,6 +50,8 @@ class LayerwiseMetadata(KVConnectorMetadata):
     freed: list[str]  # block keys whose pages were freed since the last step
     fetches: list[FetchJob] = dataclasses.field(default_factory=list)  # as StoreConnectorMetadata
     publish: bool = False  # publish this step's saved full blocks to the shared tier
+    epoch: int = 0  # as StoreConnectorMetadata
+    preempted: int = 0  # as StoreConnectorMetadata
 
 
 @dataclasses.dataclass
@@ -59,13 +65,16 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     fetched: Counter[int] = dataclasses.field(default_factory=Counter)
     fetch_failed: Counter[int] = dataclasses.field(default_factory=Counter)
     fetch_unsafe: Counter[int] = dataclasses.field(default_factory=Counter)
+    epoch: int = 0  # the epoch of the step whose jobs ``done`` / ``failed`` report
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
+        # every rank ran the same step's metadata; should two epochs ever meet, the
+        # older one wins, so the whole report is treated as pre-reset (dropped)
         return StoreWorkerMetadata(
             done=self.done + other.done, failed=self.failed + other.failed,
             fetched=self.fetched + other.fetched, fetch_failed=self.fetch_failed + other.fetch_failed,
-            fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe,
+            fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe, epoch=min(self.epoch, other.epoch),
         )
 
     def empty(self) -> bool:
