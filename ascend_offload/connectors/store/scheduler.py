@@ -200,7 +200,7 @@ class StoreScheduler(abc.ABC):
         """Whether the index may forget its objects now."""
         return True
 
-    def _reset_tiers(self) -> None:
+    def _reset_tiers(self) -> None:  # noqa: B027 - the hook a private tier fills
         """Forget what the tiers behind the local pages hold for this engine. The shared
         tier (mooncake / memcache) is shared with other engines and is not reset (see
         docs/store.md); a private tier added later is reset here."""
