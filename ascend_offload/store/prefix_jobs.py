@@ -162,13 +162,12 @@ class PrefixJobs(RequestBook[PrefixEntry]):
         e = self.entry(req_id)
         e.saved_upto = min(e.saved_upto, upto)
 
-    def reset(self) -> None:
+    def _settle_for_reset(self) -> None:
         """Settle every open job before the index forgets its objects: a save's pending
         objects are aborted (their pages are free for a *later* step's copies, which
         every rank runs after this step's), a load's pin is dropped with the clear; the
         ranks' reports of these jobs arrive with the old epoch and are dropped, so none
         commits into the new index. Every request saves again from block 0."""
-        super().reset()
         for job in self._jobs.values():
             if job.kind == "save":
                 self.index.abort(job.handles)

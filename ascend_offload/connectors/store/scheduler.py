@@ -67,8 +67,6 @@ class StoreScheduler(abc.ABC):
         self._block_ids_of = block_ids_of
         self._requests: dict[str, Request] = {}  # every request the connector was asked about
         self._deltas = CounterDeltas()
-        #: ``reset_cache`` increments it; reports of an older epoch never commit
-        self.epoch = 0
         #: preempted requests: their stored blocks, the resumption wait, the counters
         self.residency = ResidencyTracker(s.cfg.save_timeout_s)
         self._computed_blocks: dict[str, int] = {}  # full blocks computed once the last scheduled step ran
@@ -148,7 +146,7 @@ class StoreScheduler(abc.ABC):
 
     def _meta_fields(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
         """Epoch and preemption count of this step, and the shared tier's part."""
-        return {"epoch": self.epoch, "preempted": len(scheduler_output.preempted_req_ids or ()),
+        return {"epoch": self.book.epoch, "preempted": len(scheduler_output.preempted_req_ids or ()),
                 **self._shared_tier_meta()}
 
     # ------------------------------------------------------------------ vLLM calls
@@ -179,12 +177,9 @@ class StoreScheduler(abc.ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, StoreWorkerMetadata):
-            if meta.epoch == self.epoch:
+            if (meta.done or meta.failed) and self.book.current(meta.epoch):
                 self.book.report(meta.done, meta.failed)
                 self._after_report()
-            elif meta.done or meta.failed:  # jobs of before the reset: settled there
-                self.book.totals["stale_reports"] += 1
-                log.debug("%s: a report of epoch %d dropped (now %d)", NAME, meta.epoch, self.epoch)
             if self.fetches is not None and (meta.fetched or meta.fetch_failed):
                 self.fetches.report(meta.fetched, meta.fetch_failed, meta.fetch_unsafe)
 
@@ -213,14 +208,11 @@ class StoreScheduler(abc.ABC):
         if not self._can_reset():
             log.warning("%s: reset refused: a running request still reads the store", NAME)
             return False
-        self.epoch += 1
-        self.book.reset()
-        dropped = self.index.clear()
+        dropped = self.book.reset()
         lost = self.residency.reset()
         self._reset_tiers()
-        self.book.totals["store_resets"] += 1
         log.info("%s: store reset (epoch %d): %d objects dropped, %d preempted requests recompute",
-                 NAME, self.epoch, dropped, lost)
+                 NAME, self.book.epoch, dropped, lost)
         return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
