@@ -208,10 +208,13 @@ class StoreScheduler(abc.ABC):
         if not self._can_reset():
             log.warning("%s: reset refused: a running request still reads the store", NAME)
             return False
+        for request in self._requests.values():  # preempted by the reset itself, just now
+            if request.num_preemptions:
+                self._note_preemption(request)
         dropped = self.book.reset()
         lost = self.residency.reset()
         self._reset_tiers()
-        log.info("%s: store reset (epoch %d): %d objects dropped, %d preempted requests recompute",
+        log.info("%s: store reset (epoch %d): %d objects dropped, %d preempted requests lost their blocks",
                  NAME, self.book.epoch, dropped, lost)
         return True
 
