@@ -211,3 +211,62 @@ def test_reset_with_a_save_in_flight_no_pre_reset_block_is_served() -> None:
     c.block_hashes = list(a.block_hashes)
     assert sched.get_num_new_matched_tokens(c, 0) == (8, False)
     assert sched.stats().data["stale_reports"] == 1
+
+
+def test_multi_connector_resets_every_child_and_fails_if_one_fails() -> None:
+    from ascend_offload.connectors.multi import AscendMultiConnector
+
+    calls: list[str] = []
+
+    class Child:
+        def __init__(self, name: str, answer: bool | None) -> None:
+            self.name, self.answer = name, answer
+
+        def reset_cache(self) -> bool | None:
+            calls.append(self.name)
+            return self.answer
+
+        def handle_preemptions(self, meta: Any) -> None:
+            calls.append(f"{self.name}:{meta}")
+
+    multi = object.__new__(AscendMultiConnector)
+    multi._connectors = [Child("store", False), Child("rd2h", None)]
+    assert multi.reset_cache() is False
+    assert calls == ["store", "rd2h"]  # the second child is reset although the first failed
+    multi._connectors = [Child("a", True), Child("b", None)]
+    assert multi.reset_cache() is True
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorMetadata,
+    )
+
+    calls.clear()
+    multi.handle_preemptions(MultiKVConnectorMetadata(metadata=("m0", "m1")))
+    assert calls == ["a:m0", "b:m1"]
+
+
+def test_prefix_worker_save_reads_the_block_before_the_next_step_can_reuse_it() -> None:
+    """The ordering the preemption fence relies on: a block saved in step N is copied to
+    its page inside step N's ``wait_for_save``; step N+1 (``handle_preemptions`` first,
+    then vLLM's reuse of the freed block) cannot change what the page holds. The ranks
+    echo the epoch of the step they ran."""
+    import torch
+
+    from ascend_offload.connectors.store.metadata import CopyJob, StoreConnectorMetadata
+    from ascend_offload.connectors.store.worker import PrefixWorker
+
+    kv = {"l0": torch.randn(6, 2, 4, 8)}
+    settings = SimpleNamespace(num_pages=4, page_bytes=None, shared_tier=False)
+    worker = PrefixWorker(settings, None, SimpleNamespace(num_blocks=6, kv_cache_groups=[]))  # type: ignore[arg-type]
+    worker.register_kv_caches(kv)
+    saved = kv["l0"][3].clone()
+    step_n = StoreConnectorMetadata(saves=[CopyJob(1, (3,), (2,))], epoch=1)
+    worker.start_load_kv(step_n)
+    worker.wait_for_save(step_n)
+    meta = worker.build_worker_meta()
+    assert meta is not None and meta.done == {1: 1} and meta.epoch == 1
+    step_n1 = StoreConnectorMetadata(loads=[CopyJob(2, (5,), (2,))], epoch=1, preempted=1)
+    worker.handle_preemptions(step_n1)
+    assert worker.fence_checks == 1
+    kv["l0"][3].fill_(7.0)  # vLLM hands the preempted request's block to another request
+    worker.start_load_kv(step_n1)
+    assert torch.equal(kv["l0"][5], saved)  # the page kept what step N computed
