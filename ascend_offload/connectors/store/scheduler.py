@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 BlockIdsOf = Callable[[str], list[int]]
 
 
+def _preempted(scheduler_output: SchedulerOutput) -> set[str]:
+    """Requests vLLM preempted in this step (``None`` when none; a scheduler output of
+    another shape, such as a test's stand-in, may lack the field)."""
+    return getattr(scheduler_output, "preempted_req_ids", None) or set()
+
+
 class StoreScheduler(abc.ABC):
     """What both modes share: keys from block hashes, lookups, completions, stats."""
 
@@ -122,7 +128,7 @@ class StoreScheduler(abc.ABC):
     def _note_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """Preemptions of this step, and every scheduled request's computed full blocks
         once this step ran (what a later preemption leaves in the store)."""
-        for rid in scheduler_output.preempted_req_ids or ():
+        for rid in _preempted(scheduler_output):
             request = self._requests.get(rid)
             if request is not None:
                 self._note_preemption(request)
@@ -146,7 +152,7 @@ class StoreScheduler(abc.ABC):
 
     def _meta_fields(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
         """Epoch and preemption count of this step, and the shared tier's part."""
-        return {"epoch": self.book.epoch, "preempted": len(scheduler_output.preempted_req_ids or ()),
+        return {"epoch": self.book.epoch, "preempted": len(_preempted(scheduler_output)),
                 **self._shared_tier_meta()}
 
     # ------------------------------------------------------------------ vLLM calls
