@@ -198,8 +198,12 @@ class StoreScheduler(abc.ABC):
     # ------------------------------------------------------------------ reset
 
     def _can_reset(self) -> bool:
-        """Whether the index may forget its objects now."""
-        return True
+        """Whether the index may forget its objects now: not while a request vLLM did not
+        preempt holds computed tokens (vLLM's own device-cache reset refuses then too).
+        Its KV predates the reset, so its later saves would bring pre-reset blocks into the
+        new index; in layerwise mode its later steps also load its blocks back from the
+        store. With ``reset_running_requests=True`` vLLM preempts them all first."""
+        return all(r.num_computed_tokens == 0 for r in self._requests.values())
 
     def _reset_tiers(self) -> None:  # noqa: B027 - the hook a private tier fills
         """Forget what the tiers behind the local pages hold for this engine. The shared
@@ -316,11 +320,6 @@ class LayerwiseScheduler(StoreScheduler):
             # the pipeline loads them in the request's first step and reports no
             # per-request completion: counted as resumed when accepted
             self.residency.loaded(request.request_id, True)
-
-    def _can_reset(self) -> bool:
-        # a running request's later steps load its hit blocks and read back its saved
-        # blocks from the store layer by layer: forgetting them would fail those loads
-        return all(r.num_computed_tokens == 0 for r in self._requests.values())
 
     def _full_key_fn(self, request: Request) -> Callable[[int], str | None]:
         n = self._full_blocks_with_hash(request)

@@ -88,8 +88,6 @@ class StoreWorker(abc.ABC):
         self.remote: RemotePages | None = None
         self._remote_deltas = CounterDeltas()
         self._epoch = 0  # the store epoch of the step being run (echoed in the reports)
-        self._saves_running = 0  # save jobs whose copy started and did not end
-        self.fence_checks = 0  # handle_preemptions calls that found a preemption to fence
 
     def _connect_shared_tier(self, planes: Mapping[str, torch.Tensor]) -> None:
         """Backend ``mooncake`` / ``memcache``: register this rank's page planes with a
@@ -157,17 +155,11 @@ class StoreWorker(abc.ABC):
         """vLLM calls this at the start of every ``execute_model``, before the step's
         state update and forward, so before any block the scheduler freed (a preempted
         request's, a finished one's) can be overwritten. The fence: no save of an earlier
-        step may still be reading device blocks now. Whole-prefix saves are synchronous
-        in ``wait_for_save`` (device copies end with ``device.synchronize()``), so none
-        can be; the layerwise pipeline's copies run on a queue and are drained here."""
+        step may still be reading device blocks now. Whole-prefix saves (and shared-tier
+        publishes, which read host pages) are synchronous in ``wait_for_save``, device
+        copies ending with ``device.synchronize()``, so none can be; the layerwise
+        pipeline's copies run on a queue and are drained here."""
         self._epoch = getattr(meta, "epoch", self._epoch)
-        if getattr(meta, "preempted", 0):
-            self.fence_checks += 1
-        if self._saves_running:
-            # a save job raised past its copy's start on this thread: its pages were
-            # reported failed (aborted); nothing can still be reading the blocks
-            log.error("%s: %d save jobs did not end before the next step", NAME, self._saves_running)
-            self._saves_running = 0
         self._fence_saves()
 
     def _fence_saves(self) -> None:  # noqa: B027 - optional hook
@@ -259,9 +251,7 @@ class PrefixWorker(StoreWorker):
         assert pool is not None
 
         def save(job: CopyJob) -> None:
-            self._saves_running += 1
             pool.save(job.block_ids, job.pages)  # synchronous: the blocks are read when it returns
-            self._saves_running -= 1
             if meta.publish:
                 self._publish(job.keys, job.pages)
 

@@ -266,7 +266,27 @@ def test_prefix_worker_save_reads_the_block_before_the_next_step_can_reuse_it() 
     assert meta is not None and meta.done == {1: 1} and meta.epoch == 1
     step_n1 = StoreConnectorMetadata(loads=[CopyJob(2, (5,), (2,))], epoch=1, preempted=1)
     worker.handle_preemptions(step_n1)
-    assert worker.fence_checks == 1
     kv["l0"][3].fill_(7.0)  # vLLM hands the preempted request's block to another request
     worker.start_load_kv(step_n1)
     assert torch.equal(kv["l0"][5], saved)  # the page kept what step N computed
+
+
+def test_reset_is_refused_while_a_request_runs_on_pre_reset_kv() -> None:
+    """Its later saves would bring blocks computed before the reset into the new index."""
+    sched, tables = _scheduler()
+    r = _request("r", 9)
+    sched.get_num_new_matched_tokens(r, 0)
+    tables["r"] = [1, 2, 3]
+    sched.update_state_after_alloc(r, _blocks(tables["r"]), 0)
+    step = sched.build_connector_meta(_step(new=[("r", 0, 8)]))
+    _report(sched, step)
+    r.num_computed_tokens = 8
+    assert sched.reset_cache() is False
+    assert sched.index.stats().stored_objects == 2 and sched.book.epoch == 0
+    r.num_computed_tokens, r.num_preemptions = 0, 1  # reset_running_requests=True preempts it
+    assert sched.reset_cache() is True
+    assert sched.index.stats().stored_objects == 0 and sched.book.epoch == 1
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, _blocks([4, 5, 6]), 0)
+    _, params = sched.request_finished(r)
+    assert params["ascend_store"]["recomputed_blocks"] == 2  # lost with the reset
