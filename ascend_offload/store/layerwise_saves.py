@@ -154,3 +154,16 @@ class LayerwiseSaves(RequestBook[LayerwiseEntry]):
         e.pins.clear()
         # its partial-block objects can never be hit again: free them now
         self.index.discard([k for k in e.private_keys if k not in self._saving])
+
+    def _settle_for_reset(self) -> None:
+        """Settle every placed save before the index forgets its objects: pending
+        objects are aborted (their pages are reused only by a later step's copies,
+        which every rank runs after this step's), read-back pins and hit keys are
+        dropped (the clear makes the pins inert). Late reports of these keys arrive
+        with the old epoch and are dropped by the connector."""
+        for s in self._saving.values():
+            self.index.abort([s.handle])
+        self._saving.clear()
+        for e in self._entries.values():
+            e.pins.clear()
+            e.hit_keys = ()

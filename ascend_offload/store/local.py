@@ -398,6 +398,24 @@ class LocalStore(KVStore):
                 n += 1
         return n
 
+    def clear(self) -> int:
+        """Forget every committed object, pinned or not, and every pin (a pin taken
+        before is inert afterwards: its ``unpin`` is a no-op); returns how many objects
+        were dropped. Pending objects stay: their writers own the pages until they
+        ``commit`` or ``abort`` (an owner that wants them gone aborts them first).
+        Why a pinned object may go: the caller (the connector's reset) knows that a
+        copy still reading its pages runs before any later write can land there."""
+        with self._lock:
+            dropped = [key for key, obj in self._objects.items() if obj.committed]
+            for key in dropped:
+                obj = self._objects.pop(key)
+                self._free.extend(reversed(obj.pages))
+                self._freed.append(key)
+            self._lru.clear()
+            self._pins.clear()
+            self._evictable = 0
+            return len(dropped)
+
     def take_freed(self) -> list[str]:
         """Keys whose pages were freed (evicted, aborted, discarded) since the last call."""
         with self._lock:

@@ -61,6 +61,8 @@ class PrefixJobs(RequestBook[PrefixEntry]):
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
         self._pending_loads: list[CopyJob] = []
+        #: loads every rank reported since the scheduler last drained this: (request, all ok)
+        self.settled_loads: list[tuple[str, bool]] = []
 
     @property
     def open_jobs(self) -> int:
@@ -149,5 +151,28 @@ class PrefixJobs(RequestBook[PrefixEntry]):
                 self.index.abort(job.handles)
             else:
                 self.index.commit(job.handles)
-        elif job.pin is not None:
-            self.index.unpin(job.pin)
+        else:
+            if job.pin is not None:
+                self.index.unpin(job.pin)
+            self.settled_loads.append((job.req_id, not job.failed))
+
+    def rewind_saves(self, req_id: str, upto: int) -> None:
+        """A resumed request holds only blocks ``[0, upto)`` (the rest is recomputed):
+        save from there again (blocks the store still has count as duplicates)."""
+        e = self.entry(req_id)
+        e.saved_upto = min(e.saved_upto, upto)
+
+    def _settle_for_reset(self) -> None:
+        """Settle every open job before the index forgets its objects: a save's pending
+        objects are aborted (their pages are free for a *later* step's copies, which
+        every rank runs after this step's), a load's pin is dropped with the clear; the
+        ranks' reports of these jobs arrive with the old epoch and are dropped, so none
+        commits into the new index. Every request saves again from block 0."""
+        for job in self._jobs.values():
+            if job.kind == "save":
+                self.index.abort(job.handles)
+        self._jobs.clear()
+        self._pending_loads.clear()
+        self.settled_loads.clear()
+        for e in self._entries.values():
+            e.saved_upto = 0

@@ -84,6 +84,8 @@ class RequestBook(Generic[E]):
         self.totals: Counter[str] = Counter()
         self._entry_type = entry_type
         self._entries: dict[str, E] = {}
+        #: grows with every :meth:`reset`; the ranks echo the epoch of the step they ran
+        self.epoch = 0
 
     # ------------------------------------------------------------------ entries
 
@@ -187,6 +189,32 @@ class RequestBook(Generic[E]):
 
     def _finished(self, e: E) -> None:
         """Mode-specific release of what a finished request still holds."""
+
+    def reset(self) -> int:
+        """Forget every object of the index (``LocalStore.clear``) and start a new epoch;
+        returns how many objects were dropped. Every offer is dropped (its pin is inert
+        after the clear); modes extend :meth:`_settle_for_reset` to settle their
+        in-flight jobs first. The per-request counters and the totals stay."""
+        self._settle_for_reset()
+        for e in self._entries.values():
+            e.load_pin = None
+            e.load_range = (0, 0)
+        self.epoch += 1
+        self.totals["store_resets"] += 1
+        return self.index.clear()
+
+    def _settle_for_reset(self) -> None:
+        """Mode-specific settling of open jobs before the index forgets its objects."""
+
+    def current(self, epoch: int) -> bool:
+        """Whether the ranks' report of a step run in ``epoch`` counts. A report of an
+        older epoch is of jobs the reset settled already: it must not commit anything
+        into the new index (counted as ``stale_reports``)."""
+        if epoch == self.epoch:
+            return True
+        self.totals["stale_reports"] += 1
+        log.debug("store: a report of epoch %d dropped (now %d)", epoch, self.epoch)
+        return False
 
     # ------------------------------------------------------------------ reporting
 

@@ -139,6 +139,19 @@ class SsdIndex:
         if e.ready:
             self.generation += 1
 
+    def clear(self) -> int:
+        """Forget every ready entry, pinned or not (the store's reset); entries still
+        being written keep their slots until their writes are reported (a write landing
+        in a slot already handed to another key would otherwise go unnoticed by the
+        index). Returns how many entries went."""
+        gone = [k for k, e in self._entries.items() if e.ready]
+        for k in gone:
+            self._entries[k].pins = 0
+            self._remove(k)
+        self.policy.clear()
+        self.generation += 1
+        return len(gone)
+
     # ------------------------------------------------------------------ reads
 
     def pin(self, keys: Sequence[str]) -> list[int]:

@@ -66,6 +66,7 @@ class _Spill:
     pin: Pin
     done: int = 0
     failed: int = 0
+    cancelled: bool = False  # by a reset: its slots are freed, never made ready
 
 
 @dataclasses.dataclass
@@ -170,7 +171,9 @@ class SsdJobs:
             del self._spills[job_id]
             self._inflight -= len(job.keys)
             self.index.unpin(job.pin)
-            if job.failed:
+            if job.cancelled:
+                self.ssd.drop(job.keys)
+            elif job.failed:
                 self.ssd.drop(job.keys)
                 self.totals["ssd_spill_failed"] += len(job.keys)
             else:
@@ -267,6 +270,34 @@ class SsdJobs:
         gone = [k for k in self._corrupt if k not in held]
         self.ssd.drop(gone)
         self._corrupt.difference_update(gone)
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self) -> int:
+        """The store's reset (after the host index forgot its objects): forget every
+        entry of the tier and every request's promote. Spills still being written are
+        cancelled (their slots stay reserved until the ranks report, then are freed,
+        never made ready); promotes still open commit nothing (their pages are aborted
+        when reported). Returns how many tier entries went."""
+        for job in self._spill_queue:  # planned but not sent: nothing reads their pages
+            spill = self._spills.pop(job.job_id)
+            self._inflight -= len(spill.keys)
+            self.ssd.drop(spill.keys)
+        self._spill_queue.clear()
+        for spill in self._spills.values():
+            spill.cancelled = True
+        for job in self._promote_queue:  # planned but not sent
+            promote = self._promotes.pop(job.job_id)
+            self.index.abort(promote.handles)
+        self._promote_queue.clear()
+        for promote in self._promotes.values():
+            promote.good = 0
+        self._watched.clear()
+        self._waiting.clear()
+        self._asked.clear()
+        self._promoted_for.clear()
+        self._corrupt.clear()
+        return self.ssd.clear()
 
     # ------------------------------------------------------------------ reporting
 

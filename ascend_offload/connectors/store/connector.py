@@ -132,6 +132,11 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
+    def reset_cache(self) -> bool:
+        """``LLM.reset_prefix_cache(reset_connector=True)``: forget every stored object
+        (scheduler side; the ranks learn the new epoch from the next metadata)."""
+        return self.scheduler.reset_cache()
+
     def get_kv_connector_stats(self) -> StoreConnectorStats | None:
         """Counter deltas since the last call (scheduler: store; workers: layerwise pipeline)."""
         if self.connector_scheduler is not None:
@@ -143,6 +148,10 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Start of every step, before freed blocks can be overwritten: the save fence."""
+        self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())

@@ -39,6 +39,10 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     # thread) and slots to read into reserved pages (before the loads)
     ssd_spills: list[SpillJob] = dataclasses.field(default_factory=list)
     ssd_promotes: list[PromoteJob] = dataclasses.field(default_factory=list)
+    # the store's epoch (``reset_cache`` increments it): the ranks echo it in their
+    # reports, and reports of an older epoch never commit into the reset index
+    epoch: int = 0
+    preempted: int = 0  # requests vLLM preempted this step (the worker's fence checks)
 
 
 @dataclasses.dataclass
@@ -51,6 +55,8 @@ class LayerwiseMetadata(KVConnectorMetadata):
     freed: list[str]  # block keys whose pages were freed since the last step
     fetches: list[FetchJob] = dataclasses.field(default_factory=list)  # as StoreConnectorMetadata
     publish: bool = False  # publish this step's saved full blocks to the shared tier
+    epoch: int = 0  # as StoreConnectorMetadata
+    preempted: int = 0  # as StoreConnectorMetadata
 
 
 @dataclasses.dataclass
@@ -70,13 +76,16 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     ssd_spill_failed: Counter[int] = dataclasses.field(default_factory=Counter)
     ssd_promoted: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
     ssd_corrupt: Counter[str] = dataclasses.field(default_factory=Counter)
+    epoch: int = 0  # the epoch of the step whose jobs ``done`` / ``failed`` report
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, StoreWorkerMetadata)
+        # every rank ran the same step's metadata; should two epochs ever meet, the
+        # older one wins, so the whole report is treated as pre-reset (dropped)
         return StoreWorkerMetadata(
             done=self.done + other.done, failed=self.failed + other.failed,
             fetched=self.fetched + other.fetched, fetch_failed=self.fetch_failed + other.fetch_failed,
-            fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe,
+            fetch_unsafe=self.fetch_unsafe + other.fetch_unsafe, epoch=min(self.epoch, other.epoch),
             ssd_spilled=self.ssd_spilled + other.ssd_spilled,
             ssd_spill_failed=self.ssd_spill_failed + other.ssd_spill_failed,
             ssd_promoted=self.ssd_promoted + other.ssd_promoted,

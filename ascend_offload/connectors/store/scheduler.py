@@ -37,6 +37,7 @@ from ascend_offload.store.local import LocalStore
 from ascend_offload.store.prefix_jobs import PrefixJobs
 from ascend_offload.store.remote_fetch import RemoteFetches
 from ascend_offload.store.request_book import RequestBook
+from ascend_offload.store.residency import ResidencyTracker, State
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -54,6 +55,12 @@ log = logging.getLogger(__name__)
 BlockIdsOf = Callable[[str], list[int]]
 
 
+def _preempted(scheduler_output: SchedulerOutput) -> set[str]:
+    """Requests vLLM preempted in this step (``None`` when none; a scheduler output of
+    another shape, such as a test's stand-in, may lack the field)."""
+    return getattr(scheduler_output, "preempted_req_ids", None) or set()
+
+
 class StoreScheduler(abc.ABC):
     """What both modes share: keys from block hashes, lookups, completions, stats."""
 
@@ -67,6 +74,10 @@ class StoreScheduler(abc.ABC):
         self._block_ids_of = block_ids_of
         self._requests: dict[str, Request] = {}  # every request the connector was asked about
         self._deltas = CounterDeltas()
+        #: preempted requests: their stored blocks, the resumption wait, the counters
+        self.residency = ResidencyTracker(s.cfg.save_timeout_s)
+        self._computed_blocks: dict[str, int] = {}  # full blocks computed once the last scheduled step ran
+        self._device_blocks: dict[str, int] = {}  # leading blocks the device cache gave at the last lookup
         self.remote_index: RemoteIndex | None = None
         self.fetches: RemoteFetches | None = None
         if s.shared_tier:
@@ -107,10 +118,62 @@ class StoreScheduler(abc.ABC):
     def _track(self, request: Request) -> None:
         self._requests.setdefault(request.request_id, request)
 
+    # ------------------------------------------------------------------ preemption
+
+    def _save_pending(self, key: str) -> bool:
+        """A save of ``key`` was placed and not every rank reported it yet."""
+        return self.index.has(key) and not self.index.is_committed(key)
+
+    def _note_preemption(self, request: Request) -> None:
+        """Register a preemption vLLM made (seen once, either in the step's
+        ``preempted_req_ids`` or, when vLLM resumes it in the same step, at its lookup)."""
+        rid = request.request_id
+        n = self._computed_blocks.get(rid, 0)
+        if self.residency.preempt(rid, request.num_preemptions, self._keys(request, n), self._save_pending):
+            log.debug("%s: request %s preempted with %d computed full blocks (%s)", NAME, rid, n,
+                      self.residency.state(rid).value)
+
+    def _note_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Preemptions of this step, and every scheduled request's computed full blocks
+        once this step ran (what a later preemption leaves in the store)."""
+        for rid in _preempted(scheduler_output):
+            request = self._requests.get(rid)
+            if request is not None:
+                self._note_preemption(request)
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, before in computed.items():
+            request = self._requests.get(rid)
+            if request is not None:
+                after = before + scheduler_output.num_scheduled_tokens.get(rid, 0)
+                self._computed_blocks[rid] = min(after // self.block_size, self._full_blocks_with_hash(request))
+
+    def _resumed(self, request: Request, loaded_blocks: int) -> bool:
+        """vLLM admitted the request with ``loaded_blocks`` from the store: if it was a
+        preempted one, account what came back and what is recomputed."""
+        rid = request.request_id
+        if self.residency.state(rid) not in (State.SAVING, State.STORED, State.LOST):
+            return False
+        self.residency.resume(rid, self._device_blocks.get(rid, 0), loaded_blocks)
+        return True
+
+    def _meta_fields(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
+        """Epoch and preemption count of this step, and the shared tier's part."""
+        return {"epoch": self.book.epoch, "preempted": len(_preempted(scheduler_output)),
+                **self._shared_tier_meta()}
+
     # ------------------------------------------------------------------ vLLM calls
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._track(request)
+        rid = request.request_id
+        if request.num_preemptions:
+            self._note_preemption(request)
+            # its own saves still in flight: ask again later (bounded by save_timeout_s)
+            if self.residency.wait_for_saves(rid, self._save_pending):
+                return None, False
+        self._device_blocks[rid] = num_computed_tokens // self.block_size
         # vLLM must compute at least the last prompt token itself.
         max_blocks = min((request.num_tokens - 1) // self.block_size, self._full_blocks_with_hash(request))
         n = self.book.lookup(request.request_id, num_computed_tokens, max_blocks,
@@ -128,14 +191,54 @@ class StoreScheduler(abc.ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, StoreWorkerMetadata):
-            self.book.report(meta.done, meta.failed)
+            if (meta.done or meta.failed) and self.book.current(meta.epoch):
+                self.book.report(meta.done, meta.failed)
+                self._after_report()
             if self.fetches is not None and (meta.fetched or meta.fetch_failed):
                 self.fetches.report(meta.fetched, meta.fetch_failed, meta.fetch_unsafe)
             if self.ssd is not None:
                 self.ssd.report(meta.ssd_spilled, meta.ssd_spill_failed, meta.ssd_promoted, meta.ssd_corrupt)
 
+    def _after_report(self) -> None:  # noqa: B027 - optional hook
+        """Mode-specific follow-up of the ranks' reports."""
+
     def _request_ended(self, req_id: str) -> None:  # noqa: B027 - optional hook
         """Mode-specific cleanup of a finished request (before its pins are released)."""
+
+    # ------------------------------------------------------------------ reset
+
+    def _can_reset(self) -> bool:
+        """Whether the index may forget its objects now: not while a request vLLM did not
+        preempt holds computed tokens (vLLM's own device-cache reset refuses then too).
+        Its KV predates the reset, so its later saves would bring pre-reset blocks into the
+        new index; in layerwise mode its later steps also load its blocks back from the
+        store. With ``reset_running_requests=True`` vLLM preempts them all first."""
+        return all(r.num_computed_tokens == 0 for r in self._requests.values())
+
+    def _reset_tiers(self) -> None:
+        """Forget what the tiers behind the local pages hold for this engine: the SSD
+        tier (private to this engine) is reset; the shared tier (mooncake / memcache) is
+        shared with other engines and is not (see docs/store.md)."""
+        if self.ssd is not None:
+            self.ssd.reset()
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: forget every stored
+        object. Open jobs are settled first (saves aborted, loads fenced), the epoch
+        grows so the ranks' reports of those jobs never commit into the new index, and
+        every preempted request's blocks count as lost (it recomputes them)."""
+        if not self._can_reset():
+            log.warning("%s: reset refused: a running request still reads the store", NAME)
+            return False
+        for request in self._requests.values():  # preempted by the reset itself, just now
+            if request.num_preemptions:
+                self._note_preemption(request)
+        dropped = self.book.reset()
+        lost = self.residency.reset()
+        self._reset_tiers()
+        log.info("%s: store reset (epoch %d): %d objects dropped, %d preempted requests lost their blocks",
+                 NAME, self.book.epoch, dropped, lost)
+        return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Release what the request holds; its block counts and the store's occupancy go
@@ -144,7 +247,10 @@ class StoreScheduler(abc.ABC):
         if self._requests.pop(rid, None) is None:
             return False, None
         self._request_ended(rid)
+        self._computed_blocks.pop(rid, None)
+        self._device_blocks.pop(rid, None)
         stats: dict[str, Any] = dict(self.book.finish(rid) or {})
+        stats.update(self.residency.forget(rid))
         stats["store"] = self.book.store_gauges()
         if self.remote_index is not None:
             stats["store"].update(self.remote_index.counters())
@@ -156,6 +262,7 @@ class StoreScheduler(abc.ABC):
     def stats(self) -> StoreConnectorStats | None:
         """Counter deltas since the last call, and the index's pinned / pending objects."""
         totals, gauges = self.book.metrics()
+        totals.update(self.residency.counters())
         if self.remote_index is not None:
             totals.update(self.remote_index.counters())
         if self.ssd is not None:
@@ -182,10 +289,19 @@ class PrefixScheduler(StoreScheduler):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._track(request)
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self.book.accept_load(request.request_id, num_external_tokens, block_ids)
+        job = self.book.accept_load(request.request_id, num_external_tokens, block_ids)
+        loaded = len(job.block_ids) if job is not None else 0
+        if self._resumed(request, loaded):  # blocks past the load are recomputed: save them again
+            self.book.rewind_saves(request.request_id, self._device_blocks.get(request.request_id, 0) + loaded)
+
+    def _after_report(self) -> None:
+        for rid, ok in self.book.settled_loads:
+            self.residency.loaded(rid, ok)
+        self.book.settled_loads.clear()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        meta = StoreConnectorMetadata(loads=self.book.take_loads(), **self._shared_tier_meta(),
+        self._note_scheduled(scheduler_output)
+        meta = StoreConnectorMetadata(loads=self.book.take_loads(), **self._meta_fields(scheduler_output),
                                       **(self.ssd.meta() if self.ssd is not None else {}))
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -220,7 +336,12 @@ class LayerwiseScheduler(StoreScheduler):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._track(request)
-        self.book.accept_load(request.request_id, num_external_tokens)
+        accepted = self.book.accept_load(request.request_id, num_external_tokens)
+        loaded = num_external_tokens // self.block_size if accepted else 0
+        if self._resumed(request, loaded):
+            # the pipeline loads them in the request's first step and reports no
+            # per-request completion: counted as resumed when accepted
+            self.residency.loaded(request.request_id, True)
 
     def _full_key_fn(self, request: Request) -> Callable[[int], str | None]:
         n = self._full_blocks_with_hash(request)
@@ -231,6 +352,7 @@ class LayerwiseScheduler(StoreScheduler):
         # start_load_kv must run before the forward: the pipeline owns and fills the
         # first layer's slot there (vLLM otherwise starts loads after the forward).
         scheduler_output.has_sync_kv_loads = True
+        self._note_scheduled(scheduler_output)
         steps, book = self.steps, self.book
         ios: list[tuple[str, StepIO]] = []
         n_sched = scheduler_output.num_scheduled_tokens
@@ -263,7 +385,7 @@ class LayerwiseScheduler(StoreScheduler):
         )
         pages = book.pages(ref.key for ref in (*io.load, *io.load_shared, *io.save))
         return LayerwiseMetadata(io=io, pages=pages, save_blocks=save_blocks, freed=book.take_freed(),
-                                 **self._shared_tier_meta())
+                                 **self._meta_fields(scheduler_output))
 
     def _request_ended(self, req_id: str) -> None:
         self.steps.end(req_id)

@@ -125,6 +125,13 @@ class SsdScheduler:
     def gauges(self) -> dict[str, int]:
         return {"ssd_used_slots": self.ssd.used_slots}
 
+    def reset(self) -> None:
+        """The store's reset: the tier forgets every entry, and a persisted index is
+        rewritten now (a restart right after must not bring pre-reset entries back)."""
+        gone = self.jobs.reset()
+        self.maybe_persist(force=True)
+        log.info("%s: SSD tier reset: %d entries dropped", NAME, gone)
+
     def close(self) -> None:
         self.maybe_persist(force=True)
         if self._lock_fd >= 0:

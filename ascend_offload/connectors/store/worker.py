@@ -90,6 +90,7 @@ class StoreWorker(abc.ABC):
         self._remote_deltas = CounterDeltas()
         #: the SSD tier's file and writer (local.ssd, whole-prefix mode, after ``register_kv_caches``)
         self.ssd: SsdWorker | None = None
+        self._epoch = 0  # the store epoch of the step being run (echoed in the reports)
 
     def _connect_shared_tier(self, planes: Mapping[str, torch.Tensor]) -> None:
         """Backend ``mooncake`` / ``memcache``: register this rank's page planes with a
@@ -153,6 +154,20 @@ class StoreWorker(abc.ABC):
                           remote_worker_outages=self.remote.health.outages)
         return self._remote_deltas.take(totals, gauges)
 
+    def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
+        """vLLM calls this at the start of every ``execute_model``, before the step's
+        state update and forward, so before any block the scheduler freed (a preempted
+        request's, a finished one's) can be overwritten. The fence: no save of an earlier
+        step may still be reading device blocks now. Whole-prefix saves (and shared-tier
+        publishes, which read host pages) are synchronous in ``wait_for_save``, device
+        copies ending with ``device.synchronize()``, so none can be; the layerwise
+        pipeline's copies run on a queue and are drained here."""
+        self._epoch = getattr(meta, "epoch", self._epoch)
+        self._fence_saves()
+
+    def _fence_saves(self) -> None:  # noqa: B027 - optional hook
+        """Wait for every save copy a previous step left running (deadline)."""
+
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take this rank's KV tensors and allocate its host pages."""
@@ -175,6 +190,7 @@ class StoreWorker(abc.ABC):
         """This step's completions; None when there are none."""
         meta = StoreWorkerMetadata(done=self._done, failed=self._failed, fetched=self._fetched,
                                    fetch_failed=self._fetch_failed, fetch_unsafe=self._fetch_unsafe,
+                                   epoch=self._epoch,
                                    **(self.ssd.take_report() if self.ssd is not None else {}))
         if meta.empty():
             return None
@@ -225,6 +241,7 @@ class PrefixWorker(StoreWorker):
         """Fetch the shared tier's blocks into their pages, then load the accepted
         prefixes from the pages into vLLM's blocks."""
         assert isinstance(meta, StoreConnectorMetadata)
+        self._epoch = meta.epoch
         self._run_fetches(meta.fetches)
         if self.ssd is not None:
             self.ssd.submit_spills(meta.ssd_spills)  # behind, on the writer thread
@@ -248,7 +265,7 @@ class PrefixWorker(StoreWorker):
         assert pool is not None
 
         def save(job: CopyJob) -> None:
-            pool.save(job.block_ids, job.pages)
+            pool.save(job.block_ids, job.pages)  # synchronous: the blocks are read when it returns
             if meta.publish:
                 self._publish(job.keys, job.pages)
 
@@ -302,6 +319,7 @@ class LayerwiseWorker(StoreWorker):
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         assert isinstance(meta, LayerwiseMetadata)
         assert self.page_store is not None and self.pipeline is not None
+        self._epoch = meta.epoch
         self.page_store.set_step(meta.pages, meta.save_blocks, meta.freed)
         fetched = self._run_fetches(meta.fetches)
         if fetched:
@@ -333,6 +351,18 @@ class LayerwiseWorker(StoreWorker):
                           [p for p in pages if p is not None])
         self._done.update(done)
         self._failed.update(failed)
+
+    def _fence_saves(self) -> None:
+        """``wait_for_save`` drains the step's saves with a deadline; one that ran past
+        it raised there and may still be copying on the queue. Wait for it here, before
+        this step can overwrite the blocks it reads."""
+        if self.pipeline is None or self.pipeline.in_step:
+            return
+        try:
+            self.pipeline.drain()
+        except TimeoutError:
+            log.error("%s: store saves of an earlier step still running at the next step's start "
+                      "(save_timeout_s passed twice)", NAME)
 
     def take_load_errors(self) -> set[int]:
         return self.pipeline.take_load_errors() if self.pipeline is not None else set()

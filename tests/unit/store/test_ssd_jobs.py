@@ -173,3 +173,35 @@ def test_unknown_reports_are_ignored() -> None:
     jobs.report_spills({99: 1}, {98: 1})
     jobs.report_promotes({(97, 3): 1}, {"nope": 1})
     assert jobs.open_jobs == 0 and jobs.ssd.used_slots == 0
+
+
+def test_reset_forgets_the_tier_and_a_spill_in_flight_never_becomes_ready() -> None:
+    book, jobs = setup(pages=8, slots=4)
+    save(book, jobs, "a", keys(2))
+    assert spill_all(jobs) == keys(2)
+    save(book, jobs, "b", keys(2, "x"))
+    jobs.plan_spills()
+    (inflight,) = jobs.take_spills()  # x0, x1 being written when the reset comes
+    book.reset()
+    assert jobs.reset() == 2  # k0, k1 forgotten
+    assert jobs.ssd.lookup_prefix(keys(2)) == 0 and jobs.ssd.used_slots == 2  # x0, x1 keep their slots
+    jobs.report_spills({inflight.job_id: 1}, {})  # the pre-reset write lands afterwards
+    assert "x0" not in jobs.ssd and jobs.ssd.used_slots == 0  # freed, never made ready
+    assert jobs.counters()["ssd_spilled_blocks"] == 2  # only the pre-reset k0, k1
+    assert book.lookup("r", 0, 2, lambda n: keys(n, "x")) == 0  # no pre-reset block offered
+    assert jobs.take_promotes() == []
+
+
+def test_reset_with_a_promote_open_commits_none_of_its_pages() -> None:
+    book, jobs = setup(pages=8, slots=4)
+    save(book, jobs, "a", keys(2))
+    spill_all(jobs)
+    book.index.discard(keys(2))
+    assert book.lookup("r", 0, 2, lambda n: keys(n)) is None
+    (job,) = jobs.take_promotes()
+    book.reset()
+    jobs.reset()
+    jobs.report_promotes({(job.job_id, 2): 1}, {})  # the ranks read the slots before the reset
+    assert book.index.lookup_prefix(keys(2)) == 0  # nothing committed into the new index
+    assert book.index.stats().pending_objects == 0  # its reserved pages went back
+    assert jobs.counters()["ssd_promoted_blocks"] == 0 and jobs.open_jobs == 0
