@@ -9,9 +9,9 @@ it cannot evict (pinned ones) when it walks :meth:`EvictionPolicy.victims`.
 from __future__ import annotations
 
 import abc
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import filterfalse, repeat
+from itertools import filterfalse
 
 #: ``skip(key)`` is true for a resident key the store cannot evict now (pinned)
 Skip = Callable[[str], bool]
@@ -75,10 +75,13 @@ class EvictionPolicy(abc.ABC):
     def victims(self, skip: Skip | None = None) -> Iterator[str]:
         """Resident keys in eviction order, lazily, as if every key yielded is evicted.
 
-        Keys for which ``skip(key)`` is true are neither yielded nor counted as taken.
-        The iterator walks the live order (no copy: taking ``k`` victims costs O(k +
-        skipped)), so the caller must not report events while it iterates: collect the
-        victims, drop the iterator, then :meth:`evict` each."""
+        ``skip(key)`` is true for keys the caller will not take (pinned). A policy whose
+        order depends on what was taken (ARC weighs ``|T1|`` against ``p``) consults it
+        and neither yields nor counts those keys; one whose order does not (LRU) may
+        yield them anyway, sparing a Python call per candidate - so the caller still
+        checks every key it gets. The iterator walks the live order (no copy: taking
+        ``k`` victims costs O(k + skipped)), so the caller must not report events while
+        it iterates: collect the victims, drop the iterator, then :meth:`evict_many`."""
 
     @abc.abstractmethod
     def clear(self) -> None:
@@ -109,11 +112,13 @@ class LRUPolicy(EvictionPolicy):
 
     evict = remove  # LRU keeps no history
 
-    # The loops run in C (no Python bytecode per key): the index path of every
-    # request runs these, and LRU is the default.
+    # Plain loops over bound C methods: every request's index path runs these and LRU
+    # is the default (map/update(zip) forms measured more instructions, a tuple per key).
 
     def insert_many(self, keys: Iterable[str]) -> None:
-        self._order.update(zip(keys, repeat(None)))  # new keys go to the end: the newest
+        order = self._order
+        for key in keys:
+            order[key] = None  # a new key goes to the end (the newest); a resident one stays
 
     def touch_many(self, keys: Iterable[str]) -> None:
         order = self._order
@@ -122,10 +127,12 @@ class LRUPolicy(EvictionPolicy):
                 order.move_to_end(key)
 
     def evict_many(self, keys: Iterable[str]) -> None:
-        deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
     def victims(self, skip: Skip | None = None) -> Iterator[str]:
-        return iter(self._order) if skip is None else filterfalse(skip, self._order)
+        return iter(self._order)  # the order does not depend on what is taken: no skip
 
     def clear(self) -> None:
         self._order.clear()
@@ -169,26 +176,58 @@ class ARCPolicy(EvictionPolicy):
         self.p = 0.0  # target size of T1
 
     # ------------------------------------------------------------------ events
+    # The batch forms are the implementations (plain loops, the lists bound once):
+    # the store reports a request's keys together.
 
     def insert(self, key: str) -> None:
-        if key in self._t1 or key in self._t2:  # a store is not a use
-            return
-        for ghosts, from_b1 in ((self._b1, True), (self._b2, False)):
-            adapted = ghosts.get(key)
-            if adapted is not None:  # evicted before, wanted again: frequent, T2
-                if not adapted:
-                    self._adapt(from_b1)
-                del ghosts[key]
-                self._t2[key] = None
-                return
-        self._t1[key] = None
+        self.insert_many((key,))
 
     def touch(self, key: str) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._t2[key] = None
-        elif key in self._t2:
-            self._t2.move_to_end(key)
+        self.touch_many((key,))
+
+    def evict(self, key: str) -> None:
+        self.evict_many((key,))
+
+    def insert_many(self, keys: Iterable[str]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for key in keys:
+            if key in t1 or key in t2:  # a store is not a use
+                continue
+            if key in b1:  # evicted before, wanted again: frequent, T2
+                if not b1[key]:
+                    self._adapt(True)
+                del b1[key]
+                t2[key] = None
+            elif key in b2:
+                if not b2[key]:
+                    self._adapt(False)
+                del b2[key]
+                t2[key] = None
+            else:
+                t1[key] = None
+
+    def touch_many(self, keys: Iterable[str]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def evict_many(self, keys: Iterable[str]) -> None:
+        t1, t2, b1, b2, cap = self._t1, self._t2, self._b1, self._b2, self.capacity
+        for key in keys:
+            if key in t1:
+                del t1[key]
+                b1[key] = False
+                if len(b1) > cap:
+                    b1.popitem(last=False)
+            elif key in t2:
+                del t2[key]
+                b2[key] = False
+                if len(b2) > cap:
+                    b2.popitem(last=False)
 
     def miss(self, key: str) -> None:
         for ghosts, from_b1 in ((self._b1, True), (self._b2, False)):
@@ -199,18 +238,6 @@ class ARCPolicy(EvictionPolicy):
                     ghosts[key] = True
                 ghosts.move_to_end(key)  # keep it until the store inserts it
                 return
-
-    def evict(self, key: str) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._b1[key] = False
-            if len(self._b1) > self.capacity:
-                self._b1.popitem(last=False)
-        elif key in self._t2:
-            del self._t2[key]
-            self._b2[key] = False
-            if len(self._b2) > self.capacity:
-                self._b2.popitem(last=False)
 
     def remove(self, key: str) -> None:
         for d in (self._t1, self._t2, self._b1, self._b2):

@@ -81,10 +81,13 @@ class LocalStore(KVStore):
         are free (the caller checked that free + evictable pages suffice)."""
         objects = self._objects
         victims, freed, want = [], 0, needed - len(self._free)
-        pinned = (lambda k: objects[k].pins > 0) if self._pins else None  # None: no call per key
+        pinned = (lambda k: objects[k].pins > 0) if self._pins else None  # None: nothing is
         for key in self._policy.victims(pinned):
+            obj = objects[key]
+            if obj.pins:  # a policy may yield pinned keys (LRU does: cheaper to check here)
+                continue
             victims.append(key)
-            freed += len(objects[key].pages)
+            freed += len(obj.pages)
             if freed >= want:
                 break
         self._policy.evict_many(victims)  # after the walk: its order must not change under it
@@ -211,16 +214,16 @@ class LocalStore(KVStore):
 
     def commit(self, handles: Sequence[WriteHandle]) -> None:
         with self._lock:
-            n = 0
+            keys: list[str] = []
             try:
                 for h in handles:
                     obj = self._pending_object(h)
                     obj.committed = True
                     self._evictable += len(obj.pages)
-                    n += 1
+                    keys.append(h.key)
             finally:  # a bad handle raises after the ones before it committed
-                self._stats.committed_objects += n
-                self._policy.insert_many([h.key for h in handles[:n]])
+                self._stats.committed_objects += len(keys)
+                self._policy.insert_many(keys)
 
     def abort(self, handles: Sequence[WriteHandle]) -> None:
         with self._lock:
