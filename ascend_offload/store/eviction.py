@@ -9,9 +9,10 @@ it cannot evict (pinned ones) when it walks :meth:`EvictionPolicy.victims`.
 from __future__ import annotations
 
 import abc
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import filterfalse
+from itertools import filterfalse, islice
 
 #: ``skip(key)`` is true for a resident key the store cannot evict now (pinned)
 Skip = Callable[[str], bool]
@@ -230,14 +231,16 @@ class ARCPolicy(EvictionPolicy):
                     b2.popitem(last=False)
 
     def miss(self, key: str) -> None:
-        for ghosts, from_b1 in ((self._b1, True), (self._b2, False)):
-            adapted = ghosts.get(key)
-            if adapted is not None:
-                if not adapted:
-                    self._adapt(from_b1)
-                    ghosts[key] = True
-                ghosts.move_to_end(key)  # keep it until the store inserts it
-                return
+        if key in self._b1:
+            ghosts, from_b1 = self._b1, True
+        elif key in self._b2:
+            ghosts, from_b1 = self._b2, False
+        else:
+            return
+        if not ghosts[key]:
+            self._adapt(from_b1)
+            ghosts[key] = True
+        ghosts.move_to_end(key)  # keep it until the store inserts it
 
     def remove(self, key: str) -> None:
         for d in (self._t1, self._t2, self._b1, self._b2):
@@ -257,19 +260,10 @@ class ARCPolicy(EvictionPolicy):
     def victims(self, skip: Skip | None = None) -> Iterator[str]:
         t1 = iter(self._t1) if skip is None else filterfalse(skip, self._t1)
         t2 = iter(self._t2) if skip is None else filterfalse(skip, self._t2)
-        t1_size, p = len(self._t1), self.p
-        while True:
-            key = next(t1, None) if t1_size > p else None
-            if key is None:
-                key = next(t2, None)
-                if key is None:  # T2 exhausted (or all pinned): the rest of T1
-                    key = next(t1, None)
-                    if key is None:
-                        return
-                    t1_size -= 1
-            else:
-                t1_size -= 1
-            yield key
+        # T1 while |T1| > p (each key taken shrinks it), then T2, then the rest of T1
+        yield from islice(t1, max(0, len(self._t1) - math.floor(self.p)))
+        yield from t2
+        yield from t1
 
     def sizes(self) -> tuple[int, int, int, int]:
         """``(|T1|, |T2|, |B1|, |B2|)``: for invariant checks and diagnostics."""
