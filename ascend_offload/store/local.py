@@ -81,7 +81,8 @@ class LocalStore(KVStore):
         are free (the caller checked that free + evictable pages suffice)."""
         objects = self._objects
         victims, freed, want = [], 0, needed - len(self._free)
-        pinned = (lambda k: objects[k].pins > 0) if self._pins else None  # None: nothing is
+        # no pin held: no predicate, so no Python call per candidate
+        pinned = (lambda k: objects[k].pins > 0) if self._pins else None
         for key in self._policy.victims(pinned):
             obj = objects[key]
             if obj.pins:  # a policy may yield pinned keys (LRU does: cheaper to check here)
