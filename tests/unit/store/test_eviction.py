@@ -85,7 +85,7 @@ def test_both_policies_keep_a_working_set_that_fits() -> None:
 def test_arc_adapts_to_recency_when_reuse_follows_soon() -> None:
     """Every prefix twice, the second time two requests later, then never: the reused
     ones pile up in T2 and T1 is starved until ghost hits in B1 grow its target; from
-    then on ARC hits (almost) like LRU, which hits every second request."""
+    then on ARC hits like LRU, which hits every reuse."""
     results = {}
     for eviction in EVICTION_POLICIES:
         store = LocalStore(32, 1, eviction, with_data=False)
@@ -96,7 +96,7 @@ def test_arc_adapts_to_recency_when_reuse_follows_soon() -> None:
                 hits += request(store, [f"r{t - 2}:{b}" for b in range(4)])
         results[eviction] = hits
     assert results["lru"] == 298 * 4
-    assert results["arc"] >= 0.9 * results["lru"], results
+    assert results["lru"] - results["arc"] <= 4 * 4, results  # learning p costs <= 4 reuses
 
 
 # ---------------------------------------------------------------- ARC itself
