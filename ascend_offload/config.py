@@ -102,7 +102,9 @@ class LocalStoreConfig(_Strict):
     # None: one page per stored object (the connector knows the object size), which
     # lets a batch of objects move with a single indexed copy.
     page_bytes: int | None = Field(None, gt=0)
-    eviction: Literal["lru"] = "lru"
+    # "lru": least recently used first; "arc": scan-resistant adaptive replacement
+    # (store/eviction.py, docs/store.md "Eviction")
+    eviction: Literal["lru", "arc"] = "lru"
     # Off (None) by default: host pages only.
     ssd: SsdTierConfig | None = None
 

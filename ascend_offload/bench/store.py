@@ -11,6 +11,9 @@ measured in the same run (the ratio is what matters on a noisy machine):
   loopback ``mooncake_master`` started by the bench; its baseline is not a torch
   copy but a raw Mooncake ``batch_put_from`` / ``batch_get_into`` of the same bytes
   between registered buffers, through the same client, in the same run.
+
+And the eviction policies' hit rates on the same traces (``bench/store_policy.py``):
+ARC vs LRU through the scheduler's index, ``LocalStore(with_data=False)``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ascend_offload.bench import store_policy
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.worker_pool import WorkerPagePool
 
@@ -282,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ssd", choices=("on", "off", "only"), default="on",
                     help="SSD tier load rows (bench/store_ssd.py); only: just those rows")
     ap.add_argument("--ssd-dir", default=None, help="file system of the SSD rows' file (default: the temp dir)")
+    ap.add_argument("--eviction-blocks", type=int, default=4096,
+                    help="store size (blocks) of the eviction-policy rows; 0: skip them")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     total = args.total_mib << 20
@@ -333,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result["ssd_rows"] = ssd_rows(args.ssd_dir, args.total_mib, args.repeats)
         result["ssd_worst_direct_ratio"] = print_ssd_rows(result["ssd_rows"], args.target)
+    if args.eviction_blocks and args.mooncake != "only" and args.ssd != "only":
+        policy_rows = store_policy.compare(args.eviction_blocks, repeats=3)
+        store_policy.print_rows(policy_rows)
+        result["eviction"] = policy_rows
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

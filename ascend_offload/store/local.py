@@ -12,13 +12,13 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from ascend_offload import device
 from ascend_offload.store.base import KVStore, Pin, StoreError, StoreStats, WriteHandle
+from ascend_offload.store.eviction import make_policy
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class _Object:
 
 
 class LocalStore(KVStore):
-    """Thread-safe page-pool store with LRU eviction of committed, unpinned objects."""
+    """Thread-safe page-pool store; committed, unpinned objects are evicted in the
+    order of its eviction policy (``lru`` or ``arc``, store/eviction.py)."""
 
     def __init__(
         self, capacity_bytes: int, page_bytes: int, eviction: str = "lru", *, with_data: bool = True
@@ -46,8 +47,6 @@ class LocalStore(KVStore):
         while each worker rank holds the bytes of its own shard (see connectors/store/)."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
-        if eviction != "lru":
-            raise ValueError(f"eviction must be 'lru', got {eviction!r}")
         num_pages = capacity_bytes // page_bytes  # a remainder smaller than a page is unused
         if num_pages < 1:
             raise ValueError(
@@ -55,6 +54,8 @@ class LocalStore(KVStore):
             )
         self.page_bytes = page_bytes
         self.num_pages = num_pages
+        # committed objects; an object has >= 1 page, so at most num_pages of them
+        self._policy = make_policy(eviction, num_pages)
         self._pool = device.empty_host((num_pages if with_data else 0, page_bytes), torch.uint8)
         self._flat = self._pool.view(-1)
         self._words = device.as_words(self._pool) if with_data else self._pool
@@ -63,7 +64,6 @@ class LocalStore(KVStore):
         # Popped from the end: a fresh pool hands out pages 0, 1, 2, ... (runs copy as one).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._objects: dict[str, _Object] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # committed objects, oldest first
         self._pins: dict[int, frozenset[str]] = {}
         self._evictable = 0  # pages of committed, unpinned objects (kept exact, O(1) checks)
         self._freed: list[str] = []  # keys that lost their pages since take_freed()
@@ -77,18 +77,23 @@ class LocalStore(KVStore):
         return (size + self.page_bytes - 1) // self.page_bytes  # size > 0 is checked
 
     def _evict_until(self, needed: int) -> None:
-        """Evict least recently used committed, unpinned objects until ``needed`` pages are free."""
+        """Evict committed, unpinned objects in the policy's order until ``needed`` pages
+        are free (the caller checked that free + evictable pages suffice)."""
+        objects = self._objects
         victims, freed, want = [], 0, needed - len(self._free)
-        for key in self._lru:
+        # no pin held: no predicate, so no Python call per candidate
+        pinned = (lambda k: objects[k].pins > 0) if self._pins else None
+        for key in self._policy.victims(pinned):
+            obj = objects[key]
+            if obj.pins:  # a policy may yield pinned keys (LRU does: cheaper to check here)
+                continue
+            victims.append(key)
+            freed += len(obj.pages)
             if freed >= want:
                 break
-            obj = self._objects[key]
-            if obj.pins == 0:
-                victims.append(key)
-                freed += len(obj.pages)
+        self._policy.evict_many(victims)  # after the walk: its order must not change under it
         for key in victims:
-            obj = self._objects.pop(key)
-            del self._lru[key]
+            obj = objects.pop(key)
             self._freed.append(key)
             self._free.extend(reversed(obj.pages))
             self._evictable -= len(obj.pages)
@@ -210,12 +215,16 @@ class LocalStore(KVStore):
 
     def commit(self, handles: Sequence[WriteHandle]) -> None:
         with self._lock:
-            for h in handles:
-                obj = self._pending_object(h)
-                obj.committed = True
-                self._lru[h.key] = None
-                self._evictable += len(obj.pages)
-                self._stats.committed_objects += 1
+            keys: list[str] = []
+            try:
+                for h in handles:
+                    obj = self._pending_object(h)
+                    obj.committed = True
+                    self._evictable += len(obj.pages)
+                    keys.append(h.key)
+            finally:  # a bad handle raises after the ones before it committed
+                self._stats.committed_objects += len(keys)
+                self._policy.insert_many(keys)
 
     def abort(self, handles: Sequence[WriteHandle]) -> None:
         with self._lock:
@@ -231,9 +240,12 @@ class LocalStore(KVStore):
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         with self._lock:
             objects = self._objects
-            return self._stats.count_prefix(
+            n = self._stats.count_prefix(
                 keys, lambda k: (o := objects.get(k)) is not None and o.committed
             )
+            if n < len(keys):
+                self._policy.miss(keys[n])  # the prefix stops here (ARC: a ghost hit?)
+            return n
 
     def pin(self, keys: Sequence[str]) -> Pin | None:
         keys = list(dict.fromkeys(keys))  # a key pinned twice in one call counts once
@@ -241,12 +253,12 @@ class LocalStore(KVStore):
             objs = [self._objects.get(k) for k in keys]
             if any(o is None or not o.committed for o in objs):
                 return None
-            for key, obj in zip(keys, objs, strict=True):
+            for obj in objs:
                 assert obj is not None
                 if obj.pins == 0:
                     self._evictable -= len(obj.pages)
                 obj.pins += 1
-                self._lru.move_to_end(key)
+            self._policy.touch_many(keys)  # a pin is a hit that will be read
             token = next(self._tokens)
             self._pins[token] = frozenset(keys)
             return Pin(keys=tuple(keys), token=token)
@@ -367,7 +379,7 @@ class LocalStore(KVStore):
             s = dataclasses.replace(self._stats)
             s.free_pages = len(self._free)
             s.pending_objects = sum(1 for o in self._objects.values() if not o.committed)
-            s.stored_objects = len(self._lru)
+            s.stored_objects = len(self._policy)
             s.pinned_objects = sum(1 for o in self._objects.values() if o.pins)
             return s
 
@@ -391,7 +403,7 @@ class LocalStore(KVStore):
                 if obj is None or not obj.committed or obj.pins:
                     continue
                 del self._objects[key]
-                del self._lru[key]
+                self._policy.remove(key)  # no one can hit it again: no history either
                 self._free.extend(reversed(obj.pages))
                 self._evictable -= len(obj.pages)
                 self._freed.append(key)
@@ -411,7 +423,7 @@ class LocalStore(KVStore):
                 obj = self._objects.pop(key)
                 self._free.extend(reversed(obj.pages))
                 self._freed.append(key)
-            self._lru.clear()
+            self._policy.clear()
             self._pins.clear()
             self._evictable = 0
             return len(dropped)

@@ -104,13 +104,12 @@ class SsdIndex:
         return out
 
     def _evict_one(self) -> bool:
-        for victim in self.policy.victims():
-            e = self._entries[victim]
-            if e.pins == 0:
-                self._remove(victim)
-                self.evicted += 1
-                return True
-        return False
+        victim = next((k for k in self.policy.victims() if self._entries[k].pins == 0), None)
+        if victim is None:
+            return False
+        self._remove(victim, evicted=True)  # after the walk: its order must not change under it
+        self.evicted += 1
+        return True
 
     def mark_ready(self, keys: Iterable[str]) -> None:
         """Every rank wrote these keys' slots: lookups find them now."""
@@ -132,9 +131,12 @@ class SsdIndex:
                 n += 1
         return n
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, *, evicted: bool = False) -> None:
         e = self._entries.pop(key)
-        self.policy.remove(key)
+        if evicted:
+            self.policy.evict(key)  # ARC keeps a ghost of it
+        else:
+            self.policy.remove(key)
         self._free.append(e.slot)
         if e.ready:
             self.generation += 1

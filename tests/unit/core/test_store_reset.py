@@ -255,7 +255,7 @@ def test_prefix_worker_save_reads_the_block_before_the_next_step_can_reuse_it() 
     from ascend_offload.connectors.store.worker import PrefixWorker
 
     kv = {"l0": torch.randn(6, 2, 4, 8)}
-    settings = SimpleNamespace(num_pages=4, page_bytes=None, shared_tier=False)
+    settings = SimpleNamespace(num_pages=4, page_bytes=None, shared_tier=False, ssd_tier=False)
     worker = PrefixWorker(settings, None, SimpleNamespace(num_blocks=6, kv_cache_groups=[]))  # type: ignore[arg-type]
     worker.register_kv_caches(kv)
     saved = kv["l0"][3].clone()

@@ -10,9 +10,16 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 from ascend_offload import device, native
 from ascend_offload.store.base import StoreError
+from ascend_offload.store.eviction import EVICTION_POLICIES
 from ascend_offload.store.local import LocalStore
 
 PAGE = 64
+
+
+@pytest.fixture(params=EVICTION_POLICIES)
+def eviction(request: pytest.FixtureRequest) -> str:
+    """Every contract test runs under each eviction policy."""
+    return request.param
 
 
 def payload(seed: int, size: int) -> torch.Tensor:
@@ -20,16 +27,16 @@ def payload(seed: int, size: int) -> torch.Tensor:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
 
 
-def test_page_count_floors_odd_capacity() -> None:
-    s = LocalStore(capacity_bytes=10 * PAGE + PAGE - 1, page_bytes=PAGE)
+def test_page_count_floors_odd_capacity(eviction: str) -> None:
+    s = LocalStore(capacity_bytes=10 * PAGE + PAGE - 1, page_bytes=PAGE, eviction=eviction)
     assert s.num_pages == 10
     assert s.stats().free_pages == 10
     with pytest.raises(ValueError, match="holds no page"):
-        LocalStore(capacity_bytes=PAGE - 1, page_bytes=PAGE)
+        LocalStore(capacity_bytes=PAGE - 1, page_bytes=PAGE, eviction=eviction)
 
 
-def test_pending_is_invisible_and_commit_makes_readable() -> None:
-    s = LocalStore(8 * PAGE, PAGE)
+def test_pending_is_invisible_and_commit_makes_readable(eviction: str) -> None:
+    s = LocalStore(8 * PAGE, PAGE, eviction=eviction)
     (h,) = s.allocate(["a"], [150]) or [None]
     assert h is not None
     assert s.lookup_prefix(["a"]) == 0 and s.pin(["a"]) is None
@@ -47,22 +54,22 @@ def test_pending_is_invisible_and_commit_makes_readable() -> None:
         s.read(pin, "a", 0, out)
 
 
-def test_allocation_is_atomic_and_full_store_skips() -> None:
-    s = LocalStore(4 * PAGE, PAGE)
+def test_allocation_is_atomic_and_full_store_skips(eviction: str) -> None:
+    s = LocalStore(4 * PAGE, PAGE, eviction=eviction)
     assert s.allocate(["a", "b", "c", "d", "e"], [PAGE] * 5) is None
     st_ = s.stats()
     assert st_.skipped_stores == 5 and st_.free_pages == 4 and st_.pending_objects == 0
 
 
-def test_duplicates_are_not_rewritten() -> None:
-    s = LocalStore(4 * PAGE, PAGE)
+def test_duplicates_are_not_rewritten(eviction: str) -> None:
+    s = LocalStore(4 * PAGE, PAGE, eviction=eviction)
     hs = s.allocate(["a", "a", "b"], [PAGE] * 3)
     assert hs is not None and hs[0] is not None and hs[1] is None and hs[2] is not None
     assert s.stats().duplicate_stores == 1
 
 
-def test_pinned_objects_are_never_evicted() -> None:
-    s = LocalStore(2 * PAGE, PAGE)
+def test_pinned_objects_are_never_evicted(eviction: str) -> None:
+    s = LocalStore(2 * PAGE, PAGE, eviction=eviction)
     hs = s.allocate(["a", "b"], [PAGE, PAGE])
     assert hs is not None
     for i, h in enumerate(hs):
@@ -80,8 +87,10 @@ def test_pinned_objects_are_never_evicted() -> None:
     assert torch.equal(out, payload(0, PAGE))
 
 
-def test_lru_order_follows_pins() -> None:
-    s = LocalStore(2 * PAGE, PAGE)
+def test_eviction_order_follows_pins(eviction: str) -> None:
+    """A pin is a use: the pinned object outlives one that was not (LRU: it is the most
+    recent; ARC: it moved to T2 while the other is still in T1)."""
+    s = LocalStore(2 * PAGE, PAGE, eviction=eviction)
     hs = s.allocate(["a", "b"], [PAGE, PAGE])
     assert hs is not None
     s.commit([h for h in hs if h is not None])
@@ -92,8 +101,8 @@ def test_lru_order_follows_pins() -> None:
     assert s.lookup_prefix(["a"]) == 1 and s.lookup_prefix(["b"]) == 0
 
 
-def test_batch_paths_equal_single_paths() -> None:
-    s = LocalStore(16 * PAGE, PAGE)
+def test_batch_paths_equal_single_paths(eviction: str) -> None:
+    s = LocalStore(16 * PAGE, PAGE, eviction=eviction)
     keys = [f"k{i}" for i in range(5)]
     hs = s.allocate(keys, [PAGE] * 5)
     assert hs is not None
@@ -110,8 +119,8 @@ def test_batch_paths_equal_single_paths() -> None:
     assert torch.equal(one, src[3])
 
 
-def test_index_only_store_refuses_bytes() -> None:
-    s = LocalStore(4 * PAGE, PAGE, with_data=False)
+def test_index_only_store_refuses_bytes(eviction: str) -> None:
+    s = LocalStore(4 * PAGE, PAGE, with_data=False, eviction=eviction)
     hs = s.allocate(["a"], [PAGE])
     assert hs is not None and hs[0] is not None
     assert s.pages("a") == [0]
@@ -124,9 +133,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     pending = Bundle("pending")
 
+    eviction = "lru"
+
     def __init__(self) -> None:
         super().__init__()
-        self.store = LocalStore(12 * PAGE, PAGE)
+        self.store = LocalStore(12 * PAGE, PAGE, eviction=self.eviction)
         self.next_key = 0
         self.committed: dict[str, torch.Tensor] = {}  # expected content of committed objects
         self.pending_data: dict[str, torch.Tensor] = {}
@@ -214,6 +225,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.evictable_pages() == evictable
         used = sum(len(o.pages) for o in objs.values())
         assert used + s.free_pages == s.total_pages
+        committed = {k for k, o in objs.items() if o.committed}
+        assert s.stored_objects == len(committed) == len(self.store._policy)
+        assert all(k in self.store._policy for k in committed)
 
     def teardown(self) -> None:
         for pin, _ in self.pins:
@@ -232,8 +246,16 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.stats().free_pages == 12
 
 
+class ArcStoreMachine(StoreMachine):
+    """The same contract with ARC ordering the victims."""
+
+    eviction = "arc"
+
+
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestArcStoreMachine = ArcStoreMachine.TestCase
+TestArcStoreMachine.settings = TestStoreMachine.settings
 
 
 @pytest.mark.parametrize("row_bytes", [PAGE, 3 * PAGE])  # one page (one scatter) / several pages
@@ -283,8 +305,8 @@ def test_copy_host_rows_refuses_what_it_cannot_move() -> None:
         device.copy_host_rows(src, [0, 4], dst, [0, 1])
 
 
-def test_read_rows_needs_a_pin() -> None:
-    s = LocalStore(8 * PAGE, PAGE)
+def test_read_rows_needs_a_pin(eviction: str) -> None:
+    s = LocalStore(8 * PAGE, PAGE, eviction=eviction)
     handles = s.allocate(["a"], [PAGE])
     assert handles is not None
     s.write_rows(handles, torch.ones(2, PAGE, dtype=torch.uint8), [1])
