@@ -1,11 +1,8 @@
 """Scheduler-side fetches from a shared store tier (Mooncake, Memcache) into the local pages.
 
-Why fetch first and offer after: vLLM fails a request whose offered blocks then do
-not arrive (``kv_load_failure_policy`` defaults to ``fail``). So blocks the local
-pages lack but the shared tier has are never offered directly: the lookup reserves
-local pages for them (pending objects of the scheduler's index), the worker ranks
-fetch them there, and the request waits (the lookup answers ``None``; vLLM asks
-again next step). Once every rank reported, the objects are committed locally and
+Fetch first, offer after (``store/tier_waits.py``): blocks the local pages lack but
+the shared tier has are fetched by the worker ranks into reserved local pages while
+the request waits. Once every rank reported, the objects are committed locally and
 the next lookup offers them like any local hit, under a pin. A failed fetch, a
 master that went away or a fetch past its deadline only makes the next lookup
 shorter: a miss, recomputed.
@@ -29,6 +26,7 @@ from typing import Protocol
 
 from ascend_offload.store.base import WriteHandle
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.tier_waits import TierWaits
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +56,10 @@ class _Fetch:
     unsafe: int = 0
 
 
-class RemoteFetches:
+class RemoteFetches(TierWaits):
     """Fetch jobs of the shared tier and their completion across ranks (module doc)."""
+
+    what = "shared-tier fetch"
 
     def __init__(
         self,
@@ -71,18 +71,11 @@ class RemoteFetches:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.index = index
+        super().__init__(index, page_bytes=page_bytes, timeout_s=timeout_s, clock=clock)
         self.tier = tier
-        self.page_bytes = page_bytes
         self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._clock = clock
-        self._ids = itertools.count(1)
         self._jobs: dict[int, _Fetch] = {}
         self._queue: list[FetchJob] = []
-        self._waiting: dict[str, tuple[int, float]] = {}  # req_id -> (job id, deadline)
-        self._asked: set[str] = set()
-        self._fetched_for: dict[str, frozenset[str]] = {}
         #: monotonic totals for the connector's metrics
         self.fetch_jobs = 0
         self.fetched_blocks = 0
@@ -94,57 +87,27 @@ class RemoteFetches:
         """True while the request should wait for a fetch of ``keys[local_hit:]`` (the
         local index has ``keys[:local_hit]``: a local hit is a prefix from block 0, so
         the fetch continues it). Starts that fetch on the first call."""
-        w = self._waiting.get(req_id)
-        if w is not None:
-            job_id, deadline = w
-            if job_id in self._jobs:
-                if self._clock() < deadline:
-                    return True
-                self.timed_out_waits += 1
-                log.warning("store: request %s stops waiting for shared-tier fetch %d after %.1f s; "
-                            "its blocks are recomputed", req_id, job_id, self.timeout_s)
-            del self._waiting[req_id]
+        state = self._wait_state(req_id)
+        if state is not None:
+            return state
+        if local_hit >= len(keys) or not self.tier.available():
             return False
-        if req_id in self._asked:
-            return False
-        self._asked.add(req_id)
-        start = local_hit
-        if start >= len(keys) or not self.tier.available():
-            return False
-        n = self.tier.lookup_prefix(keys[start:])
-        if n == 0:
-            return False
-        guard = self.index.pin(keys[:local_hit]) if local_hit else None  # not evicted for room
-        try:
-            handles = self.index.allocate(keys[start:start + n], [self.page_bytes] * n)
-        finally:
-            if guard is not None:
-                self.index.unpin(guard)
-        if handles is None:  # local pages full of pins and pending saves
-            return False
-        lead = next((i for i, h in enumerate(handles) if h is None), len(handles))
-        self.index.abort([h for h in handles[lead:] if h is not None])
-        owned = [h for h in handles[:lead] if h is not None]
+        owned = self._reserve(keys, local_hit, self.tier.lookup_prefix(keys[local_hit:]))
         if not owned:
             return False
         job = FetchJob(next(self._ids), tuple(h.key for h in owned),
                        tuple(self.index.pages(h.key)[0] for h in owned))
         self._jobs[job.job_id] = _Fetch(owned)
         self._queue.append(job)
-        self._waiting[req_id] = (job.job_id, self._clock() + self.timeout_s)
-        self._fetched_for[req_id] = frozenset(job.keys)
+        self._start_wait(req_id, job.job_id, job.keys)
         self.fetch_jobs += 1
         return True
 
-    def fetched_keys(self, req_id: str) -> frozenset[str]:
-        """Keys fetched from the shared tier for this request."""
-        return self._fetched_for.get(req_id, frozenset())
+    def _is_open(self, job_id: int) -> bool:
+        return job_id in self._jobs
 
-    def forget(self, req_id: str) -> None:
-        """The request finished; its fetch (if any) still settles on the ranks' reports."""
-        self._waiting.pop(req_id, None)
-        self._asked.discard(req_id)
-        self._fetched_for.pop(req_id, None)
+    def _wait_timed_out(self) -> None:
+        self.timed_out_waits += 1
 
     def take_jobs(self) -> list[FetchJob]:
         """Fetch jobs started since the last step (the workers run them)."""

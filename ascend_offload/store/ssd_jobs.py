@@ -13,9 +13,9 @@ that are never evicted, bounded by ``max_inflight`` pinned blocks (over it, comm
 wait in the backlog; a backlog object evicted from the host first is not spilled:
 ``ssd_spill_skipped``).
 
-**Promote: fetch first, offer after** (the shape of ``store/remote_fetch.py``, whose
-interface :class:`RequestBook` calls: ``consult`` / ``fetched_keys`` / ``forget`` /
-``counters``). A lookup that continues the host prefix on the tier reserves host pages
+**Promote: fetch first, offer after** (``store/tier_waits.py``, shared with
+``store/remote_fetch.py``; :class:`RequestBook` calls ``consult`` / ``fetched_keys`` /
+``forget`` / ``counters``). A lookup that continues the host prefix on the tier reserves host pages
 (pending objects), pins the slots and answers "ask later" (``None``); the ranks read,
 verify and copy the slots in ``start_load_kv`` and report how many leading blocks
 arrived whole. Once every rank reported, the leading blocks that verified on every
@@ -27,7 +27,6 @@ and counted (``ssd_checksum_failures``). The request never waits past ``timeout_
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ascend_offload.store.base import Pin, WriteHandle
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.ssd_index import SsdIndex
+from ascend_offload.store.tier_waits import TierWaits
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,10 @@ class _Promote:
     good: int = 0  # min over the reporting ranks of the leading blocks that arrived whole
 
 
-class SsdJobs:
+class SsdJobs(TierWaits):
     """Spills and promotes of one SSD tier over the scheduler's host index (module doc)."""
+
+    what = "SSD promote"
 
     def __init__(
         self,
@@ -91,23 +93,16 @@ class SsdJobs:
         max_inflight: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.index = index
+        super().__init__(index, page_bytes=page_bytes, timeout_s=timeout_s, clock=clock)
         self.ssd = ssd
-        self.page_bytes = page_bytes
         self.world_size = world_size
-        self.timeout_s = timeout_s
         self.max_inflight = max(1, max_inflight)
-        self._clock = clock
-        self._ids = itertools.count(1)
         self._watched: dict[str, None] = {}  # saved keys not spilled yet, oldest first
         self._spills: dict[int, _Spill] = {}
         self._spill_queue: list[SpillJob] = []
         self._inflight = 0
         self._promotes: dict[int, _Promote] = {}
         self._promote_queue: list[PromoteJob] = []
-        self._waiting: dict[str, tuple[int, float]] = {}  # req_id -> (job id, deadline)
-        self._asked: set[str] = set()
-        self._promoted_for: dict[str, frozenset[str]] = {}
         self._corrupt: set[str] = set()  # keys a rank found corrupt, dropped once not being read
         self.totals: Counter[str] = Counter()
 
@@ -185,36 +180,12 @@ class SsdJobs:
     def consult(self, req_id: str, keys: Sequence[str], local_hit: int) -> bool:
         """True while the request should wait for a promote of ``keys[local_hit:]`` from
         the tier; starts it on the request's first call (as ``RemoteFetches.consult``)."""
-        w = self._waiting.get(req_id)
-        if w is not None:
-            job_id, deadline = w
-            if job_id in self._promotes:
-                if self._clock() < deadline:
-                    return True
-                self.totals["ssd_promote_wait_timeouts"] += 1
-                log.warning("SSD tier: request %s stops waiting for promote %d after %.1f s; its "
-                            "blocks are recomputed", req_id, job_id, self.timeout_s)
-            del self._waiting[req_id]
-            return False
-        if req_id in self._asked:
-            return False
-        self._asked.add(req_id)
+        state = self._wait_state(req_id)
+        if state is not None:
+            return state
         if local_hit >= len(keys):
             return False
-        n = self.ssd.lookup_prefix(keys[local_hit:])
-        if n == 0:
-            return False
-        guard = self.index.pin(keys[:local_hit]) if local_hit else None  # not evicted for room
-        try:
-            handles = self.index.allocate(keys[local_hit:local_hit + n], [self.page_bytes] * n)
-        finally:
-            if guard is not None:
-                self.index.unpin(guard)
-        if handles is None:  # host pages full of pins and pending saves
-            return False
-        lead = next((i for i, h in enumerate(handles) if h is None), len(handles))
-        self.index.abort([h for h in handles[lead:] if h is not None])
-        owned = [h for h in handles[:lead] if h is not None]
+        owned = self._reserve(keys, local_hit, self.ssd.lookup_prefix(keys[local_hit:]))
         if not owned:
             return False
         self.totals["ssd_hit_blocks"] += len(owned)
@@ -223,19 +194,14 @@ class SsdJobs:
                          tuple(self.ssd.pin(job_keys)))
         self._promotes[job.job_id] = _Promote(job_keys, owned, good=len(owned))
         self._promote_queue.append(job)
-        self._waiting[req_id] = (job.job_id, self._clock() + self.timeout_s)
-        self._promoted_for[req_id] = frozenset(job_keys)
+        self._start_wait(req_id, job.job_id, job_keys)
         return True
 
-    def fetched_keys(self, req_id: str) -> frozenset[str]:
-        """Keys promoted from the tier for this request."""
-        return self._promoted_for.get(req_id, frozenset())
+    def _is_open(self, job_id: int) -> bool:
+        return job_id in self._promotes
 
-    def forget(self, req_id: str) -> None:
-        """The request finished; its promote (if any) still settles on the ranks' reports."""
-        self._waiting.pop(req_id, None)
-        self._asked.discard(req_id)
-        self._promoted_for.pop(req_id, None)
+    def _wait_timed_out(self) -> None:
+        self.totals["ssd_promote_wait_timeouts"] += 1
 
     def take_promotes(self) -> list[PromoteJob]:
         jobs, self._promote_queue = self._promote_queue, []
@@ -293,9 +259,7 @@ class SsdJobs:
         for promote in self._promotes.values():
             promote.good = 0
         self._watched.clear()
-        self._waiting.clear()
-        self._asked.clear()
-        self._promoted_for.clear()
+        self._clear_waits()
         self._corrupt.clear()
         return self.ssd.clear()
 
