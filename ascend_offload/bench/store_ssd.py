@@ -243,7 +243,7 @@ def ssd_rows(directory: str | None, total_mib: int, repeats: int) -> list[dict[s
 
 def print_ssd_rows(rows: list[dict[str, Any]], target: float) -> float | None:
     """Print the rows; the worst O_DIRECT load ratio (the target's row), or None."""
-    print("ssd tier load: slot -> host pages with header+crc32c verify vs raw read of the same slots "
+    print("ssd tier load: slot -> host pages with header + xxh3_64 verify vs raw read of the same slots "
           "(same file, same I/O mode, paired rounds)")
     print(f"{'io':24} {'object':>9} {'objs':>6} {'load GB/s':>10} {'raw GB/s':>10} {'load x':>7}")
     for r in rows:
