@@ -147,7 +147,7 @@ def test_bulk_verify_stops_at_the_first_miss_of_either_kind() -> None:
     hashes = fmt.key_hashes(keys)
     assert fmt.verify_rows(rows, rank=2, slots=slots, key_hashes_=hashes, payload_len=PAYLOAD) == (2, "checksum")
     rows, slots, keys = _chunk(6)
-    assert fmt.verify_rows(rows, rank=2, slots=slots[:3] + [99, 98, 97], key_hashes_=hashes,
+    assert fmt.verify_rows(rows, rank=2, slots=[*slots[:3], 99, 98, 97], key_hashes_=hashes,
                            payload_len=PAYLOAD) == (3, "slot")
     assert fmt.verify_rows(rows, rank=2, slots=[], key_hashes_=hashes[:0], payload_len=PAYLOAD) == (0, None)
     with pytest.raises(ValueError):
