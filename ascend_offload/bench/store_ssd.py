@@ -243,15 +243,15 @@ def ssd_rows(directory: str | None, total_mib: int, repeats: int) -> list[dict[s
 
 def print_ssd_rows(rows: list[dict[str, Any]], target: float) -> float | None:
     """Print the rows; the worst O_DIRECT load ratio (the target's row), or None."""
-    print("ssd tier load: slot -> host pages with header + xxh3_64 verify vs raw read of the same slots "
-          "(same file, same I/O mode, paired rounds)")
-    print(f"{'io':24} {'object':>9} {'objs':>6} {'load GB/s':>10} {'raw GB/s':>10} {'load x':>7}")
+    print("ssd tier load: slot -> host pages, every header and payload checksum verified, vs a raw "
+          "read of the same slots (same file, same chunks, same I/O mode, paired rounds, medians)")
+    print(f"{'io':24} {'object':>9} {'objs':>6} {'load GB/s':>10} {'raw GB/s':>10} {'load x':>7} {'checksum':>9}")
     for r in rows:
         if "skipped" in r:
             print(f"{r['io']:24} skipped: {r['skipped']}")
             continue
         print(f"{r['io']:24} {r['object_bytes']:>9} {r['objects']:>6} {r['load_GBps']:>10.2f} "
-              f"{r['raw_read_GBps']:>10.2f} {r['load_ratio']:>7.2f}")
+              f"{r['raw_read_GBps']:>10.2f} {r['load_ratio']:>7.2f} {r['checksum']:>9}")
     direct = [r["load_ratio"] for r in rows if r.get("io") == "O_DIRECT"]
     worst = min(direct) if direct else None
     if worst is not None:
