@@ -280,7 +280,7 @@ class RankTier:
         """``page[i] <- slot[i]`` for the leading slots that verify. Returns (how many
         leading blocks arrived whole, keys whose slot failed verification). A read error
         stops at the blocks before it (raised errors are the caller's to log). Chunks are
-        read one ahead on the reader thread, so verifying and copying overlap the I/O."""
+        read READ_AHEAD ahead on the reader thread, so verifying and copying overlap the I/O."""
         per = self._read_bufs[0].slots
         chunks = [(start, min(per, len(keys) - start)) for start in range(0, len(keys), per)]
         if not chunks:
