@@ -167,7 +167,8 @@ def run_workload(model: str, object_bytes: int, *, convs: int, turns: int, host_
 def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int, repeats: int,
                     direct_io: str) -> dict[str, Any]:
     """Promote (slot -> host pages, verified) vs a raw read of the same slots from the same
-    file descriptor; paired rounds, medians. ``direct_io`` as in ``local.ssd``."""
+    file descriptor; paired rounds (the order alternates), medians. ``direct_io`` as in
+    ``local.ssd``."""
     import torch
 
     from ascend_offload.store import ssd_format as fmt
@@ -201,15 +202,17 @@ def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int
         tier_load()
         raw_read()
         ts, tr, ratios = [], [], []
-        for _ in range(repeats):
+        for r in range(repeats):  # the order alternates: neither side always runs right after the other
+            first, second = (tier_load, raw_read) if r % 2 == 0 else (raw_read, tier_load)
             t0 = time.perf_counter()
-            tier_load()
+            first()
             t1 = time.perf_counter()
-            raw_read()
+            second()
             t2 = time.perf_counter()
-            ts.append(t1 - t0)
-            tr.append(t2 - t1)
-            ratios.append((t2 - t1) / (t1 - t0))
+            load_s, raw_s = (t1 - t0, t2 - t1) if r % 2 == 0 else (t2 - t1, t1 - t0)
+            ts.append(load_s)
+            tr.append(raw_s)
+            ratios.append(raw_s / load_s)
         for n, p in planes.items():
             if not torch.equal(p[pages], want[n][order]):
                 raise RuntimeError("bench: promoted pages differ from the spilled ones")
@@ -243,15 +246,15 @@ def ssd_rows(directory: str | None, total_mib: int, repeats: int) -> list[dict[s
 
 def print_ssd_rows(rows: list[dict[str, Any]], target: float) -> float | None:
     """Print the rows; the worst O_DIRECT load ratio (the target's row), or None."""
-    print("ssd tier load: slot -> host pages with header+crc32c verify vs raw read of the same slots "
-          "(same file, same I/O mode, paired rounds)")
-    print(f"{'io':24} {'object':>9} {'objs':>6} {'load GB/s':>10} {'raw GB/s':>10} {'load x':>7}")
+    print("ssd tier load: slot -> host pages, every header and payload checksum verified, vs a raw "
+          "read of the same slots (same file, same chunks, same I/O mode, paired rounds, medians)")
+    print(f"{'io':24} {'object':>9} {'objs':>6} {'load GB/s':>10} {'raw GB/s':>10} {'load x':>7} {'checksum':>9}")
     for r in rows:
         if "skipped" in r:
             print(f"{r['io']:24} skipped: {r['skipped']}")
             continue
         print(f"{r['io']:24} {r['object_bytes']:>9} {r['objects']:>6} {r['load_GBps']:>10.2f} "
-              f"{r['raw_read_GBps']:>10.2f} {r['load_ratio']:>7.2f}")
+              f"{r['raw_read_GBps']:>10.2f} {r['load_ratio']:>7.2f} {r['checksum']:>9}")
     direct = [r["load_ratio"] for r in rows if r.get("io") == "O_DIRECT"]
     worst = min(direct) if direct else None
     if worst is not None:

@@ -258,12 +258,9 @@ class RankTier:
             idx = np.asarray(pages[start:start + n], dtype=np.int64)
             for plane, (a, b) in zip(self._np_planes, self._cols, strict=True):
                 rows[:, a:b] = plane[idx]
+            fmt.pack_rows(rows, rank=self.rank, slots=slots[start:start + n],
+                          key_hashes_=fmt.key_hashes(keys[start:start + n]), payload_len=payload)
             sb = self.file.slot_bytes
-            for i in range(n):
-                view = buf.view[i * sb:(i + 1) * sb]
-                fmt.pack_header(view, rank=self.rank, slot=slots[start + i],
-                                key_hash_=fmt.key_hash(keys[start + i]), payload_len=payload,
-                                payload_crc=fmt.crc32c(view[fmt.HEADER_BYTES:fmt.HEADER_BYTES + payload]))
             self.file.write(slots[start:start + n], buf.view[:n * sb])
 
     def take_spill_report(self) -> tuple[Counter[int], Counter[int]]:
@@ -283,7 +280,7 @@ class RankTier:
         """``page[i] <- slot[i]`` for the leading slots that verify. Returns (how many
         leading blocks arrived whole, keys whose slot failed verification). A read error
         stops at the blocks before it (raised errors are the caller's to log). Chunks are
-        read one ahead on the reader thread, so verifying and copying overlap the I/O."""
+        read READ_AHEAD ahead on the reader thread, so verifying and copying overlap the I/O."""
         per = self._read_bufs[0].slots
         chunks = [(start, min(per, len(keys) - start)) for start in range(0, len(keys), per)]
         if not chunks:
@@ -318,15 +315,13 @@ class RankTier:
 
     def _verify_chunk(self, buf: _Staging, keys: Sequence[str], slots: Sequence[int]) -> tuple[int, str | None]:
         """(leading slots of the chunk that verify, the key of the first that does not)."""
-        sb, payload = self.file.slot_bytes, self.payload_bytes
-        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            why = fmt.verify(buf.view[i * sb:(i + 1) * sb], rank=self.rank, slot=slot,
-                             key_hash_=fmt.key_hash(key), payload_len=payload)
-            if why is not None:
-                log.warning("SSD tier: rank %d slot %d of block %s failed verification (%s); "
-                            "it is a miss and is recomputed", self.rank, slot, key, why)
-                return i, key
-        return len(keys), None
+        ok, why = fmt.verify_rows(buf.rows, rank=self.rank, slots=slots, key_hashes_=fmt.key_hashes(keys),
+                                  payload_len=self.payload_bytes)
+        if why is None:
+            return ok, None
+        log.warning("SSD tier: rank %d slot %d of block %s failed verification (%s); "
+                    "it is a miss and is recomputed", self.rank, slots[ok], keys[ok], why)
+        return ok, keys[ok]
 
     def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
         if n == 0:

@@ -158,3 +158,27 @@ def test_many_slots_cross_the_staging_chunk(tmp_path: Path, monkeypatch: pytest.
     assert t.promote(keys, slots, list(range(9, -1, -1))) == (10, [])
     assert [page_bytes(src, p) for p in range(9, -1, -1)] == want
     t.close()
+
+
+def test_misplaced_slot_in_a_later_chunk_is_a_miss_after_the_blocks_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ascend_offload.store import ssd_file
+
+    monkeypatch.setattr(ssd_file, "CHUNK_BYTES", 3 * SLOT)  # the bad slot is the last of the second chunk
+    src = planes(pages=16, seed=7)
+    t = tier(tmp_path, src, slots=12)
+    keys = [f"k{i}" for i in range(8)]
+    spill(t, 1, keys, list(range(8)), list(range(8)))
+    with open(tmp_path / "r0.slots", "r+b") as f:  # slot 4's bytes written over slot 5 (a misplaced write)
+        f.seek(4 * SLOT)
+        moved = f.read(SLOT)
+        f.seek(5 * SLOT)
+        f.write(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    before = {p: page_bytes(src, p) for p in range(8, 16)}
+    good, corrupt = t.promote(keys, list(range(8)), list(range(8, 16)))
+    assert (good, corrupt) == (5, ["k5"])
+    assert [page_bytes(src, 8 + i) for i in range(5)] == [page_bytes(src, i) for i in range(5)]
+    assert [page_bytes(src, p) for p in range(13, 16)] == [before[p] for p in range(13, 16)]
+    t.close()
