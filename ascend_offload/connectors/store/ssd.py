@@ -152,8 +152,6 @@ class SsdWorker:
         except SsdError as exc:
             raise ConfigError(str(exc)) from None
         self.tier = RankTier(planes, file, rank)
-        if fmt.checksum_implementation() == "python":
-            log.warning("%s: google-crc32c has no C extension here; SSD slot checksums run in Python (slow)", NAME)
         log.info("%s: rank %d SSD tier file %s (%d slots, %s I/O%s)", NAME, rank, path, num_slots,
                  "O_DIRECT" if file.direct else "buffered", ", kept" if file.kept else "")
         self._promoted: Counter[tuple[int, int]] = Counter()
