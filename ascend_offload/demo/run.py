@@ -255,7 +255,10 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     check(decode_cfg)
     requests = workload(n_requests)
     log_dir.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too, explicitly: a process started with SIGINT ignored (a background job of a
+    # non-interactive shell, as CI runs) gets no KeyboardInterrupt from Python by default
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupt)
     bar = tqdm(total=4 + 2 * len(requests), desc="model", unit="step", file=sys.stderr, leave=False,
                bar_format="{desc:<22} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
 
