@@ -76,9 +76,15 @@ class TransferEngine(abc.ABC):
     def endpoint(self) -> str:
         """What a peer passes to :meth:`read` to reach this engine (e.g. ``host:port``)."""
 
-    @abc.abstractmethod
     def register(self, addr: int, length: int) -> None:
         """Make ``[addr, addr + length)`` readable by peers and usable as a read target."""
+        if length <= 0:
+            raise ValueError(f"register length={length}: must be > 0")
+        self._register(addr, length)
+
+    @abc.abstractmethod
+    def _register(self, addr: int, length: int) -> None:
+        """Register a region whose length was checked."""
 
     @abc.abstractmethod
     def unregister(self, addr: int) -> None:
@@ -119,9 +125,7 @@ class LibraryEngine(TransferEngine):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register(self, addr: int, length: int) -> None:
-        if length <= 0:
-            raise ValueError(f"register length={length}: must be > 0")
+    def _register(self, addr: int, length: int) -> None:
         with self._lock:
             rc = self._eng.register_memory(addr, length)
             if rc != 0:
@@ -194,9 +198,7 @@ class LoopbackEngine(TransferEngine):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register(self, addr: int, length: int) -> None:
-        if length <= 0:
-            raise ValueError(f"register length={length}: must be > 0")
+    def _register(self, addr: int, length: int) -> None:
         with _REGISTRY.lock:
             _REGISTRY.regions[self._endpoint][addr] = length
 

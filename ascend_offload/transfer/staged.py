@@ -71,7 +71,7 @@ class StagedEngine(TransferEngine):
     def endpoint(self) -> str:
         return self.inner.endpoint
 
-    def register(self, addr: int, length: int) -> None:
+    def _register(self, addr: int, length: int) -> None:
         self.inner.register(addr, length)
 
     def unregister(self, addr: int) -> None:
