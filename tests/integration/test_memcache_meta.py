@@ -99,6 +99,19 @@ def _line(proc: subprocess.Popen[str]) -> dict:
     raise AssertionError(f"client exited early: {proc.stderr.read() if proc.stderr else ''}")
 
 
+def _service_back(meta: MemcacheMeta, proc: subprocess.Popen[str]) -> tuple[dict, list[str]]:
+    """Restart the meta service, tell the child, and return its report and its log lines
+    once it exited."""
+    meta.start()
+    assert proc.stdin is not None
+    proc.stdin.write("back\n")
+    proc.stdin.flush()
+    back = _line(proc)
+    proc.wait(30)
+    logs = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if ln.startswith("LOG")]
+    return back, logs
+
+
 def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: MemcacheMeta) -> None:
     proc = subprocess.Popen([sys.executable, "-c", CHILD, meta.meta_service_url, meta.config_store_url],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -119,13 +132,8 @@ def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: Mem
         assert down["hits"] == [0] * 5 and down["allocate"] is None and down["pin"] is False
         assert down["fast"], "lookups during an outage must not wait on the dead service"
 
-        meta.start()
-        proc.stdin.write("back\n")
-        proc.stdin.flush()
-        back = _line(proc)
+        back, logs = _service_back(meta, proc)
         assert not back["down"] and back["outages"] == 1 and back["raw"] == [0]
-        proc.wait(30)
-        logs = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if ln.startswith("LOG")]
         assert sum("unreachable" in ln for ln in logs) == 1, logs
         assert sum("resumed" in ln for ln in logs) == 1, logs
         print(f"memcache meta: lookups answered, outage logged once, resumed after restart ({meta.meta_service_url})")
@@ -204,13 +212,8 @@ def test_scheduler_tier_lookups_on_the_real_meta_service(meta: MemcacheMeta) -> 
         assert not down["up"] and down["outages"] == 1
         assert down["hits"] == [0] * 5 and down["asked"] == 0  # misses without calling the service
 
-        meta.start()
-        proc.stdin.write("back\n")
-        proc.stdin.flush()
-        back = _line(proc)
+        back, logs = _service_back(meta, proc)
         assert back["up"] and back["outages"] == 1 and back["lookup"] == 0
-        proc.wait(30)
-        logs = [ln for ln in (proc.stderr.read() if proc.stderr else "").splitlines() if ln.startswith("LOG")]
         assert sum("unreachable from the scheduler" in ln for ln in logs) == 1, logs
         assert sum("store service resumed" in ln for ln in logs) == 1, logs
         print(f"memcache tier: scheduler lookups answered, outage logged once, probed back ({meta.meta_service_url})")
