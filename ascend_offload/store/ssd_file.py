@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -134,23 +134,22 @@ class SlotFile:
 
     def write(self, slots: Sequence[int], buf: memoryview) -> None:
         """Slot ``slots[i]`` <- ``buf[i * slot_bytes : (i + 1) * slot_bytes]``."""
-        self._check(slots, buf)
-        sb = self.slot_bytes
-        for i, s, n in _runs(slots):
-            part = buf[i * sb:(i + n) * sb]
-            done = os.pwritev(self._io_fd, [part], s * sb)
-            if done != len(part):
-                raise OSError(errno.EIO, f"short write of slots {s}..{s + n - 1}: {done} of {len(part)} bytes")
+        self._io(os.pwritev, "write", slots, buf)
 
     def read(self, slots: Sequence[int], buf: memoryview) -> None:
         """``buf[i * slot_bytes : ...]`` <- slot ``slots[i]``."""
+        self._io(os.preadv, "read", slots, buf)
+
+    def _io(self, call: Callable[[int, list[memoryview], int], int], what: str, slots: Sequence[int],
+            buf: memoryview) -> None:
+        """One ``call`` (pwritev / preadv) per run of consecutive slots; a short one is EIO."""
         self._check(slots, buf)
         sb = self.slot_bytes
         for i, s, n in _runs(slots):
             part = buf[i * sb:(i + n) * sb]
-            done = os.preadv(self._io_fd, [part], s * sb)
+            done = call(self._io_fd, [part], s * sb)
             if done != len(part):
-                raise OSError(errno.EIO, f"short read of slots {s}..{s + n - 1}: {done} of {len(part)} bytes")
+                raise OSError(errno.EIO, f"short {what} of slots {s}..{s + n - 1}: {done} of {len(part)} bytes")
 
     def close(self) -> None:
         for fd in {getattr(self, "_io_fd", -1), getattr(self, "_fd", -1)}:
