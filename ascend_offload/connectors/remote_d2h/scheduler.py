@@ -64,7 +64,7 @@ class RemoteD2HScheduler:
             return None, False  # its host pool rows are not free yet: wait
         count, load_async = self.decode.num_new_matched_tokens(request, num_computed_tokens)
         if count == 0 and self.sparse is not None:  # a resumed preempted request
-            return max(0, self.sparse.resume_offer(request) - num_computed_tokens), False
+            return self.sparse.resume_offer(request, num_computed_tokens), False
         return count, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -95,7 +95,7 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
             return None, False  # its host pool rows are not free yet: wait
         # a resumed preempted request: its history is in the pool and the stash (loaded
         # before the forward, synchronously)
-        return max(0, self.scheduler.resume_offer(request) - num_computed_tokens), False
+        return self.scheduler.resume_offer(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

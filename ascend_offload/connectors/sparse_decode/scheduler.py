@@ -76,12 +76,14 @@ class SparseDecodeScheduler:
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
 
-    def resume_offer(self, request: Request) -> int:
-        """Tokens of a preempted request that vLLM need not recompute (0: none)."""
+    def resume_offer(self, request: Request, num_computed_tokens: int = 0) -> int:
+        """Tokens of a preempted request that vLLM need not recompute, beyond the
+        ``num_computed_tokens`` it already has (0: none): the external count both the
+        colocated and the RD2H decode connector answer for a resumption."""
         rid = request.request_id
         if self.preemption.state(rid) is not PreemptState.STASHED:
             return 0
-        return self.preemption.offer(rid, request.num_tokens)
+        return max(0, self.preemption.offer(rid, request.num_tokens) - num_computed_tokens)
 
     def after_alloc(self, request: Request, num_external_tokens: int) -> bool:
         """vLLM allocated blocks for ``request``; ``True``: a resumption we load."""
