@@ -26,7 +26,6 @@ from the same file, same I/O mode, in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -34,9 +33,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ascend_offload.testing.engines import tiny_llm
 
 BLOCK_SIZE = 32
 
@@ -99,36 +99,6 @@ def prefix_set_blocks(prompts: list[tuple[int, list[int]]], block_size: int = BL
     return len(chains)
 
 
-@contextlib.contextmanager
-def tiny_engine(model: str, kv_transfer_config: dict[str, Any] | None, *, plugin: bool = True) -> Iterator[Any]:
-    """A float32, eager, prefix-caching-off ``LLM`` of the tiny model (one core)."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    from ascend_offload.testing.engines import owned_engine
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    old = os.environ.get("VLLM_PLUGINS")
-    if not plugin:
-        from vllm.plugins import load_general_plugins
-
-        load_general_plugins()  # this (frontend) process keeps our connector names
-        os.environ["VLLM_PLUGINS"] = ""
-    args: dict[str, Any] = dict(model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True,
-                                max_model_len=4096, enable_prefix_caching=False, seed=0)
-    if kv_transfer_config is not None:
-        args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
-    try:
-        with owned_engine(lambda: LLM(**args)) as llm:
-            yield llm
-    finally:
-        if not plugin:
-            if old is None:
-                os.environ.pop("VLLM_PLUGINS", None)
-            else:
-                os.environ["VLLM_PLUGINS"] = old
-
-
 def store_config(host_pages: int, object_bytes: int, ssd: dict[str, Any] | None) -> dict[str, Any]:
     local: dict[str, Any] = {"capacity_bytes": host_pages * object_bytes}
     if ssd is not None:
@@ -144,12 +114,12 @@ def run_workload(model: str, object_bytes: int, *, convs: int, turns: int, host_
     result: dict[str, Any] = {"convs": convs, "turns": turns, "requests": len(prompts),
                               "host_pages": host_pages, "prefix_set_blocks": prefix_set_blocks(prompts)}
     result["prefix_set_over_host"] = result["prefix_set_blocks"] / host_pages
-    with tiny_engine(model, None, plugin=False) as llm:
+    with tiny_llm(model, None, plugin=False, block_size=BLOCK_SIZE) as llm:
         plain = [list(o.outputs[0].token_ids) for o in run_sequence(llm, prompts, max_tokens)]
     runs: dict[str, Any] = {}
     for name, ssd in (("host_only", None), ("ssd", {"path": ssd_dir, "capacity_bytes": ssd_bytes})):
         t0 = time.perf_counter()
-        with tiny_engine(model, store_config(host_pages, object_bytes, ssd)) as llm:
+        with tiny_llm(model, store_config(host_pages, object_bytes, ssd), block_size=BLOCK_SIZE) as llm:
             outs = run_sequence(llm, prompts, max_tokens)
         runs[name] = summarize(prompts, outs)
         runs[name]["seconds"] = time.perf_counter() - t0

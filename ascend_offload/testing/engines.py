@@ -39,6 +39,38 @@ def owned_engine(factory: Callable[[], T]) -> Iterator[T]:
         gc.collect()
 
 
+@contextlib.contextmanager
+def tiny_llm(model: str, kv_transfer_config: dict[str, Any] | None = None, *, plugin: bool = True,
+             **kwargs: Any) -> Iterator[Any]:
+    """A float32, eager, prefix-caching-off ``LLM`` of a tiny test model (32-token blocks,
+    ``kwargs`` override), shut down on exit. ``plugin=False``: the engine's processes load
+    no vLLM plugin at all (vLLM exactly as without ours; this process keeps our names)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    old = os.environ.get("VLLM_PLUGINS")
+    if not plugin:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        os.environ["VLLM_PLUGINS"] = ""
+    args: dict[str, Any] = dict(model=model, dtype="float32", block_size=32, enforce_eager=True,
+                                max_model_len=4096, enable_prefix_caching=False, seed=0)
+    args.update(kwargs)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    try:
+        with owned_engine(lambda: LLM(**args)) as llm:
+            yield llm
+    finally:
+        if not plugin:
+            if old is None:
+                os.environ.pop("VLLM_PLUGINS", None)
+            else:
+                os.environ["VLLM_PLUGINS"] = old
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCounts:
     """The scheduler's counts after one engine step."""

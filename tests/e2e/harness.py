@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.engines import owned_engine
+from ascend_offload.testing.engines import tiny_llm
 from ascend_offload.testing.tiny_model import make_tiny_llama
 
 BLOCK_SIZE = 32
@@ -41,25 +41,9 @@ def make_engine(
     **kwargs: Any,
 ) -> Iterator[Any]:
     """A float32, eager, prefix-caching-off LLM on the tiny model; shut down on exit."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if core is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    args: dict[str, Any] = dict(
-        model=tiny_model(num_layers),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        enforce_eager=True,
-        max_model_len=4096,
-        enable_prefix_caching=False,
-        seed=0,
-    )
-    args.update(kwargs)
-    if kv_transfer_config is not None:
-        args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
-    with owned_engine(lambda: LLM(**args)) as llm:
+    with tiny_llm(tiny_model(num_layers), kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
         yield llm
 
 

@@ -17,9 +17,9 @@ from ascend_offload.bench.store_ssd import (
     run_sequence,
     store_config,
     summarize,
-    tiny_engine,
 )
 from ascend_offload.store import ssd_format as fmt
+from ascend_offload.testing.engines import tiny_llm
 from tests.e2e.harness import BLOCK_SIZE, tiny_model
 
 OBJECT_BYTES = 4 * 2 * BLOCK_SIZE * 64 * 4  # one block of the 4-layer tiny model on one rank
@@ -33,20 +33,20 @@ def _tokens(outs: list[Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    with tiny_engine(tiny_model(), None, plugin=False) as llm:
+    with tiny_llm(tiny_model(), None, plugin=False) as llm:
         return _tokens(run_sequence(llm, PROMPTS, 16))
 
 
 def test_ssd_tier_raises_the_hit_rate_and_damaged_slots_are_misses(plain: list[list[int]], tmp_path: Path) -> None:
     assert prefix_set_blocks(PROMPTS) >= 4 * HOST_PAGES
-    with tiny_engine(tiny_model(), store_config(HOST_PAGES, OBJECT_BYTES, None)) as llm:
+    with tiny_llm(tiny_model(), store_config(HOST_PAGES, OBJECT_BYTES, None)) as llm:
         host_outs = run_sequence(llm, PROMPTS, 16)
     assert _tokens(host_outs) == plain
     host = summarize(PROMPTS, host_outs)
 
     ssd_dir = tmp_path / "ssd"
     cfg = store_config(HOST_PAGES, OBJECT_BYTES, {"path": str(ssd_dir), "capacity_bytes": 32 << 20})
-    with tiny_engine(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg) as llm:
         outs = run_sequence(llm, PROMPTS, 16)
         assert _tokens(outs) == plain
         ssd = summarize(PROMPTS, outs)
@@ -82,12 +82,12 @@ def test_persistent_tier_serves_a_restarted_engine(plain: list[list[int]], tmp_p
     ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 32 << 20, "persist": True}
     cfg = store_config(HOST_PAGES, OBJECT_BYTES, ssd)
     first_turn, second_turn = PROMPTS[:6], PROMPTS[6:12]
-    with tiny_engine(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg) as llm:
         outs = run_sequence(llm, first_turn, 16)
         assert _tokens(outs) == plain[:6]
         assert outs[-1].kv_transfer_params["ascend_store"]["store"]["ssd_spilled_blocks"] > 0
     assert list((tmp_path / "ssd").glob("ssd-*.index.json"))
-    with tiny_engine(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg) as llm:
         outs = run_sequence(llm, second_turn, 16)
         assert _tokens(outs) == plain[6:12]
         st = outs[-1].kv_transfer_params["ascend_store"]["store"]
