@@ -40,10 +40,11 @@ def make_engine(
     core: int | None = None,
     **kwargs: Any,
 ) -> Iterator[Any]:
-    """A float32, eager, prefix-caching-off LLM on the tiny model; shut down on exit."""
+    """A float32, eager, prefix-caching-off LLM on the tiny Llama (or ``model=``); shut down on exit."""
     if core is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    with tiny_llm(tiny_model(num_layers), kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
+    model = kwargs.pop("model", None) or tiny_model(num_layers)
+    with tiny_llm(model, kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
         yield llm
 
 
