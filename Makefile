@@ -14,6 +14,10 @@ OPTIONAL_EXTRAS := ascend
 # instructions (wheels stay generic). NATIVE_MARCH=generic for a venv shared by other CPUs.
 NATIVE_MARCH ?= native
 PYTEST_ARGS ?=
+# Test workers: engine start-up is single-threaded imports, so two files in parallel
+# use both cores of a 2-core machine. More than two would mostly add memory pressure
+# (each engine file holds up to four engines). JOBS=0 runs in this process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; [ $$n -lt 2 ] && n=0; echo $$n)
 DEMO_ARGS ?=
 
 .PHONY: bootstrap test test-unit test-fast demo bench lint clean
@@ -44,7 +48,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 	@touch $(STAMP)
 
 test: bootstrap
-	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile $(PYTEST_ARGS) tests
 
 test-unit: bootstrap
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from ascend_offload.testing.generated import generated_dir
+
 VOCAB = 512
 
 
@@ -27,7 +29,6 @@ def make_tiny_llama(
 ) -> Path:
     """Write a deterministic random Llama (+ a WordLevel tokenizer) to ``path``; idempotent."""
     out = Path(path)
-    marker = out / ".tiny-llama.json"
     spec = {
         "num_layers": num_layers,
         "hidden_size": hidden_size,
@@ -37,21 +38,22 @@ def make_tiny_llama(
         "max_position": max_position,
         "seed": seed,
     }
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return out
+    return generated_dir(out, ".tiny-llama.json", spec, lambda d: _write_llama(d, spec))
+
+
+def _write_llama(out: Path, spec: dict[str, int]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(spec["seed"])
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position,
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["hidden_size"] * 2,
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position"],
         initializer_range=0.2,
         tie_word_embeddings=False,
         torch_dtype="float32",
@@ -60,9 +62,7 @@ def make_tiny_llama(
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, vocab_size)
-    marker.write_text(json.dumps(spec))
-    return out
+    _write_tokenizer(out, spec["vocab_size"])
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:

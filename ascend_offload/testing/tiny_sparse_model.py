@@ -9,11 +9,11 @@ so a directory is reproducible from its spec alone.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ascend_offload.testing.generated import generated_dir
 from ascend_offload.testing.tiny_model import VOCAB, _write_tokenizer
 
 DEFAULTS: dict[str, Any] = dict(
@@ -81,16 +81,16 @@ def make_tiny_sparse_model(path: str | os.PathLike[str], *, seed: int = 0, **ove
         raise ValueError(f"unknown tiny sparse model settings: {sorted(unknown)}")
     cfg = {**DEFAULTS, **overrides}
     out = Path(path)
-    marker = out / ".tiny-sparse-model.json"
     spec = {**cfg, "seed": seed}
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return out
+    return generated_dir(out, ".tiny-sparse-model.json", spec, lambda d: _write_model(d, cfg, seed))
+
+
+def _write_model(out: Path, cfg: dict[str, Any], seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
     from ascend_offload.models.config import SparseMLAConfig
 
-    out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
     tensors = {}
@@ -105,5 +105,3 @@ def make_tiny_sparse_model(path: str | os.PathLike[str], *, seed: int = 0, **ove
     config = SparseMLAConfig(**cfg, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
     config.save_pretrained(out)
     _write_tokenizer(out, cfg["vocab_size"])
-    marker.write_text(json.dumps(spec))
-    return out
