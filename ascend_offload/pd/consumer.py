@@ -26,14 +26,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.auth import ControlKeys, secure_server
+from ascend_offload.pd.consumer_records import (
+    BlockPool,
+    ConsumerStats,
+    ParkedItem,
+    ReadResult,
+    RecvOutcome,
+    RequestState,
+)
 from ascend_offload.pd.layout import block_capacity, extents, out_of_range
 from ascend_offload.pd.reads import PeerReader, affected_blocks, build_ops, item_error
 from ascend_offload.pd.topology import Topology
@@ -43,81 +49,6 @@ from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
 DEFAULT_MAX_MSG_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RecvOutcome:
-    """A request whose every (layer, contributor) is terminal."""
-
-    request_id: str
-    ok: bool
-    failed_blocks: tuple[int, ...] = ()  # decode block ids that must not be trusted
-    reasons: tuple[str, ...] = ()
-    # Only when the indexer has its own destination blocks (host-pool destination):
-    # failed_blocks are then main-KV (pool) blocks and these are indexer blocks.
-    failed_index_blocks: tuple[int, ...] = ()
-
-
-class BlockPool(Protocol):
-    """What :meth:`Consumer.expect_pool` needs of a host KV pool
-    (:class:`~ascend_offload.sparse.pools.HostKVPool`; duck-typed so ``pd`` does not import ``sparse``)."""
-
-    block_size: int
-
-    def admit(self, req_id: str, max_tokens: int) -> Any: ...
-    def block_table(self, req_id: str) -> Any: ...
-    def release(self, req_id: str) -> None: ...
-
-
-@dataclass
-class ConsumerStats:
-    items: int = 0
-    reads: int = 0
-    descriptors: int = 0
-    bytes_read: int = 0
-    read_retries: int = 0
-    failed: int = 0
-    rejected: int = 0
-    parked: int = 0
-    acked_empty: int = 0
-    metas_evicted: int = 0
-    readers_retired: int = 0
-
-
-@dataclass
-class _Request:
-    request_id: str
-    dst_blocks: list[int]
-    num_layers: int
-    deadline: float
-    done: dict[tuple[int, int], bool] = field(default_factory=dict)  # (layer, p_rank) -> ok
-    failed: set[int] = field(default_factory=set)
-    reasons: list[str] = field(default_factory=list)
-    index_blocks: list[int] | None = None  # indexer destination when it differs from dst_blocks
-    failed_index: set[int] = field(default_factory=set)
-    inflight: int = 0  # reads submitted to a reader thread and not returned yet
-    finished: bool = False
-
-
-@dataclass
-class _Parked:
-    ident: bytes
-    engine_id: str
-    p_rank: int
-    budget_s: float
-    received: float
-    item: P.ReadReady
-
-
-@dataclass
-class _ReadResult:
-    parked: _Parked
-    req: _Request
-    code: str
-    err: str
-    descriptors: int
-    nbytes: int
-    retries: int
 
 
 class Consumer:
@@ -180,12 +111,12 @@ class Consumer:
                 transfer.register(addr, length)
                 self._registered.append(addr)
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
-        self._parked: dict[str, list[_Parked]] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._parked: dict[str, list[ParkedItem]] = {}
         self._metas: OrderedDict[tuple[str, int], P.MfMeta] = OrderedDict()  # LRU, <= max_peers
         self._commands: list[tuple[str, str]] = []
         self._readers: dict[str, PeerReader] = {}
-        self._results: list[_ReadResult] = []
+        self._results: list[ReadResult] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
         self._ctx = zmq.Context.instance()
@@ -225,7 +156,7 @@ class Consumer:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already expected")
-            self._requests[request_id] = _Request(request_id, blocks, n,
+            self._requests[request_id] = RequestState(request_id, blocks, n,
                                                   self._clock() + self.request_timeout_s, index_blocks=idx)
         self._loop.wake()
 
@@ -380,7 +311,7 @@ class Consumer:
             code=code, reason=reason[:4000],
         ))
 
-    def _terminal(self, req: _Request, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
+    def _terminal(self, req: RequestState, p_rank: int, layer: int, ok: bool, reason: str = "") -> None:
         """Record one (layer, contributor) result; finish the request when all are in."""
         key = (layer, p_rank)
         if key in req.done:
@@ -394,7 +325,7 @@ class Consumer:
             req.reasons.append(f"layer {layer} rank {p_rank}: {reason}")
         self._maybe_finish(req)
 
-    def _maybe_finish(self, req: _Request) -> None:
+    def _maybe_finish(self, req: RequestState) -> None:
         """Report a request once all its items are terminal *and* no read into it is in flight.
 
         The second condition is what makes a failure safe to act on: vLLM may
@@ -409,11 +340,11 @@ class Consumer:
                                           tuple(req.reasons), tuple(sorted(req.failed_index))))
         self._finished_cv.notify_all()
 
-    def _ops(self, meta: P.MfMeta, req: _Request, it: P.ReadReady) -> list[ReadOp]:
+    def _ops(self, meta: P.MfMeta, req: RequestState, it: P.ReadReady) -> list[ReadOp]:
         return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
                          main=it.main, index_range=(it.index_lo, it.index_hi), index_blocks=req.index_blocks)
 
-    def _serve(self, p: _Parked) -> None:
+    def _serve(self, p: ParkedItem) -> None:
         """Validate, read and answer one item (I/O thread, lock not held during the read)."""
         it = p.item
         with self._lock:
@@ -443,7 +374,7 @@ class Consumer:
         if not ops:  # a contributor with nothing to send: acknowledge at once
             with self._lock:
                 self.stats.acked_empty += 1
-            self._finish_item(_ReadResult(p, req, "", "", 0, 0, 0), counted=False)
+            self._finish_item(ReadResult(p, req, "", "", 0, 0, 0), counted=False)
             return
         budget_end = p.received + min(p.budget_s, self.read_timeout_s)
         reader = self._readers.get(meta.endpoint)
@@ -462,7 +393,7 @@ class Consumer:
             req.inflight += 1
         reader.submit((p, req, meta.endpoint, ops, budget_end))
 
-    def _read_job(self, job: tuple[_Parked, _Request, str, list[ReadOp], float]) -> None:
+    def _read_job(self, job: tuple[ParkedItem, RequestState, str, list[ReadOp], float]) -> None:
         """Reader thread: one batched read with retries inside the budget; result to the I/O thread."""
         p, req, endpoint, ops, budget_end = job
         err, ndesc, retries = "unexpected error", 0, 0
@@ -488,12 +419,12 @@ class Consumer:
             code = P.FAIL_READ if err else ""
             if not err and self._clock() > budget_end:
                 code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
-            res = _ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
+            res = ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
             with self._lock:
                 self._results.append(res)
             self._loop.wake()
 
-    def _finish_item(self, r: _ReadResult, *, counted: bool = True) -> None:
+    def _finish_item(self, r: ReadResult, *, counted: bool = True) -> None:
         """I/O thread: answer prefill and record one item's outcome."""
         p, it = r.parked, r.parked.item
         if r.code:
@@ -542,7 +473,7 @@ class Consumer:
     def _tick(self, ready: list[zmq.Socket]) -> None:
         self._drain_results()
         self._run_commands()
-        work: list[_Parked] = []
+        work: list[ParkedItem] = []
         if ready:
             while True:
                 try:
@@ -569,14 +500,14 @@ class Consumer:
                     self.stats.items += 1
                     # A garbled budget must not park items forever: never beyond our own read timeout.
                     budget = min(msg.read_budget_ms / 1000.0, self.read_timeout_s)
-                    work.append(_Parked(ident, msg.engine_id, msg.p_rank, budget, now, it))
+                    work.append(ParkedItem(ident, msg.engine_id, msg.p_rank, budget, now, it))
         now = self._clock()
         with self._lock:
             # Items that arrived before expect(): serve them once it happens.
             for rid in [r for r in self._parked if r in self._requests]:
                 work[:0] = self._parked.pop(rid)
-            run: list[_Parked] = []
-            refused: list[_Parked] = []
+            run: list[ParkedItem] = []
+            refused: list[ParkedItem] = []
             n_parked = sum(len(v) for v in self._parked.values())
             for p in work:
                 if p.item.request_id in self._requests:
@@ -587,7 +518,7 @@ class Consumer:
                     self._parked.setdefault(p.item.request_id, []).append(p)
                     self.stats.parked += 1
                     n_parked += 1
-            expired: list[_Parked] = []
+            expired: list[ParkedItem] = []
             for rid in list(self._parked):
                 keep = [p for p in self._parked[rid] if p.received + p.budget_s > now]
                 expired += [p for p in self._parked[rid] if p.received + p.budget_s <= now]

@@ -21,7 +21,7 @@ from ascend_offload.connectors.metrics import (
 from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector
 from ascend_offload.connectors.remote_d2h.decode_worker import DecodeWorker
 from ascend_offload.connectors.remote_d2h.prefill_worker import PrefillWorker
-from ascend_offload.pd.consumer import ConsumerStats
+from ascend_offload.pd.consumer_records import ConsumerStats
 from ascend_offload.pd.producer import ProducerStats
 
 
