@@ -10,7 +10,9 @@ first prompt plus, for every earlier turn, a fixed "assistant" reply and a new u
 message (fixed token ids, so every engine sees identical prompts). Between two turns
 of one conversation the other conversations push its blocks out of the host pages
 (the prefix set is ``>= 4x`` their capacity), so without the tier the next turn
-recomputes; with it, the prefix comes back from the slot files.
+recomputes; with it, the prefix comes back from the slot files. A share ``--quick`` of
+turns gets a follow-up turn at once, before the other conversations speak: those are
+the hits the host pages alone can serve, so the ratio of the two runs is finite.
 
 Hit rate: blocks loaded from the store (``kv_transfer_params['ascend_store']
 ['loaded_blocks']``) over the blocks that could have been (every full block of the
@@ -42,11 +44,17 @@ BLOCK_SIZE = 32
 
 
 def multi_turn_prompts(convs: int, turns: int, *, first_tokens: int = 160, reply_tokens: int = 16,
-                       user_tokens: int = 48, seed: int = 0) -> list[tuple[int, list[int]]]:
-    """``(conversation, prompt)`` in send order: turn by turn, round robin (module doc)."""
+                       user_tokens: int = 48, quick: float = 0.0, seed: int = 0) -> list[tuple[int, list[int]]]:
+    """``(conversation, prompt)`` in send order: turn by turn, round robin (module doc).
+
+    ``quick``: the share of turns (after the first) a user answers at once, before the
+    other conversations speak: that follow-up comes right after the turn, so the host
+    pages still hold its prefix. Without quick follow-ups the host pages alone hit nothing
+    and the ratio of the two runs is unbounded."""
     from ascend_offload.testing.tiny_model import VOCAB
 
     rng = random.Random(seed)
+    follow = random.Random(seed + 1)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(3, VOCAB) for _ in range(n)]
@@ -58,6 +66,9 @@ def multi_turn_prompts(convs: int, turns: int, *, first_tokens: int = 160, reply
             if t:
                 history[c] = history[c] + ids(reply_tokens) + ids(user_tokens)
             out.append((c, list(history[c])))
+            if t and follow.random() < quick:
+                history[c] = history[c] + ids(reply_tokens) + ids(user_tokens)
+                out.append((c, list(history[c])))
     return out
 
 
@@ -108,10 +119,11 @@ def store_config(host_pages: int, object_bytes: int, ssd: dict[str, Any] | None)
 
 
 def run_workload(model: str, object_bytes: int, *, convs: int, turns: int, host_pages: int,
-                 ssd_dir: str, ssd_bytes: int, max_tokens: int = 16, seed: int = 0) -> dict[str, Any]:
+                 ssd_dir: str, ssd_bytes: int, quick: float = 0.0, max_tokens: int = 16,
+                 seed: int = 0) -> dict[str, Any]:
     """The three engines over one workload (module doc); the comparison."""
-    prompts = multi_turn_prompts(convs, turns, seed=seed)
-    result: dict[str, Any] = {"convs": convs, "turns": turns, "requests": len(prompts),
+    prompts = multi_turn_prompts(convs, turns, quick=quick, seed=seed)
+    result: dict[str, Any] = {"convs": convs, "turns": turns, "quick": quick, "requests": len(prompts),
                               "host_pages": host_pages, "prefix_set_blocks": prefix_set_blocks(prompts)}
     result["prefix_set_over_host"] = result["prefix_set_blocks"] / host_pages
     with tiny_llm(model, None, plugin=False, block_size=BLOCK_SIZE) as llm:
@@ -238,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--convs", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--quick", type=float, default=0.25,
+                    help="share of turns answered at once by a follow-up (the host pages' only hits)")
     ap.add_argument("--host-pages", type=int, default=16, help="host store capacity in blocks")
     ap.add_argument("--ssd-dir", default=None, help="directory of the tier's files (default: a temp dir)")
     ap.add_argument("--ssd-mib", type=int, default=64)
@@ -249,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     object_bytes = 4 * 2 * BLOCK_SIZE * 64 * 4  # 4 layers x K,V x 32 tokens x 64 x fp32
     with tempfile.TemporaryDirectory(dir=args.ssd_dir) as tmp:
         res = run_workload(model, object_bytes, convs=args.convs, turns=args.turns, host_pages=args.host_pages,
-                           ssd_dir=tmp, ssd_bytes=args.ssd_mib << 20)
+                           ssd_dir=tmp, ssd_bytes=args.ssd_mib << 20, quick=args.quick)
     res["bench"] = "store-ssd"
     h, s = res["runs"]["host_only"], res["runs"]["ssd"]
-    print(f"workload: {res['convs']} conversations x {res['turns']} turns = {res['requests']} requests; "
+    print(f"workload: {res['convs']} conversations x {res['turns']} turns + quick follow-ups "
+          f"(share {res['quick']}) = {res['requests']} requests; "
           f"prefix set {res['prefix_set_blocks']} blocks = {res['prefix_set_over_host']:.1f}x the host store "
           f"({res['host_pages']} blocks)")
     for name, r in (("host only", h), ("with SSD", s)):
