@@ -336,8 +336,10 @@ def test_injected_invalid_item_fails_fast_and_drop_times_out(port, kv):
     topo = Topology(1, 1)
     prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc, ack_timeout_s=5,
                     faults="none,invalid:1,drop:2")
+    # r2's layer 2 never arrives: it must time out well inside WAIT, and r0 must not
+    # (3 s leaves a loaded machine room to deliver r0's three layers)
     cons = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=de, layers=dst_desc, port=port,
-                    request_timeout_s=1.0)
+                    request_timeout_s=3.0)
     try:
         for i in range(3):
             cons.expect(f"r{i}", [i])
