@@ -91,7 +91,8 @@ class SsdTierConfig(_Strict):
     persist: bool = False
     # O_DIRECT: "auto" probes the file system at open (buffered when refused), "on" requires it.
     direct_io: Literal["auto", "on", "off"] = "auto"
-    # With persist: the index is rewritten (atomically) at most this often when it changed, and at close.
+    # With persist: the index is rewritten (atomically) at most this often when it changed, also
+    # while the engine is idle (a background thread), and at close.
     persist_interval_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S)
 
 

@@ -16,23 +16,40 @@ temporary name, fsynced, then renamed over the old one (and the directory
 fsynced): a crash at any point leaves either the old or the new index, both
 usable. Entries are trusted only as far as the slot headers confirm them on read
 (``store/ssd_format.py``): a slot rewritten after the index was saved is a miss.
+
+Every method holds the index's lock: the scheduler thread changes the index while
+the persister thread (``connectors/store/ssd.py``) takes snapshots of an idle engine's
+last changes, which no scheduler step would otherwise write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ascend_offload.store.eviction import make_policy
 
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = 1
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    @functools.wraps(method)
+    def run(self: SsdIndex, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class _Entry:
@@ -54,6 +71,7 @@ class SsdIndex:
         self.policy = make_policy(eviction, num_slots)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, ...
         self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
         #: bumped on every change that a persisted index would show
         self.generation = 0
         #: monotonic totals
@@ -61,23 +79,29 @@ class SsdIndex:
 
     # ------------------------------------------------------------------ queries
 
+    @_locked
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    @_locked
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
+        with self._lock:
+            return self.num_slots - len(self._free)
 
+    @_locked
     def is_ready(self, key: str) -> bool:
         e = self._entries.get(key)
         return e is not None and e.ready
 
+    @_locked
     def slot(self, key: str) -> int:
         return self._entries[key].slot
 
+    @_locked
     def lookup_prefix(self, keys: Sequence[str]) -> int:
         """Leading ``keys`` that are ready on the tier."""
         n = 0
@@ -90,6 +114,7 @@ class SsdIndex:
 
     # ------------------------------------------------------------------ writes
 
+    @_locked
     def allocate(self, keys: Sequence[str]) -> list[int | None]:
         """A slot for each key not on the tier yet (``None`` for a key already there or
         when no slot is free and none can be evicted). New entries are *writing*."""
@@ -111,6 +136,7 @@ class SsdIndex:
         self.evicted += 1
         return True
 
+    @_locked
     def mark_ready(self, keys: Iterable[str]) -> None:
         """Every rank wrote these keys' slots: lookups find them now."""
         for k in keys:
@@ -120,6 +146,7 @@ class SsdIndex:
                 self.policy.insert(k)
                 self.generation += 1
 
+    @_locked
     def drop(self, keys: Iterable[str]) -> int:
         """Forget entries (a failed write, a slot that failed verification); their slots
         are free again. Pinned entries stay until unpinned. Returns how many went."""
@@ -141,6 +168,7 @@ class SsdIndex:
         if e.ready:
             self.generation += 1
 
+    @_locked
     def clear(self) -> int:
         """Forget every ready entry, pinned or not (the store's reset); entries still
         being written keep their slots until their writes are reported (a write landing
@@ -156,6 +184,7 @@ class SsdIndex:
 
     # ------------------------------------------------------------------ reads
 
+    @_locked
     def pin(self, keys: Sequence[str]) -> list[int]:
         """Hold the slots of ready ``keys`` while ranks read them (never evicted
         meanwhile); a hit, so the policy sees it."""
@@ -169,6 +198,7 @@ class SsdIndex:
             slots.append(e.slot)
         return slots
 
+    @_locked
     def unpin(self, keys: Iterable[str]) -> None:
         for k in keys:
             e = self._entries.get(k)
@@ -177,12 +207,22 @@ class SsdIndex:
 
     # ------------------------------------------------------------------ persistence
 
+    @_locked
     def snapshot(self, meta: dict[str, Any]) -> dict[str, Any]:
         """The ready entries in eviction order (first victim first), with ``meta`` (the
         geometry a reader must match)."""
         entries = [[k, self._entries[k].slot] for k in self.policy.victims()]
         return {"format": INDEX_FORMAT, **meta, "num_slots": self.num_slots, "entries": entries}
 
+    @_locked
+    def snapshot_if_changed(self, meta: dict[str, Any], since: int) -> tuple[int, dict[str, Any]] | None:
+        """``(generation, snapshot)`` when the index changed after generation ``since``
+        (one consistent view for a thread that did not make the changes); else None."""
+        if self.generation == since:
+            return None
+        return self.generation, self.snapshot(meta)
+
+    @_locked
     def restore(self, data: dict[str, Any], meta: dict[str, Any]) -> int:
         """Load the ready entries of a snapshot whose geometry equals ``meta`` and
         ``num_slots``; returns how many were kept (0 and nothing changed when the

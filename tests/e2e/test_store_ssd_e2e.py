@@ -79,7 +79,9 @@ def test_ssd_tier_raises_the_hit_rate_and_damaged_slots_are_misses(plain: list[l
 def test_persistent_tier_serves_a_restarted_engine(plain: list[list[int]], tmp_path: Path) -> None:
     """``persist: true``: the index written at close is loaded by the next engine on the
     same directory, whose requests then load their prefixes from the slot files."""
-    ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 32 << 20, "persist": True}
+    # a short interval: the index is on disk before the shutdown, which vLLM may cut short
+    # (it kills an engine core whose workers take over 5 s to exit, before our close)
+    ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 32 << 20, "persist": True, "persist_interval_s": 0.5}
     cfg = store_config(HOST_PAGES, OBJECT_BYTES, ssd)
     first_turn, second_turn = PROMPTS[:6], PROMPTS[6:12]
     with tiny_llm(tiny_model(), cfg) as llm:

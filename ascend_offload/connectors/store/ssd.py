@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -87,6 +88,13 @@ class SsdScheduler:
             remove_index_file(self.index_path)
         self._saved_generation = self.ssd.generation
         self._last_save = clock()
+        self._write_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._persister: threading.Thread | None = None
+        if c.persist:
+            # an idle engine makes no more steps: its last changes are written from here
+            self._persister = threading.Thread(target=self._persist_loop, name="ascend-ssd-index", daemon=True)
+            self._persister.start()
         log.info("%s: SSD tier in %s: %d slots of %d bytes per rank%s", NAME, c.path, num_slots, slot_b,
                  f", persistent ({kept} entries kept)" if c.persist else "")
 
@@ -108,19 +116,32 @@ class SsdScheduler:
 
     def maybe_persist(self, force: bool = False) -> bool:
         """Write the index when it changed, at most every ``persist_interval_s`` (always when
-        ``force``); True when written."""
-        if not self.cfg.persist or self.ssd.generation == self._saved_generation:
+        ``force``); True when written. Called by the scheduler each step and by the
+        persister thread, so the last change of a run is on disk within the interval even
+        if vLLM kills the engine core before its connector's shutdown."""
+        if not self.cfg.persist:
             return False
-        now = self._clock()
-        if not force and now - self._last_save < self.cfg.persist_interval_s:
-            return False
-        try:
-            write_index_file(self.index_path, self.ssd.snapshot(self._meta))
-        except OSError as exc:
-            log.warning("%s: cannot write the SSD index %s: %s", NAME, self.index_path, exc)
-            return False
-        self._saved_generation, self._last_save = self.ssd.generation, now
-        return True
+        with self._write_lock:
+            now = self._clock()
+            if not force and now - self._last_save < self.cfg.persist_interval_s:
+                return False
+            changed = self.ssd.snapshot_if_changed(self._meta, self._saved_generation)
+            if changed is None:
+                return False
+            try:
+                write_index_file(self.index_path, changed[1])
+            except OSError as exc:
+                log.warning("%s: cannot write the SSD index %s: %s", NAME, self.index_path, exc)
+                return False
+            self._saved_generation, self._last_save = changed[0], now
+            return True
+
+    def _persist_loop(self) -> None:
+        while not self._stop.wait(self.cfg.persist_interval_s):
+            try:
+                self.maybe_persist()
+            except Exception:  # never let the thread die silently: the next round retries
+                log.exception("%s: persisting the SSD index failed", NAME)
 
     def gauges(self) -> dict[str, int]:
         return {"ssd_used_slots": self.ssd.used_slots}
@@ -133,6 +154,9 @@ class SsdScheduler:
         log.info("%s: SSD tier reset: %d entries dropped", NAME, gone)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._persister is not None:
+            self._persister.join(timeout=30)
         self.maybe_persist(force=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

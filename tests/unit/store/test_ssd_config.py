@@ -6,6 +6,8 @@ restored at start, removed without ``persist``, one engine per directory."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +121,26 @@ def test_persisted_index_is_throttled_written_at_close_and_restored(tmp_path: Pa
     c = _scheduler(settings(tmp_path, persist=False), clock)  # without persist: forgotten
     assert len(c.ssd) == 0 and not c.index_path.exists()
     c.close()
+
+
+def test_an_idle_engines_last_change_is_written_without_a_step_or_close(tmp_path: Path) -> None:
+    """vLLM may kill the engine core before its connector's shutdown runs: the persister
+    thread writes the last change within the interval, with no scheduler call after it."""
+
+    from ascend_offload.store.ssd_index import read_index_file
+
+    a = _scheduler(settings(tmp_path, persist=True, interval=0.05), time.monotonic)  # type: ignore[arg-type]
+    try:
+        a.ssd.allocate(["k0", "k1"])
+        a.ssd.mark_ready(["k0", "k1"])
+        deadline = time.monotonic() + 10
+        while not (a.index_path.exists() and len(read_index_file(a.index_path)["entries"]) == 2):
+            assert time.monotonic() < deadline, "the idle change was never written"
+            time.sleep(0.02)
+        assert [k for k, _ in read_index_file(a.index_path)["entries"]] == ["k0", "k1"]
+    finally:
+        a.close()
+    assert not any(t.name == "ascend-ssd-index" and t.is_alive() for t in threading.enumerate())
 
 
 def test_an_index_of_another_geometry_is_not_restored(tmp_path: Path) -> None:
