@@ -101,7 +101,6 @@ class SsdScheduler:
     def meta(self) -> dict[str, Any]:
         """This step's spill and promote jobs (fields of ``StoreConnectorMetadata``)."""
         self.jobs.plan_spills()
-        self.maybe_persist()
         return {"ssd_spills": self.jobs.take_spills(), "ssd_promotes": self.jobs.take_promotes()}
 
     def watch(self, keys: Iterable[str]) -> None:
@@ -116,9 +115,9 @@ class SsdScheduler:
 
     def maybe_persist(self, force: bool = False) -> bool:
         """Write the index when it changed, at most every ``persist_interval_s`` (always when
-        ``force``); True when written. Called by the scheduler each step and by the
-        persister thread, so the last change of a run is on disk within the interval even
-        if vLLM kills the engine core before its connector's shutdown."""
+        ``force``); True when written. The persister thread calls it, off the scheduler's
+        step, so the last change of a run is on disk within the interval even if vLLM
+        kills the engine core before its connector's shutdown."""
         if not self.cfg.persist:
             return False
         with self._write_lock:
@@ -137,11 +136,17 @@ class SsdScheduler:
             return True
 
     def _persist_loop(self) -> None:
-        while not self._stop.wait(self.cfg.persist_interval_s):
+        while not self._stop.wait(self._next_persist_wait()):
             try:
                 self.maybe_persist()
             except Exception:  # never let the thread die silently: the next round retries
                 log.exception("%s: persisting the SSD index failed", NAME)
+
+    def _next_persist_wait(self) -> float:
+        """Until the last write's interval ends (a change is then written at once), or a
+        whole interval when it already has."""
+        left = self._last_save + self.cfg.persist_interval_s - self._clock()
+        return left if left > 0 else self.cfg.persist_interval_s
 
     def gauges(self) -> dict[str, int]:
         return {"ssd_used_slots": self.ssd.used_slots}
