@@ -247,7 +247,11 @@ class LocalStore(KVStore):
                 self._policy.miss(keys[n])  # the prefix stops here (ARC: a ghost hit?)
             return n
 
-    def pin(self, keys: Sequence[str]) -> Pin | None:
+    def pin(self, keys: Sequence[str], *, touch: bool = True) -> Pin | None:
+        """Hold committed ``keys`` (all or none). ``touch=False`` for a pin the store's
+        owner takes for itself (a write-behind spill reading the pages, a guard while
+        it allocates): not a use, so the eviction policy must not see a hit (ARC would
+        move every such key to T2 and lose its scan resistance)."""
         keys = list(dict.fromkeys(keys))  # a key pinned twice in one call counts once
         with self._lock:
             objs = [self._objects.get(k) for k in keys]
@@ -258,7 +262,8 @@ class LocalStore(KVStore):
                 if obj.pins == 0:
                     self._evictable -= len(obj.pages)
                 obj.pins += 1
-            self._policy.touch_many(keys)  # a pin is a hit that will be read
+            if touch:
+                self._policy.touch_many(keys)  # a pin is a hit that will be read
             token = next(self._tokens)
             self._pins[token] = frozenset(keys)
             return Pin(keys=tuple(keys), token=token)

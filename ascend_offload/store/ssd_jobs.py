@@ -135,7 +135,7 @@ class SsdJobs(TierWaits):
         slots = self.ssd.allocate(ready)
         keys = [k for k, s in zip(ready, slots, strict=True) if s is not None]
         self.totals["ssd_spill_skipped"] += len(ready) - len(keys)
-        pin = self.index.pin(keys) if keys else None
+        pin = self.index.pin(keys, touch=False) if keys else None  # the writer's hold, not a hit
         if pin is None:  # cannot happen single-threaded (committed a moment ago); stay safe
             self.ssd.drop(keys)
             return

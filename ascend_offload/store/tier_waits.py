@@ -76,7 +76,8 @@ class TierWaits(abc.ABC):
         the host prefix is pinned meanwhile so it is not evicted to make room."""
         if n <= 0:
             return []
-        guard = self.index.pin(keys[:local_hit]) if local_hit else None
+        # a guard, not a hit: the lookup's offer pins (and touches) what it serves
+        guard = self.index.pin(keys[:local_hit], touch=False) if local_hit else None
         try:
             handles = self.index.allocate(keys[local_hit:local_hit + n], [self.page_bytes] * n)
         finally:
