@@ -9,7 +9,8 @@ shorter: a miss, recomputed.
 
 Rules (each a unit test):
 
-* a request consults the shared tier once; its next lookups use the local index;
+* a request consults the shared tier once per admission (again after a preemption);
+  its next lookups use the local index;
 * a fetch is committed only when every rank fetched it whole, aborted otherwise,
   and never aborted when a rank says a transfer may still write its pages;
 * a request never waits past ``timeout_s`` for a fetch.

@@ -173,6 +173,12 @@ class RequestBook(Generic[E]):
             self._count(e, "remote_blocks", sum(1 for k in pin.keys if k in fetched))
         return e, pin, first, last
 
+    def preempted(self, req_id: str) -> None:
+        """vLLM preempted the request: its resumption consults the tier behind the local
+        pages again (blocks that went there meanwhile come back, not recomputed)."""
+        if self.remote is not None:
+            self.remote.again(req_id)
+
     # ------------------------------------------------------------------ end
 
     def finish(self, req_id: str) -> dict[str, int] | None:

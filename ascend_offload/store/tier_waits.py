@@ -103,6 +103,13 @@ class TierWaits(abc.ABC):
         """Keys brought in from the tier for this request."""
         return self._brought_for.get(req_id, frozenset())
 
+    def again(self, req_id: str) -> None:
+        """vLLM preempted the request: its next admission consults the tier again. Why:
+        "asked" holds for one admission only; while the request was out its blocks may
+        have gone to the tier and left the host pages (an SSD spill, another engine's
+        publish), and without a new consult they would be recomputed."""
+        self.forget(req_id)
+
     def forget(self, req_id: str) -> None:
         """The request finished; its job (if any) still settles on the ranks' reports."""
         self._waiting.pop(req_id, None)

@@ -130,6 +130,7 @@ class StoreScheduler(abc.ABC):
         rid = request.request_id
         n = self._computed_blocks.get(rid, 0)
         if self.residency.preempt(rid, request.num_preemptions, self._keys(request, n), self._save_pending):
+            self.book.preempted(rid)  # its resumption asks the SSD / shared tier again
             log.debug("%s: request %s preempted with %d computed full blocks (%s)", NAME, rid, n,
                       self.residency.state(rid).value)
 
