@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,31 @@ class RankConfig:
     request_timeout_s: float = 20.0
     read_retries: int = 1
     engine_id: str = ""
+    # deadlines move only on ``advance`` RPCs, so a test decides when they pass
+    manual_clock: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _RankClock:
+    """A rank's clock: ``time.monotonic`` or, with ``manual_clock``, moved by ``advance``."""
+
+    def __init__(self, manual: bool) -> None:
+        self.manual = manual
+        self._offset = 0.0
+        self._frozen = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        if not self.manual:
+            return time.monotonic()
+        with self._lock:
+            return self._frozen + self._offset
+
+    def advance(self, seconds: float) -> None:
+        if not self.manual:
+            raise RankError("advance needs RankConfig(manual_clock=True)")
+        with self._lock:
+            self._offset += seconds
 
 
 def _layers(arrays: list[tuple[np.ndarray, np.ndarray | None]]) -> list[Any]:
@@ -92,10 +117,11 @@ class _PrefillRank:
         self.engine = create_engine(cfg.backend, host=cfg.host)
         self.arrays = cfg.shape.arrays(cfg.seed)
         self.releases: list[Any] = []
+        self.clock = _RankClock(cfg.manual_clock)
         self.producer = Producer(
             engine_id=cfg.engine_id or "prefill", p_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), ack_timeout_s=cfg.ack_timeout_s,
-            listener=self.releases.append, request_timeout_s=cfg.request_timeout_s,
+            listener=self.releases.append, request_timeout_s=cfg.request_timeout_s, clock=self.clock,
         )
         self.outcomes: list[Any] = []
 
@@ -137,6 +163,9 @@ class _PrefillRank:
     def pending_slots(self) -> dict[int, int]:
         return self.producer.pending_slots()
 
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
     def meta(self) -> bytes:
         """This rank's encoded ``mf_meta`` (endpoint + layout), for raw-read baselines."""
         return self.producer._meta
@@ -159,11 +188,12 @@ class _DecodeRank:
         self.engine = create_engine(cfg.backend, host=cfg.host, timeout_s=cfg.read_timeout_s)
         self.arrays = cfg.shape.arrays(None)
         self.port = decode_port(cfg.kv_port, dp_rank=cfg.dp_rank, d_tp=cfg.d_tp, tp_rank=cfg.rank)
+        self.clock = _RankClock(cfg.manual_clock)
         self.consumer = Consumer(
             engine_id=cfg.engine_id or "decode", d_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), host=cfg.host, port=self.port,
             read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
-            read_retries=cfg.read_retries,
+            read_retries=cfg.read_retries, clock=self.clock,
         )
         self.t_expect: dict[str, float] = {}
 
@@ -212,6 +242,9 @@ class _DecodeRank:
 
     def active(self) -> list[str]:
         return self.consumer.active()
+
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
 
     def stats(self) -> dict[str, int]:
         return asdict(self.consumer.stats)

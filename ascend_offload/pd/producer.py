@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -417,7 +418,10 @@ class Producer:
         if s is None:
             s = self._ctx.socket(zmq.DEALER)
             try:
-                s.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.p_rank}".encode())
+                # A fresh, unguessable identity per connection: decode's ROUTER drops a
+                # connection whose identity it still holds (no handover without keys), so a
+                # reconnect right after an idle close would otherwise be silently refused.
+                s.setsockopt(zmq.IDENTITY, f"{self.engine_id}/{self.p_rank}/{secrets.token_hex(8)}".encode())
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.SNDHWM, 10000)
                 s.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # answers are small; a bigger one is not decode's

@@ -12,6 +12,7 @@ objects outlive the engine that published them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -226,15 +227,19 @@ def test_master_killed_mid_run_then_back(master: SimpleNamespace, engine_b: Simp
         probe = master.holder.counts.published_blocks
         master.holder.publish([f"probe-{time.monotonic()}"], [0])
         time.sleep(0.2)
-    time.sleep(3 * 0.5)  # the scheduler's and the rank's probes (retry_interval_s) see it back
-    for p in RESUME:  # a few tries: a publish can still meet the remount window
-        one_by_one(llm, [p], baseline)  # computed, published
+    # The scheduler's and the rank's probes (retry_interval_s) see the master back on their
+    # own schedule, and a publish can still meet the remount window: try until one
+    # prefix round-trips through the store, bounded by a deadline, not by a count.
+    deadline = time.monotonic() + 120
+    s: dict[str, Any] = {}
+    for attempt in itertools.count():
+        assert time.monotonic() < deadline, f"no prefix loaded from the store after the restart: {s}"
+        p = RESUME[attempt % len(RESUME)]
+        one_by_one(llm, [p], baseline)  # computed (or loaded), published
         one_by_one(llm, FILLER, baseline)  # pushes it out of B's local pool
         s = st(run(llm, [p], baseline)[0])
         if s["remote_blocks"] == blocks(p):
             break
-    else:
-        pytest.fail(f"no prefix loaded from the store after the restart: {s}")
     assert s["store"]["remote_outages"] == 1
     llm.llm_engine.engine_core.shutdown()  # flush the engine's log before reading it
     sched = log_lines(engine_b.log, "unreachable from the scheduler")

@@ -77,8 +77,10 @@ def test_garbled_and_invalid_messages_to_decode(ranks, zsock):
 
 def test_dropped_layer_fails_exactly_that_request(ranks):
     port = free_port()
-    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port, request_timeout_s=1.5))
-    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, request_timeout_s=1.5))
+    # Both ranks' deadlines move only when the test advances them: "fine" ends on its
+    # own, then the 1.5 s request deadline passes for "lost".
+    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port, request_timeout_s=1.5, manual_clock=True))
+    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, request_timeout_s=1.5, manual_clock=True))
     d.call("expect", "lost", [0, 1, 2])
     d.call("expect", "fine", [5, 6])
     p.call("add", "lost", [0, 1, 2], "127.0.0.1", port, 1)
@@ -86,7 +88,11 @@ def test_dropped_layer_fails_exactly_that_request(ranks):
     for layer in range(SHAPE.num_layers):
         # layer 2's readiness for "lost" is dropped
         p.call("publish", layer, None if layer != 2 else ["fine"])
-    outs = {o[0]: o for o in d.call("wait", 2, 20.0, timeout_s=30)}
+    outs = {o[0]: o for o in d.call("wait", 1, 20.0, timeout_s=30)}
+    assert list(outs) == ["fine"]  # "lost" still waits for its layer 2
+    d.call("advance", 2.0)
+    p.call("advance", 2.0)
+    outs.update({o[0]: o for o in d.call("wait", 1, 20.0, timeout_s=30)})
     assert outs["fine"][1] and outs["fine"][2] == ()
     assert not outs["lost"][1] and outs["lost"][2] == (0, 1, 2)
     assert any("layer 2" in r and "timeout" in r for r in outs["lost"][3])

@@ -56,18 +56,24 @@ def test_decode_killed_mid_transfer_slot_freed(ranks):
     """Decode dies after reading part of a request: prefill fails the slot at its deadline, then serves on."""
     port = free_port_range(1)
     d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port))
-    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, ack_timeout_s=1.0))
+    # The prefill's 1 s ack deadline passes only when the test advances its clock.
+    p = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, ack_timeout_s=1.0, manual_clock=True))
     d.call("expect", "r1", [0, 1, 2])
     p.call("add", "r1", [5, 6, 7], "127.0.0.1", port, 1)
     p.call("publish", 0)
     p.call("publish", 1)
+    acked: list = []
     deadline = time.monotonic() + 20
-    while len([r for r in p.call("drain_releases") if r[2]]) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # layer 0 or 1 acknowledged: decode is mid-transfer
+    while not acked and time.monotonic() < deadline:
+        acked += [r for r in p.call("drain_releases") if r[2]]
+        time.sleep(0.05)
+    assert acked, "decode never acknowledged layer 0 or 1"  # decode is mid-transfer
     d.kill()
     p.call("publish", 2)
     p.call("publish", 3)
-    sent = p.call("finished", 1, 20.0, timeout_s=30)  # ends by the 1 s ack deadline, never a hang
+    assert p.call("finished", 1, 0.5) == []  # nobody answers layers 2 and 3, the deadline is ahead
+    p.call("advance", 2.0)
+    sent = p.call("finished", 1, 20.0, timeout_s=30)  # ends by the ack deadline, never a hang
     assert len(sent) == 1 and sent[0][0] == "r1" and not sent[0][1]
     assert 2 in sent[0][2] and 3 in sent[0][2]
     assert p.call("pending_slots") == {}

@@ -113,9 +113,9 @@ def test_outage_is_misses_logged_once_per_client_then_resumes(
     assert len(down) == 3, down  # scheduler, and each rank that called
     assert index.health.outages == 1 and a.health.outages == 1 and b.health.outages == 1
     assert a.counts.publish_skipped >= 20
-    t0 = time.monotonic()
+    asked = index.lookups
     assert index.lookup_prefix(["o0"]) == 0
-    assert time.monotonic() - t0 < 0.1  # while down the data path never waits on the master
+    assert index.lookups == asked  # while down the data path never calls the master (only the prober)
 
     master.start()  # restarts with an empty index; the holder remounts its segment
     deadline = time.monotonic() + 30
@@ -152,8 +152,9 @@ p.close()
 # Its own process: Mooncake reads the transport deadline once, at the first client.
 READER = _CLIENT + """
 import time
-p = RemotePages(cfg, {"l": torch.zeros((2, 1 << 20), dtype=torch.uint8)}, 0, deadline_s=2.0)
-print("first", *p.fetch(["s0"], [0]), flush=True)
+plane = torch.zeros((2, 1 << 20), dtype=torch.uint8)
+p = RemotePages(cfg, {"l": plane}, 0, deadline_s=2.0)
+print("first", *p.fetch(["s0"], [0]), bool(plane[0].eq(1).all()), flush=True)
 sys.stdin.readline()
 t0 = time.monotonic()
 ok, reusable = p.fetch(["s1"], [1])
@@ -171,7 +172,9 @@ def test_fetch_from_a_stopped_peer_ends_at_the_deadline(master: MooncakeMaster) 
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "GLOG_minloglevel": "3"}
+    # MC_STORE_MEMCPY=0: in a TCP-only setup Mooncake may copy a same-host replica with a
+    # local memcpy, which never asks the holder; the test needs every read to go to it.
+    env = {**os.environ, "PYTHONPATH": str(root), "GLOG_minloglevel": "3", "MC_STORE_MEMCPY": "0"}
 
     def start(script: str, segment: int) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-c", script, master.address, str(segment)], cwd=root,
@@ -182,7 +185,7 @@ def test_fetch_from_a_stopped_peer_ends_at_the_deadline(master: MooncakeMaster) 
     try:
         assert holder.stdout is not None and holder.stdout.readline().split() == ["published", "2"]
         reader = start(READER, 0)
-        assert reader.stdout is not None and reader.stdout.readline().split() == ["first", "True", "True"]
+        assert reader.stdout is not None and reader.stdout.readline().split() == ["first", "True", "True", "True"]
         os.kill(holder.pid, signal.SIGSTOP)
         try:
             assert reader.stdin is not None

@@ -14,6 +14,7 @@ from ascend_offload.pd.consumer import Consumer
 from ascend_offload.pd.producer import DecodeTarget, Producer, SlotRelease
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import LoopbackEngine
+from tests.support.clock import ManualClock
 
 WAIT = 10.0
 
@@ -21,14 +22,15 @@ WAIT = 10.0
 class Pair:
     def __init__(self, port: int, make_kv, *, layers: int = 3, p_blocks: int = 16, d_blocks: int = 12,
                  ack_timeout_s: float = 5.0, request_timeout_s: float = 10.0, d_main=(4, 8),
-                 d_indexer=(4, 2), start_consumer: bool = True) -> None:
+                 d_indexer=(4, 2), start_consumer: bool = True, clock=None) -> None:
         self.releases: list[SlotRelease] = []
         self.src, src_desc = make_kv(layers, p_blocks, seed=1)
         self.dst, dst_desc = make_kv(layers, d_blocks, main_shape=d_main, indexer_shape=d_indexer)
         self.pe, self.de = LoopbackEngine(), LoopbackEngine()
         topo = Topology(1, 1)
         self.producer = Producer(engine_id="P", p_rank=0, topology=topo, transfer=self.pe, layers=src_desc,
-                                 ack_timeout_s=ack_timeout_s, listener=self.releases.append)
+                                 ack_timeout_s=ack_timeout_s, listener=self.releases.append,
+                                 **({"clock": clock} if clock is not None else {}))
         self.consumer = None
         if start_consumer:
             self.consumer = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=self.de,
@@ -135,7 +137,9 @@ def test_dead_decode_releases_slot_at_deadline(pair_factory):
 
 
 def test_late_ack_is_stale_not_accepted(pair_factory, port):
-    pr = pair_factory(ack_timeout_s=0.2, start_consumer=False)
+    # The producer's ack deadlines move only when the test says: r1's passes, r2's never does.
+    clock = ManualClock()
+    pr = pair_factory(ack_timeout_s=0.2, start_consumer=False, clock=clock)
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{port}")
@@ -147,6 +151,8 @@ def test_late_ack_is_stale_not_accepted(pair_factory, port):
         assert isinstance(P.decode(meta), P.MfMeta)
         ident, data = router.recv_multipart()
         item = P.decode(data).items[0]
+        assert not pr.releases  # the deadline has not passed on the producer's clock
+        clock.advance(1.0)
         end = time.monotonic() + WAIT
         while not pr.releases and time.monotonic() < end:
             time.sleep(0.01)
@@ -253,8 +259,9 @@ def test_reuse_gate_waits_for_decode_read(port_pair, kv):
     dst, dst_desc = kv(2, 4)
     pe, de = LoopbackEngine(), LoopbackEngine()
     topo = Topology(1, 1)
+    clock = ManualClock()  # the ack deadline passes only when the test advances it
     prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc,
-                    ack_timeout_s=2.0, listener=gate_listener(gate))
+                    ack_timeout_s=2.0, listener=gate_listener(gate), clock=clock)
     cons = None
     try:
         prod.add_request("r", [1], DecodeTarget("127.0.0.1", port, 1))
@@ -274,6 +281,8 @@ def test_reuse_gate_waits_for_decode_read(port_pair, kv):
         prod.add_request("r2", [0], DecodeTarget("127.0.0.1", port + 1, 1), num_layers=2)
         tok2 = gate.add_consumer(0, lease2.generation, "rd2h")
         prod.publish_layer(1, slot=0, tag=tok2)
+        assert not gate.is_free(0)
+        clock.advance(3.0)
         lease3 = gate.acquire_write(0, "layer0", timeout_s=WAIT)
         assert gate.stats().consumers_failed == 1
         gate.release_write(lease3)
@@ -309,11 +318,15 @@ def test_consumer_fail_ends_request_and_unknown_gets_outcome(pair_factory):
 
 
 def test_abort_waits_for_published_layers(pair_factory):
-    pr = pair_factory(ack_timeout_s=0.5, start_consumer=False)
+    clock = ManualClock()
+    pr = pair_factory(ack_timeout_s=0.5, start_consumer=False, clock=clock)
     pr.producer.add_request("r1", [1], pr.target)
     pr.producer.publish_layer(0)
     pr.producer.abort_request("r1")
+    time.sleep(0.3)  # the I/O thread runs its deadline pass; the clock has not moved
     assert pr.producer.finished() == []  # layer 0 may still be read: not finished yet
+    assert not pr.releases
+    clock.advance(1.0)  # now layer 0's ack deadline passes
     sent = pr.wait_send(1)
     assert [(s.request_id, s.failed_layers) for s in sent] == [("r1", (0, 1, 2))]
     assert pr.releases and pr.releases[0].failures == (("r1", "timeout"),)
@@ -336,19 +349,21 @@ def test_injected_invalid_item_fails_fast_and_drop_times_out(port, kv):
     topo = Topology(1, 1)
     prod = Producer(engine_id="P", p_rank=0, topology=topo, transfer=pe, layers=src_desc, ack_timeout_s=5,
                     faults="none,invalid:1,drop:2")
-    # r2's layer 2 never arrives: it must time out well inside WAIT, and r0 must not
-    # (3 s leaves a loaded machine room to deliver r0's three layers)
+    # r2's layer 2 never arrives. The consumer's deadline moves only with the test's clock:
+    # r0 and r1 end on their own, then the clock passes r2's deadline.
+    clock = ManualClock()
     cons = Consumer(engine_id="D", d_rank=0, topology=topo, transfer=de, layers=dst_desc, port=port,
-                    request_timeout_s=3.0)
+                    request_timeout_s=3.0, clock=clock)
     try:
         for i in range(3):
             cons.expect(f"r{i}", [i])
             prod.add_request(f"r{i}", [i + 3], DecodeTarget("127.0.0.1", port, 1))
         for layer in range(3):
             prod.publish_layer(layer)
-        outs = {o.request_id: o for o in cons.wait_finished(3, WAIT)}
-        if len(outs) < 3:
-            outs.update({o.request_id: o for o in cons.wait_finished(3 - len(outs), WAIT)})
+        outs = {o.request_id: o for o in cons.wait_finished(2, WAIT)}
+        assert sorted(outs) == ["r0", "r1"]  # r2 waits for its dropped layer
+        clock.advance(3.5)
+        outs.update({o.request_id: o for o in cons.wait_finished(1, WAIT)})
         assert outs["r0"].ok and torch.equal(dst[2][0][:, 0], src[2][0][:, 3])
         assert not outs["r1"].ok and outs["r1"].failed_blocks == (1,) and "main=False" in outs["r1"].reasons[0]
         assert not outs["r2"].ok and outs["r2"].failed_blocks == (2,) and "timeout" in outs["r2"].reasons[0]

@@ -21,6 +21,7 @@ from ascend_offload.pd.producer import DecodeTarget, Producer, SlotRelease
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import LoopbackEngine, ReadOp
 from ascend_offload.transfer.mooncake import TIMEOUT_ENV, apply_read_deadline
+from tests.support.clock import ManualClock
 
 WAIT = 10.0
 TOPO = Topology(1, 1)
@@ -175,11 +176,14 @@ def test_unreachable_endpoint_fails_only_its_own_items(side, port) -> None:
 
 def test_idle_decode_sockets_are_closed(side, port) -> None:
     cons, _ = side.consumer(port)
-    prod, _ = side.producer(idle_socket_s=0.05)
+    clock = ManualClock()  # a socket goes idle only when the test moves the clock
+    prod, _ = side.producer(idle_socket_s=0.05, clock=clock)
     cons.expect("r", [5], num_layers=1)
     prod.add_request("r", [2], DecodeTarget("127.0.0.1", port, 1), num_layers=1)
     prod.publish_layer(0)
     assert finished(prod, 1)["r"].ok
+    assert prod.stats.sockets_closed == 0
+    clock.advance(1.0)
     wait_until(lambda: prod.sockets() == [], "the idle socket closed")
     assert prod.stats.sockets_closed == 1
     # The next request reconnects (and resends mf_meta).
@@ -187,6 +191,7 @@ def test_idle_decode_sockets_are_closed(side, port) -> None:
     prod.add_request("s", [3], DecodeTarget("127.0.0.1", port, 1), num_layers=1)
     prod.publish_layer(0)
     assert finished(prod, 1)["s"].ok
+    assert prod.stats.sockets_closed == 1  # the reconnected socket stays until it idles again
 
 
 # ----------------------------------------------------------------- defect: reads always end
@@ -250,12 +255,15 @@ def test_sender_metadata_is_bounded(side, port) -> None:
 
 
 def test_idle_reader_threads_are_retired(side, port) -> None:
-    cons, _ = side.consumer(port, reader_idle_s=0.05)
+    clock = ManualClock()  # a reader goes idle only when the test moves the clock
+    cons, _ = side.consumer(port, reader_idle_s=0.05, clock=clock)
     prod, _ = side.producer()
     cons.expect("r", [5], num_layers=1)
     prod.add_request("r", [2], DecodeTarget("127.0.0.1", port, 1), num_layers=1)
     prod.publish_layer(0)
     assert finished(prod, 1)["r"].ok
+    assert cons.peers()[1] == 1 and cons.stats.readers_retired == 0
+    clock.advance(1.0)
     wait_until(lambda: cons.peers()[1] == 0, "the idle reader retired")
     assert cons.stats.readers_retired == 1
     assert not [t for t in threading.enumerate() if t.name.startswith("pd-read-") and t.is_alive()

@@ -190,12 +190,15 @@ def test_a_service_that_stops_answering_is_bounded(cluster: FakeMemcacheCluster,
     """A call that does not come back within call_timeout_s is an outage; a put that
     overran quarantines its staging pages (the library may still read them), a put
     never sent (no call thread free) frees them."""
-    a = make(cluster, call_timeout_s=0.05, retry_interval_s=0.0, call_threads=1)
+    # Calls that answer get a deadline no loaded machine overruns; only the hung ones
+    # below get the short one, so the outage is the hang and nothing else.
+    a = make(cluster, call_timeout_s=30.0, retry_interval_s=0.0, call_threads=1)
     put(a, ["h0"], payload(10, 1))
     h1, h2 = a.allocate(["h1"], [PAGE]), a.allocate(["h2"], [PAGE])
     assert h1 and h1[0] and h2 and h2[0]
     a.write_batch(h1, payload(11, 1))  # type: ignore[arg-type]
     a.write_batch(h2, payload(12, 1))  # type: ignore[arg-type]
+    a._calls.timeout_s = 0.05
     cluster.hang()
     try:
         with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
@@ -210,6 +213,7 @@ def test_a_service_that_stops_answering_is_bounded(cluster: FakeMemcacheCluster,
         assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
     finally:
         cluster.unhang()
+    a._calls.timeout_s = 30.0
     done = threading.Event()
     a._calls._pool.submit(done.set)  # the overrun call returned: its thread is free again
     assert done.wait(10)

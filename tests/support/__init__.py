@@ -1,0 +1,1 @@
+"""Fakes and scaffolding that only the tests use (not shipped in the wheel)."""
