@@ -12,7 +12,14 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -238,6 +245,19 @@ class SparseOffloadConfig(_Strict):
     # misses; ahead of LRU when the indexer's focus drifts, level with it on uniform or
     # sink + window selections, a little behind where rows return exactly once).
     residency_policy: Literal["lru", "arc"] = "lru"
+    # Where the per-layer resolve runs: "host" (the native table, or its torch twin, on
+    # the CPU: the top-k crosses to the host every layer) or "device" (static-shape tensor
+    # ops next to the hot buffers: no host synchronization per layer, graph-capturable;
+    # exact LRU only).
+    residency_backend: Literal["host", "device"] = "host"
+
+    @field_validator("residency_backend")
+    @classmethod
+    def _device_is_lru(cls, v: str, info: ValidationInfo) -> str:
+        if v == "device" and info.data.get("residency_policy", "lru") != "lru":
+            raise ValueError("the device residency implements exact LRU only; use "
+                             "residency_policy 'lru' with it, or residency_backend 'host'")
+        return v
 
     def check_against(self, *, block_size: int, index_topk: int | None = None) -> None:
         """Cross-field checks that need the model/cache config."""

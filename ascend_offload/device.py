@@ -209,6 +209,69 @@ def record_after_compute() -> Any:
     return ev
 
 
+# ----------------------------------------------------------------- device reads, mapped host memory
+
+TOPK_READ = "sparse.topk"  # per layer: an indexer top-k handed to the host resolver
+STEP_READ = "sparse.step"  # per step: the device resolver's error flags and totals
+_reads: dict[str, int] = {}
+_reads_lock = threading.Lock()
+
+
+def host_read(t: torch.Tensor, *, reason: str) -> torch.Tensor:
+    """``t`` for host code, counted under ``reason`` whether or not bytes move: on an
+    NPU/GPU a device -> host copy the host waits for (a stream synchronization), on CPU
+    the tensor itself. Why counted: the sparse decode path shows it reads nothing per
+    layer with the device resolver, and what the host resolver reads (:func:`host_reads`)."""
+    with _reads_lock:
+        _reads[reason] = _reads.get(reason, 0) + 1
+    if is_host(t):
+        return t
+    with _memory.device_access():
+        return t.to("cpu")
+
+
+def host_reads() -> dict[str, int]:
+    """Totals of :func:`host_read` by reason, since the process started."""
+    with _reads_lock:
+        return dict(_reads)
+
+
+def device_view_of_host(t: torch.Tensor) -> torch.Tensor | None:
+    """A compute-device tensor over the bytes of contiguous host tensor ``t`` (device
+    kernels then gather from and scatter into host memory without a host-side copy),
+    or ``None`` where this platform has no such path here.
+
+    CPU: ``t`` itself. CUDA: pinned memory is mapped into the unified address space
+    (memory not pinned is registered first, ``cudaHostRegister``); the view is made
+    through ``__cuda_array_interface__`` and checked by reading its first bytes back.
+    NPU: ``None`` (no torch_npu call for a device view of host memory is wired here):
+    the caller keeps the host path."""
+    p = platform()
+    if p == "cpu":
+        return t
+    if p != "cuda" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    nbytes = t.numel() * t.element_size()
+    if not t.is_pinned():
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(getattr(err, "value", err)) != 0:
+            return None
+
+    class _Mapped:  # keeps ``t`` alive as long as the view
+        host = t
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (t.data_ptr(), False), "strides": None}
+
+    try:
+        raw = torch.as_tensor(_Mapped(), device=device())
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    n = min(nbytes, 64)
+    if not torch.equal(raw[:n].cpu(), t.view(-1).view(torch.uint8)[:n]):
+        return None
+    return raw.view(t.dtype).view(t.shape)
+
+
 # ----------------------------------------------------------------- host <-> device staging
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -40,10 +41,14 @@ from ascend_offload.native import (
     ARG_TAGS,
 )
 
+if TYPE_CHECKING:
+    from ascend_offload.sparse.device_residency import DeviceResidency
+
 logger = logging.getLogger(__name__)
 
 MAX_HOT_SIZE = 65534  # a slot takes at most 16 bits of a native entry; the mark index is 16 bits
 POLICIES = ("lru", "arc")  # the native table's policy ids are the indices
+BACKENDS = ("host", "device")  # where a layer's resolve runs (docs/sparse.md "Device residency")
 
 
 class ResidencyError(ValueError):
@@ -567,12 +572,30 @@ class TorchResidency:
 
 
 def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native: str = "auto",
-                   nthreads: int = 1, policy: str = "lru") -> NativeResidency | TorchResidency:
-    """``use_native``: ``auto`` (native if it builds, else the twin, logged once),
+                   nthreads: int = 1, policy: str = "lru", backend: str = "host",
+                   max_positions: int | None = None, device: torch.device | str | None = None,
+                   batch_sizes: Sequence[int] | None = None
+                   ) -> NativeResidency | TorchResidency | DeviceResidency:
+    """``backend``: ``host`` (this module's tables) or ``device`` (the static-shape table
+    of :mod:`~ascend_offload.sparse.device_residency`, exact LRU only, on ``device``,
+    indexing ``max_positions`` positions per request, padded to ``batch_sizes``).
+    ``use_native`` (host): ``auto`` (native if it builds, else the twin, logged once),
     ``on`` (native or raise), ``off`` (the twin). ``policy``: one of :data:`POLICIES`."""
+    if backend not in BACKENDS:
+        raise ResidencyError(f"key 'residency_backend'={backend!r}: accepted {', '.join(BACKENDS)}")
     if use_native not in ("auto", "on", "off"):
         raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
     _check_dims(num_layers, num_rows, hot_size, policy)
+    if backend == "device":
+        if policy != "lru":
+            raise ResidencyError(f"key 'residency_policy'={policy!r} with residency_backend "
+                                 "'device': the device table is exact LRU only")
+        if max_positions is None:
+            raise ResidencyError("the device residency needs max_positions (its map's width)")
+        from ascend_offload.sparse.device_residency import DeviceResidency
+
+        return DeviceResidency(num_layers, num_rows, hot_size, max_positions=max_positions,
+                               device=device, batch_sizes=batch_sizes)
     if use_native != "off":
         if native.available():
             return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads, policy=policy)
