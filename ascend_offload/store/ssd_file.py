@@ -36,6 +36,12 @@ import torch
 
 from ascend_offload import device
 from ascend_offload.store import ssd_format as fmt
+from ascend_offload.store.private_files import (
+    PrivatePathError,
+    open_private,
+    private_dir,
+    same_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +79,12 @@ class SlotFile:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.size = num_slots * slot_bytes
+        self._fd = self._io_fd = -1
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise SsdError(f"key 'local.ssd.path': cannot open {path}: {exc}") from None
+            private_dir(path.parent, "local.ssd.path")
+            self._fd = open_private(path, os.O_RDWR | os.O_CREAT, "local.ssd.path")
+        except PrivatePathError as exc:
+            raise SsdError(str(exc)) from None
         self._io_fd = self._fd
         try:
             try:
@@ -107,7 +114,13 @@ class SlotFile:
         why = ""
         fd = -1
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            # by name again (O_DIRECT cannot be set on the open descriptor): never through a
+            # link, and it must reach the file already held under the lock
+            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+            if not same_file(fd, self._fd):
+                os.close(fd)
+                raise SsdError(f"key 'local.ssd.path': {self.path} was replaced while it was opened")
             probe = mmap.mmap(-1, fmt.ALIGN)
             try:
                 os.preadv(fd, [probe], 0)

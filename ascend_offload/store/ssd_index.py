@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ascend_offload.store.eviction import make_policy
+from ascend_offload.store.private_files import PrivatePathError, open_private
 
 log = logging.getLogger(__name__)
 
@@ -254,11 +255,29 @@ class SsdIndex:
         return len(parsed)
 
 
+#: bytes a persisted index may take per slot (a key, its slot number, JSON punctuation);
+#: a file larger than the tier's slots could need is not read (see :func:`max_index_bytes`)
+INDEX_BYTES_PER_SLOT = 1024
+_INDEX_HEAD_BYTES = 64 << 10  # format, geometry, weights identity
+
+
+def max_index_bytes(num_slots: int) -> int:
+    """The largest index file a tier of ``num_slots`` slots reads at start."""
+    return _INDEX_HEAD_BYTES + num_slots * INDEX_BYTES_PER_SLOT
+
+
 def write_index_file(path: Path, data: dict[str, Any]) -> None:
-    """Atomically replace ``path`` with ``data`` (tmp file, fsync, rename, fsync dir)."""
+    """Atomically replace ``path`` with ``data`` (tmp file, fsync, rename, fsync dir). The
+    temporary file is created 0600 and exclusively (a stale one of a crashed write is
+    removed first; a link planted under its name makes the write fail, never followed)."""
     tmp = path.with_name(path.name + ".tmp")
     payload = json.dumps(data, separators=(",", ":")).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # unlink removes a link itself, never its target
+    try:
+        fd = open_private(tmp, os.O_WRONLY, "local.ssd.path", exclusive=True)
+    except PrivatePathError as exc:
+        raise OSError(str(exc)) from None
     try:
         view = memoryview(payload)
         while view:
@@ -266,7 +285,7 @@ def write_index_file(path: Path, data: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # rename replaces a link at ``path`` itself, never its target
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -274,19 +293,35 @@ def write_index_file(path: Path, data: dict[str, Any]) -> None:
         os.close(dfd)
 
 
-def read_index_file(path: Path) -> dict[str, Any] | None:
-    """The index saved at ``path``; None when absent or unreadable (logged)."""
+def read_index_file(path: Path, max_bytes: int | None = None) -> dict[str, Any] | None:
+    """The index saved at ``path``; None when absent, or (logged once, here) unreadable,
+    a link, larger than ``max_bytes``, not JSON (nested past the parser's recursion limit
+    included) or not an object: a bad index means "start empty", never a failed start."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
+        fd = open_private(path, os.O_RDONLY, "local.ssd.path")
+    except PrivatePathError as exc:
+        if not path.exists() and not path.is_symlink():
+            return None
         log.warning("SSD tier: cannot read index %s (%s); starting empty", path, exc)
         return None
     try:
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            log.warning("SSD tier: index %s has %d bytes, more than the %d this tier's slots could "
+                        "need; not read, starting empty", path, size, max_bytes)
+            return None
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            raw = fh.read(size + 1)
+    except OSError as exc:
+        log.warning("SSD tier: cannot read index %s (%s); starting empty", path, exc)
+        return None
+    finally:
+        os.close(fd)
+    try:
         data = json.loads(raw)
-    except ValueError as exc:
-        log.warning("SSD tier: index %s is not valid JSON (%s); starting empty", path, exc)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        log.warning("SSD tier: index %s is not valid JSON (%s); starting empty", path, why)
         return None
     if not isinstance(data, dict):
         log.warning("SSD tier: index %s is not an object; starting empty", path)

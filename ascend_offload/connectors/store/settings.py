@@ -19,6 +19,7 @@ from ascend_offload.config import (
 )
 from ascend_offload.store.backends import SHARED_BACKENDS
 from ascend_offload.store.keys import layout_fingerprint
+from ascend_offload.store.weights_id import weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,6 +54,9 @@ class StoreSettings:
     world_size: int  # worker ranks that each hold a shard of every object
     fingerprint: str  # model + KV layout + parallelism: part of every key
     engine_id: str
+    # the weights the KV is computed with (store/weights_id.py): what a persisted SSD index
+    # must match besides the fingerprint; "" when nothing is persisted
+    weights_id: str = ""
 
     @property
     def layerwise(self) -> bool:
@@ -111,6 +115,7 @@ class StoreSettings:
             )
         pc = vllm_config.parallel_config
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        mc = vllm_config.model_config
         return cls(
             cfg=cfg,
             block_size=block_size,
@@ -124,4 +129,25 @@ class StoreSettings:
                 pc.tensor_parallel_size, pc.pipeline_parallel_size,
             ),
             engine_id=str(tc.engine_id),
+            weights_id=persisted_weights_id(cfg, mc.model, getattr(mc, "revision", None)),
         )
+
+
+def persisted_weights_id(cfg: StoreConnectorConfig, model: str, revision: str | None) -> str:
+    """The weights identity a persisted SSD index is kept under ("" without ``persist``).
+    Why: the key fingerprint does not cover the weights, so after an in-place checkpoint
+    update a restart would serve the old weights' KV. The identity comes from the model's
+    files (config + weight files' sizes and modification times); when they are not on
+    disk here, ``model_tag`` must name the weights (change it with them)."""
+    ssd = cfg.local.ssd
+    if ssd is None or not ssd.persist:
+        return ""
+    found = weights_identity(model, revision)
+    if found is not None:
+        return f"files:{found}"
+    if cfg.model_tag:
+        return f"model_tag:{cfg.model_tag}"
+    raise ConfigError(
+        f"key 'local.ssd.persist'=True: the weights of model {model!r} are not in a local "
+        "directory, so a restart after a weight update could not tell its KV apart; set "
+        "'model_tag' to name the weights (and change it when they change), or persist: false")

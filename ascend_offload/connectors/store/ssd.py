@@ -3,11 +3,14 @@ workers call; the rules are vLLM-free in ``store/ssd_*.py`` (docs/store.md, "SSD
 
 Files in ``local.ssd.path`` (one engine per directory; each file is held under an
 exclusive ``flock``): ``ssd-<fingerprint>-r<rank>.slots`` per worker rank, and with
-``persist`` the scheduler's ``ssd-<fingerprint>.index.json`` (and ``.lock``).
+``persist`` the scheduler's ``ssd-<fingerprint>.index.json`` (and ``.lock``). All are
+0600, never opened through a link, in a directory only this user can write
+(``store/private_files.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -20,13 +23,15 @@ from typing import Any
 
 import torch
 
-from ascend_offload.config import ConfigError
+from ascend_offload.config import ConfigError, SsdTierConfig
 from ascend_offload.connectors.store.settings import NAME, StoreSettings
 from ascend_offload.store import ssd_format as fmt
 from ascend_offload.store.local import LocalStore
+from ascend_offload.store.private_files import PrivatePathError, open_private, private_dir
 from ascend_offload.store.ssd_file import RankTier, SlotFile, SsdError
 from ascend_offload.store.ssd_index import (
     SsdIndex,
+    max_index_bytes,
     read_index_file,
     remove_index_file,
     write_index_file,
@@ -62,41 +67,75 @@ class SsdScheduler:
                             timeout_s=settings.cfg.load_timeout_s,
                             max_inflight=max(1, settings.num_pages // 2))
         self._clock = clock
+        self._lock_fd = -1
+        self._stop = threading.Event()
+        self._persister: threading.Thread | None = None
+        self._write_lock = threading.Lock()
         directory = Path(c.path)
+        self.index_path = directory / f"ssd-{settings.fingerprint}.index.json"
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(directory / f"ssd-{settings.fingerprint}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"key 'local.ssd.path'={c.path!r}: {exc}") from None
+            private_dir(directory, "local.ssd.path")
+            self._lock_fd = open_private(directory / f"ssd-{settings.fingerprint}.lock",
+                                         os.O_RDWR | os.O_CREAT, "local.ssd.path")
+        except PrivatePathError as exc:
+            raise ConfigError(str(exc)) from None
+        try:  # from here on the lock file is ours: any error releases it
+            self._start(settings, c, slot_b, num_slots)
+        except BaseException:
+            self._release()
+            raise
+
+    def _start(self, settings: StoreSettings, c: SsdTierConfig, slot_b: int, num_slots: int) -> None:
+        """Take the directory's lock, load a persisted index (a bad one: start empty, logged
+        once) and start the persister thread."""
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self._lock_fd)
             raise ConfigError(f"key 'local.ssd.path'={c.path!r}: in use by another engine") from None
-        self.index_path = directory / f"ssd-{settings.fingerprint}.index.json"
+        # what a persisted index must match: the keys' layout, the slot geometry and the
+        # weights it was computed with (an in-place checkpoint update keeps the key
+        # fingerprint; its KV must not be served)
         self._meta = {"fingerprint": settings.fingerprint, "slot_bytes": slot_b,
-                      "page_bytes": settings.page_bytes, "world_size": settings.world_size}
+                      "page_bytes": settings.page_bytes, "world_size": settings.world_size,
+                      "weights": getattr(settings, "weights_id", "")}
         kept = 0
         if c.persist:
-            data = read_index_file(self.index_path)
+            data = read_index_file(self.index_path, max_index_bytes(num_slots))
             if data is not None:
-                kept = self.ssd.restore(data, self._meta)
-                if not kept and data.get("entries"):
-                    log.warning("%s: SSD index %s does not match this engine's layout or is malformed; "
-                                "starting empty", NAME, self.index_path)
+                try:
+                    kept = self.ssd.restore(data, self._meta)
+                except Exception as exc:  # untrusted input: never a failed start
+                    log.warning("%s: SSD index %s could not be restored (%s); starting empty",
+                                NAME, self.index_path, exc)
+                    self.ssd = SsdIndex(num_slots, settings.cfg.local.eviction)
+                    self.jobs.ssd = self.ssd
+                    kept = 0
+                else:
+                    if not kept and data.get("entries"):
+                        why = ("of other weights" if data.get("weights") != self._meta["weights"]
+                               else "of another layout or malformed")
+                        log.warning("%s: SSD index %s is %s; starting empty", NAME, self.index_path, why)
         else:
             remove_index_file(self.index_path)
         self._saved_generation = self.ssd.generation
-        self._last_save = clock()
-        self._write_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._persister: threading.Thread | None = None
+        self._last_save = self._clock()
         if c.persist:
             # an idle engine makes no more steps: its last changes are written from here
             self._persister = threading.Thread(target=self._persist_loop, name="ascend-ssd-index", daemon=True)
             self._persister.start()
         log.info("%s: SSD tier in %s: %d slots of %d bytes per rank%s", NAME, c.path, num_slots, slot_b,
                  f", persistent ({kept} entries kept)" if c.persist else "")
+
+    def _release(self) -> None:
+        """Stop the persister and close the lock file (start-up failure or close)."""
+        self._stop.set()
+        if self._persister is not None:
+            self._persister.join(timeout=30)
+            self._persister = None
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def meta(self) -> dict[str, Any]:
         """This step's spill and promote jobs (fields of ``StoreConnectorMetadata``)."""
@@ -162,10 +201,9 @@ class SsdScheduler:
         self._stop.set()
         if self._persister is not None:
             self._persister.join(timeout=30)
+            self._persister = None
         self.maybe_persist(force=True)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._release()
 
 
 class SsdWorker:
@@ -180,7 +218,11 @@ class SsdWorker:
             file = SlotFile(path, num_slots, slot_b, direct_io=c.direct_io, keep=c.persist)
         except SsdError as exc:
             raise ConfigError(str(exc)) from None
-        self.tier = RankTier(planes, file, rank)
+        try:
+            self.tier = RankTier(planes, file, rank)
+        except BaseException:
+            file.close()  # its descriptor and lock: the next start may take the file
+            raise
         log.info("%s: rank %d SSD tier file %s (%d slots, %s I/O%s)", NAME, rank, path, num_slots,
                  "O_DIRECT" if file.direct else "buffered", ", kept" if file.kept else "")
         self._promoted: Counter[tuple[int, int]] = Counter()
