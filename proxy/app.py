@@ -19,8 +19,9 @@ and the next instance is tried (nothing was sent, so this is safe); any other
 failure before the decode produced output aborts the sub-request (decode
 connection closed, prefill request cancelled) and the client gets an
 OpenAI-style JSON error: 503 nothing reachable, 502 a backend failed or
-answered an error, 504 a deadline passed. What a client may cost (requests,
-body memory, upload and read speed) is bounded in ``limits.py``.
+answered an error (or an answer a fan-out cannot merge), 504 a deadline
+passed. What a client or a registering peer may cost (requests, body memory,
+upload and read speed) is bounded in ``limits.py``.
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _DISPATCHED = _encode({"status": "dispatched"})
-# A registration is a few hundred bytes plus 4-8 per block id: 8 MiB is >1M blocks.
-META_MAX_BODY = 8 * MB
 
 
 class Proxy:
@@ -100,6 +99,15 @@ class Proxy:
         self.prefillers = Balancer("prefill", cfg.prefillers, cfg.cooldown_s)
         self.pending = PendingTable(cfg.max_pending)
         self.admission = Admission(cfg.max_inflight, cfg.max_inflight_mb * MB, cfg.max_body_mb * MB)
+        # Registrations on a budget of their own (a decode retries the 503 it gets when
+        # full): at most one per registry entry in flight, bodies of a legitimate size.
+        self.meta_admission = Admission(cfg.max_pending, cfg.max_inflight_mb * MB, cfg.registration_max_bytes,
+                                        what="registration", busy_status=503)
+        # No sub-stream of a fan-out stays silent longer than its own deadlines allow
+        # (connects to each decode, the registration, the response head, a read); past
+        # their sum the merge stops waiting: a backstop, so a lost sub-stream costs a 504.
+        self.fanout_idle_s = (cfg.connect_timeout_s * len(cfg.decoders) + cfg.register_timeout_s
+                              + 2 * cfg.timeout_s)
         self.metrics = ProxyMetrics([self.prefillers, self.decoders], lambda: len(self.pending))
         self.metaserver_url = cfg.metaserver_url or ""
         self._id_prefix = secrets.token_hex(6)
@@ -126,7 +134,7 @@ class Proxy:
 
     def metaserver_app(self) -> web.Application:
         """Registrations only, for a listener on an internal interface (``--metaserver-port``)."""
-        app = web.Application(client_max_size=META_MAX_BODY)
+        app = web.Application(client_max_size=self.cfg.registration_max_bytes)
         app.router.add_post("/v1/metaserver", self.handle_metaserver)
         return app
 
@@ -184,6 +192,8 @@ class Proxy:
             "pending": len(self.pending),
             "inflight_requests": self.admission.requests,
             "inflight_body_bytes": self.admission.bytes,
+            "inflight_registrations": self.meta_admission.requests,
+            "inflight_registration_bytes": self.meta_admission.bytes,
             "prefillers": self.prefillers.snapshot(),
             "decoders": self.decoders.snapshot(),
         }
@@ -216,14 +226,27 @@ class Proxy:
     async def handle_metaserver(self, request: web.Request) -> web.Response:
         """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire.
 
-        Checked in this order, each a final 4xx: the envelope's shape (400), the
-        request id (404), the token (403, constant-time), then the params (400).
+        Checked in this order, each a final answer: admission (503 with Retry-After,
+        413 above ``registration_max_bytes``), the body's deadline (408), the
+        envelope's shape (400), the request id (404), the token (403, constant-time),
+        then the params (400).
         """
         try:
-            raw = await read_body(request, META_MAX_BODY, self.cfg.body_timeout_s)
+            reserved = self.meta_admission.enter(request.content_length)
+        except ProxyError as e:
+            return self._meta_reject(e, "overloaded" if e.status == 503 else "malformed")
+        try:
+            return await self._registration(request)
+        finally:
+            self.meta_admission.leave(reserved)
+
+    async def _registration(self, request: web.Request) -> web.Response:
+        try:
+            raw = await read_body(request, self.cfg.registration_max_bytes, self.cfg.body_timeout_s)
             env = parse_envelope(raw)
         except ProxyError as e:
             return self._meta_reject(e, "malformed")
+        del raw
         p = self.pending.get(env.proxy_request_id)
         if p is None:
             self.metrics.registration("unknown")
@@ -453,13 +476,17 @@ class Proxy:
     ) -> None:
         """Feed one sub-stream into the bounded ``queue``; a full queue pauses this decode's reads.
 
-        Cancelled only once the merging side is gone, so nothing is queued then.
+        Every path but cancellation ends with an ``end`` item (after a ``fail`` or
+        ``answer`` one when it did not succeed), including a registry that refuses the
+        sub-request: the merge counts ``end`` items to know when it is done. Cancelled
+        only once the merging side is gone, so nothing is queued then.
         """
-        p = self._new_pending(path, sub, shared, auth)
+        p: Pending | None = None
         d: DecodeResponse | None = None
         ok = False
         last: tuple[str, SubRequest, Any] | None = None
         try:
+            p = self._new_pending(path, sub, shared, auth)
             d = await self._begin(p, stream=True)
             if d.status != 200:
                 last = ("answer", sub, d)
@@ -475,10 +502,11 @@ class Proxy:
             self.metrics.backend_error("decode", "stream_broken")
             last = ("fail", sub, ProxyError(502, f"decode failed mid-stream: {e!r}"))
         except Exception as e:  # a bug here must still end the merge, not hang it
-            log.exception("request %s: sub-stream failed", p.id)
+            log.exception("request %s: sub-stream failed", p.id if p is not None else "?")
             last = ("fail", sub, ProxyError(500, f"proxy error in a sub-stream: {e!r}"))
         finally:
-            self._end(p, d, ok)
+            if p is not None:
+                self._end(p, d, ok)
         if last is not None:
             await queue.put(last)
         await queue.put(("end", sub, None))
@@ -505,20 +533,33 @@ class Proxy:
                 merged = merge_responses(
                     [(s.index, s.first_of_prompt, d.data) for s, d in zip(subs, results, strict=True)], rid
                 )
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, TypeError) as e:  # a peer's message: this request fails
+                self.metrics.backend_error("decode", "malformed")
                 raise ProxyError(502, f"decode answered malformed JSON: {e}", "decode_malformed") from None
             del results
             return await respond(request, 200, merged, JSON_TYPE, wt)
 
         queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue(self.cfg.fanout_queue)
         tasks = [loop.create_task(self._sub_stream(path, s, shared, auth, queue)) for s in subs]
-        splitters = {id(s): SSESplitter() for s in subs}
+        max_event = self.cfg.max_answer_mb * MB
+        splitters = {id(s): SSESplitter(max_event) for s in subs}
         merger = StreamMerger(rid)
         out: web.StreamResponse | None = None
         remaining = len(subs)
         try:
             while remaining:
-                kind, sub, value = await queue.get()
+                if queue.empty():
+                    try:
+                        async with asyncio.timeout(self.fanout_idle_s):
+                            kind, sub, value = await queue.get()
+                    except TimeoutError:
+                        err = ProxyError(
+                            504, f"no sub-request of the fan-out produced anything within "
+                            f"{self.fanout_idle_s:g} s", "fanout_timeout"
+                        )
+                        return await self._fanout_failed(request, out, rid, err)
+                else:
+                    kind, sub, value = queue.get_nowait()
                 if kind == "end":
                     remaining -= 1
                     # An event the decode ended without its blank line is still an event.
@@ -531,22 +572,16 @@ class Proxy:
                     value = ProxyError(502, f"decode answered HTTP {value.status}: {snippet(value.data)}")
                     kind = "fail"
                 if kind == "fail":
-                    if out is None:
-                        raise value
-                    await write_within(request, out, sse_error_event(value.status, value.message), wt)
-                    await finish_within(request, out, wt)
-                    return out
+                    return await self._fanout_failed(request, out, rid, value)
                 try:
                     if kind == "data":
                         events = splitters[id(sub)].feed(value)
                     parts = [merger.rewrite(e, sub.index, sub.first_of_prompt) for e in events]
-                except (msgspec.DecodeError, ValueError) as e:
+                except (msgspec.DecodeError, ValueError, TypeError) as e:
+                    # A peer's message: it fails this request alone.
+                    self.metrics.backend_error("decode", "malformed")
                     err = ProxyError(502, f"decode sent a malformed stream chunk: {e}", "decode_malformed")
-                    if out is None:
-                        raise err from None
-                    await write_within(request, out, sse_error_event(err.status, err.message), wt)
-                    await finish_within(request, out, wt)
-                    return out
+                    return await self._fanout_failed(request, out, rid, err)
                 data = b"".join(x for x in parts if x)
                 if out is None:
                     out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
@@ -562,3 +597,19 @@ class Proxy:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _fanout_failed(
+        self, request: web.Request, out: web.StreamResponse | None, rid: str, err: ProxyError
+    ) -> web.StreamResponse:
+        """End a fan-out with ``err``: its JSON answer before any output, else an SSE error event.
+
+        Before output the error propagates to ``_handle_generate``, which logs it;
+        after, it is logged here.
+        """
+        if out is None:
+            raise err
+        log.warning("request %s: %s", rid, err.message)
+        wt = self.cfg.write_timeout_s
+        await write_within(request, out, sse_error_event(err.status, err.message), wt)
+        await finish_within(request, out, wt)
+        return out

@@ -98,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fanout-queue", type=int, default=64,
                     help="stream chunks buffered between a fan-out's decodes and its client")
     ap.add_argument("--max-answer-mb", type=int, default=256,
-                    help="largest non-streamed decode answer read (502 above it)")
+                    help="largest non-streamed decode answer read, and largest event of a fanned-out "
+                         "stream (502 above it)")
+    ap.add_argument("--max-model-len", type=int, default=262144,
+                    help="the decodes' --max-model-len: with --block-size it caps a registration's "
+                         "body (one block id per prompt block; 413 above it)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="the decodes' KV block size (tokens), for the registration cap")
     ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
                     help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
@@ -129,6 +135,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_pending=args.max_pending,
         fanout_queue=args.fanout_queue,
         max_answer_mb=args.max_answer_mb,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
     )
 
 

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MB = 1024 * 1024
+
 # Timers beyond this (a week) are a typo, and inf/1e300 overflow the event loop's timers.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# A registration's fixed part: five ids of at most 512 characters (registration.py), the
+# keys, the small ints, and room for escapes and whitespace.
+REGISTRATION_OVERHEAD = 16 * 1024
+# One block id in the JSON list: up to 10 digits, a comma and a space.
+REGISTRATION_BYTES_PER_BLOCK = 12
+
+
+def registration_max_bytes(max_model_len: int, block_size: int) -> int:
+    """The largest legitimate ``/v1/metaserver`` body: one block id per prompt block.
+
+    Why derived: a decode registers one destination block per prompt block, so the
+    longest prompt the decode accepts sets the longest list; anything above it is not a
+    registration and must not cost the proxy more memory than one.
+    """
+    blocks = -(-max_model_len // block_size)
+    return REGISTRATION_OVERHEAD + blocks * REGISTRATION_BYTES_PER_BLOCK
 
 
 @dataclass
@@ -52,8 +70,14 @@ class ProxyConfig:
     max_pending: int = 16384
     # Chunks buffered between the sub-streams of a fan-out and the client.
     fanout_queue: int = 64
-    # Largest non-streamed decode answer read (502 above it).
+    # Largest non-streamed decode answer read, and largest event of a fanned-out
+    # stream (502 above it).
     max_answer_mb: int = 256
+    # The decodes' --max-model-len and --block-size: they bound a registration's block
+    # list, hence its body (registration_max_bytes). Too small refuses long prompts'
+    # registrations (413); too large only loosens the cap.
+    max_model_len: int = 262144
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -71,7 +95,7 @@ class ProxyConfig:
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {self.max_fanout!r}")
         for key in ("max_body_mb", "max_inflight", "max_inflight_mb", "max_pending", "fanout_queue",
-                    "max_answer_mb"):
+                    "max_answer_mb", "max_model_len", "block_size"):
             value = getattr(self, key)
             if not value >= 1:
                 raise ValueError(f"{key} must be >= 1, got {value!r}")
@@ -79,6 +103,11 @@ class ProxyConfig:
             raise ValueError(
                 f"max_inflight_mb ({self.max_inflight_mb}) must be >= max_body_mb ({self.max_body_mb}):"
                 " a largest-size request could never be admitted"
+            )
+        if self.registration_max_bytes > self.max_inflight_mb * MB:
+            raise ValueError(
+                f"a registration of max_model_len={self.max_model_len} in blocks of {self.block_size} "
+                f"({self.registration_max_bytes} bytes) does not fit max_inflight_mb={self.max_inflight_mb}"
             )
         if not self.prefillers:
             raise ValueError("at least one prefill instance is required")
@@ -88,6 +117,12 @@ class ProxyConfig:
             for host, port in addrs:
                 if not host or not 0 < int(port) < 65536:
                     raise ValueError(f"bad {role} address {host!r}:{port!r}")
+
+
+    @property
+    def registration_max_bytes(self) -> int:
+        """Cap on one ``/v1/metaserver`` body (413 above it)."""
+        return registration_max_bytes(self.max_model_len, self.block_size)
 
 
 def _check_port(key: str, value: object) -> None:

@@ -16,9 +16,15 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from proxy.config import MB
 from proxy.errors import ProxyError
 
-MB = 1024 * 1024
+__all__ = ["MB", "Admission", "ClientStalled", "finish_within", "read_answer", "read_body", "respond",
+           "write_within"]
+
+
+def _size(n: int) -> str:
+    return f"{n // MB} MiB" if n >= MB else f"{n} bytes"
 
 
 class ClientStalled(Exception):
@@ -26,17 +32,25 @@ class ClientStalled(Exception):
 
 
 class Admission:
-    """Counts client requests and the body bytes they hold; refuses what would exceed a cap."""
+    """Counts uploads and the body bytes they hold; refuses what would exceed a cap.
 
-    def __init__(self, max_requests: int, max_bytes: int, max_body: int) -> None:
+    One instance for client requests (429 when too many: the client backs off) and one
+    for registrations (503 when too many: a decode retries 5xx with backoff, and a flood
+    of registrations cannot take the client requests' budget, nor the reverse).
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int, max_body: int, *, what: str = "request",
+                 busy_status: int = 429) -> None:
         self.max_requests = max_requests
         self.max_bytes = max_bytes
         self.max_body = max_body
+        self.what = what
+        self.busy_status = busy_status
         self.requests = 0
         self.bytes = 0
 
     def enter(self, content_length: int | None) -> int:
-        """Admit one request; returns the bytes reserved for its body (give them to ``leave``).
+        """Admit one upload; returns the bytes reserved for its body (give them to ``leave``).
 
         A body without Content-Length (chunked) reserves the largest size
         allowed, because its size is only known once it is in memory.
@@ -45,14 +59,14 @@ class Admission:
             raise ProxyError(
                 413,
                 f"invalid request: body of {content_length} bytes is above the proxy limit "
-                f"{self.max_body // MB} MiB",
+                f"{_size(self.max_body)}",
                 "body_too_large",
                 close=True,
             )
         if self.requests >= self.max_requests:
             raise ProxyError(
-                429,
-                f"the proxy is serving its limit of {self.max_requests} requests; retry later",
+                self.busy_status,
+                f"the proxy is serving its limit of {self.max_requests} {self.what}s; retry later",
                 "overloaded",
                 retry_after=1,
                 close=True,
@@ -61,8 +75,8 @@ class Admission:
         if self.bytes + need > self.max_bytes:
             raise ProxyError(
                 503,
-                f"the proxy holds {self.bytes // MB} MiB of request bodies (limit "
-                f"{self.max_bytes // MB} MiB); retry later",
+                f"the proxy holds {_size(self.bytes)} of {self.what} bodies (limit "
+                f"{_size(self.max_bytes)}); retry later",
                 "overloaded",
                 retry_after=1,
                 close=True,

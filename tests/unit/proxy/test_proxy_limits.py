@@ -226,10 +226,12 @@ def test_cli_passes_the_limits() -> None:
         "--prefiller-ports", "1", "--decoder-ports", "2", "--metaserver-port", "9000",
         "--metaserver-host", "10.0.0.1", "--body-timeout-s", "3", "--write-timeout-s", "4",
         "--max-inflight", "5", "--max-inflight-mb", "600", "--max-pending", "7", "--fanout-queue", "8",
-        "--max-answer-mb", "9",
+        "--max-answer-mb", "9", "--max-model-len", "4096", "--block-size", "32",
     ]))
     assert (cfg.metaserver_port, cfg.metaserver_host, cfg.body_timeout_s, cfg.write_timeout_s) == (
         9000, "10.0.0.1", 3.0, 4.0)
     assert (cfg.max_inflight, cfg.max_inflight_mb, cfg.max_pending, cfg.fanout_queue, cfg.max_answer_mb) == (
         5, 600, 7, 8, 9)
+    assert (cfg.max_model_len, cfg.block_size) == (4096, 32)
+    assert cfg.registration_max_bytes == 16 * 1024 + 128 * 12
 
