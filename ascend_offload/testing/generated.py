@@ -9,14 +9,26 @@ a matching marker is complete and is never rewritten.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
+def generator_digest(write: Callable[[Path], None]) -> str:
+    """A digest of the source file that defines ``write``: a directory made by an older
+    generator (same spec, other code) is not reused."""
+    src = inspect.getsourcefile(write)
+    data = Path(src).read_bytes() if src else repr(write.__code__.co_code).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def generated_dir(out: Path, marker_name: str, spec: dict[str, Any], write: Callable[[Path], None]) -> Path:
-    """``out`` holding what ``write(out)`` produces for ``spec``; written at most once at a time."""
+    """``out`` holding what ``write(out)`` produces for ``spec`` (and the code that writes
+    it); written at most once at a time."""
+    spec = {**spec, "generator": generator_digest(write)}
     marker = out / marker_name
 
     def done() -> bool:

