@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ascend_offload.device import STEP_READ, host_read
+from ascend_offload.device import STEP_READ, empty_host, host_read
 from ascend_offload.sparse.residency import MAX_HOT_SIZE, PolicyState, ResidencyError
 
 _CLASS_SHIFT = 48  # key = class << 48 | (slot index or stamp): stamps stay below 2^48
@@ -106,9 +106,10 @@ def resolve_lru(pos_slot: torch.Tensor, slot_pos: torch.Tensor, stamp: torch.Ten
     row_eff = torch.where(ok, rows, trash_row)
     valid = (topk >= 0) & ok[:, None]
     pos = torch.where(valid, topk, cap)
-    first_bad = bad.flatten().to(torch.int8).argmax()
-    fb, fi = first_bad // k, first_bad % k
-    err = torch.stack((torch.ones_like(fb), fb, fi, topk.flatten()[first_bad], lens[fb], rows[fb]))
+    first_bad = bad.flatten().to(torch.int8).argmax().view(1)  # index ops only: no .item()
+    fb = first_bad // k
+    err = torch.cat((torch.ones_like(fb), fb, first_bad % k, topk.flatten().index_select(0, first_bad),
+                     lens.index_select(0, fb), rows.index_select(0, fb)))
     report[:6] = torch.where(any_bad & (report[0] == 0), err, report[:6])
 
     flat_map = pos_slot.view(-1)
@@ -348,18 +349,17 @@ class DeviceResidency:
                              torch.zeros((bp, width), dtype=torch.int32, device=self.device),
                              block_size)
             self._steps[(bp, block_size)] = step
-        meta = torch.zeros((bp, 5), dtype=torch.int64)
+        # Fresh host tensors each step (pinned where an accelerator exists: torch's host
+        # allocator reuses a block only after the copy that read it finished), so an
+        # asynchronous copy still in flight is never overwritten.
+        meta = empty_host((bp, 5), torch.int64)
+        meta.zero_()
         meta[:, 0] = self.num_rows  # padding entries use the trash row
-        meta[:B, 0] = torch.tensor(rows_l)
-        meta[:B, 1] = torch.tensor(tags_l)
-        meta[:B, 2] = torch.tensor(stable_l)
-        meta[:B, 3] = torch.tensor(lens_l)
-        meta[:B, 4] = 1
-        table = torch.zeros((bp, width), dtype=torch.int32)
+        meta[:B] = torch.tensor([rows_l, tags_l, stable_l, lens_l, [1] * B]).T
+        table = empty_host((bp, width), torch.int32)
+        table.zero_()
         w = min(width, bt.shape[1])
         table[:B, :w] = bt[:, :w]
-        # Fresh (pageable) host tensors: the copies may still be in flight when the next
-        # step builds its own, so nothing is reused.
         step.meta.copy_(meta, non_blocking=True)
         step.block_table.copy_(table, non_blocking=True)
         step.batch = B
