@@ -76,6 +76,8 @@ class SaveJob:
     native: bool
     unit_errors: list[BaseException]  # shared by the jobs of one unit
     token: ConsumerToken | None = None  # released after the unit's last job is reaped
+    # why its step gave up waiting (a deadline): reaped as failed, never committed
+    abandoned: str = ""
 
 
 class LayerIO(abc.ABC):
@@ -256,6 +258,35 @@ class LayerIO(abc.ABC):
         if last:
             self.wait_ticket(last, timeout_s, what, error)
 
+    def abandon_saves(self, why: str) -> list[str]:
+        """The step stopped waiting for its saves (``why``): every save still queued is
+        aborted when its copy ends, never committed. Why: vLLM may reuse and zero the
+        device blocks it reads once the step ended, so bytes copied after that are not
+        the block's. The copy itself is not cancelled (nothing can stop it mid-way): its
+        pending objects keep their pages, and its slot consumer stays registered, until
+        it is reaped. Returns the layers of the abandoned saves."""
+        with self._lock:
+            jobs = [j for j in self._jobs if isinstance(j, SaveJob) and not j.abandoned]
+            for j in jobs:
+                j.abandoned = why
+        return [j.layer for j in jobs]
+
+    def release_abandoned(self, gate_slot: int) -> int:
+        """Release the slot consumers of abandoned saves of ``gate_slot`` (a writer waited
+        for them past a second deadline); returns how many. Safe: what an abandoned copy
+        reads is never committed, and the host pages it writes stay pending until it is
+        reaped. Its late release at reaping is ignored by the gate."""
+        with self._lock:
+            jobs = [j for j in self._jobs if isinstance(j, SaveJob) and j.abandoned
+                    and j.token is not None and j.token.slot == gate_slot]
+            tokens = [j.token for j in jobs]
+            for j in jobs:
+                j.token = None
+        for t in tokens:
+            if t is not None:
+                self.gate.release_consumer(t, TimeoutError("abandoned store save"))
+        return len(tokens)
+
     def close(self) -> None:
         """Finish the queued copies, stop the queue, and reap them."""
         self.queue.close()
@@ -359,6 +390,9 @@ class LayerIO(abc.ABC):
     def _finish_save(self, job: SaveJob, copy_error: BaseException | None) -> None:
         """Commit (or, on any error, abort) the job's objects, count, release the consumer."""
         error = copy_error
+        if error is None and job.abandoned:
+            error = TimeoutError(f"layerwise: save of layer {job.layer} abandoned ({job.abandoned}); "
+                                 f"its {len(job.handles)} objects are not committed")
         if error is None:
             try:
                 self.store.commit(job.handles)
@@ -370,7 +404,9 @@ class LayerIO(abc.ABC):
                 with self._lock:
                     self._stats.save_errors += 1
             job.unit_errors.append(error)
-            log.error("layerwise: store save of layer %s failed: %s", job.layer, error)
+            # an abandoned save was logged once, with its step's others, when abandoned
+            (log.debug if job.abandoned else log.error)(
+                "layerwise: store save of layer %s failed: %s", job.layer, error)
         else:
             with self._lock:
                 self._stats.saves += 1

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from ascend_offload import device
-from ascend_offload.layerwise.gate import ConsumerToken, ReuseGate, WriteLease
+from ascend_offload.layerwise.gate import ConsumerToken, GateTimeout, ReuseGate, WriteLease
 from ascend_offload.layerwise.layer_io import (
     JobLayerIO,
     LayerIO,
@@ -243,8 +243,10 @@ class LayerwisePipeline:
             self.finish_step()
         lio = self._io()
         # A previous step's saves (finish_step(wait_saves=False)) must be committed before
-        # this step pins what it loads: its own earlier chunks are among them.
-        self.drain()
+        # this step pins what it loads: its own earlier chunks are among them. Bounded: a
+        # save still running past save_timeout_s is abandoned (never committed; a block
+        # it was saving is then a load error, recomputed) instead of failing the step.
+        self._drain_or_abandon("at the next step's start")
         lio.end_plan()
         lio.step_failed_layers.clear()
         self._step = io
@@ -341,7 +343,7 @@ class LayerwisePipeline:
         if self._lio is not None:
             self._lio.end_plan()
         if wait_saves:
-            self.drain()
+            self._drain_or_abandon("at the step's end")
 
     @property
     def in_step(self) -> bool:
@@ -353,10 +355,27 @@ class LayerwisePipeline:
         return self._lio.take_load_errors() if self._lio is not None else set()
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Wait for every queued copy to finish and commit its saves (deadline: ``save_timeout_s``)."""
+        """Wait for every queued copy to finish and commit its saves (deadline: ``save_timeout_s``,
+        then ``TimeoutError``)."""
         if self._lio is not None:
             self._lio.drain(self.save_timeout_s if timeout_s is None else timeout_s,
                             "store saves still running after the deadline")
+
+    def _drain_or_abandon(self, when: str) -> None:
+        """:meth:`drain`, but a deadline is not an error of the step (vLLM treats an
+        exception from ``wait_for_save`` / ``start_load_kv`` as fatal): the saves still
+        queued are abandoned - aborted when their copies end, so their blocks are reported
+        failed, never committed - and logged. Their slots stay held by their consumers
+        until then: the next writer of a slot waits for them in the gate (bounded by its
+        deadline), and the worker's ``handle_preemptions`` drains again before freed
+        blocks can be reused."""
+        try:
+            self.drain()
+        except TimeoutError as exc:
+            layers = self._lio.abandon_saves(f"still running {when}") if self._lio is not None else []
+            log.error("%s; %d saves abandoned (layers %s): their blocks are not committed, and "
+                      "their copies are waited for again before their buffers are reused",
+                      exc, len(layers), ", ".join(dict.fromkeys(layers)) or "-")
 
     def stats(self) -> PipelineStats:
         with self._lock:
@@ -409,8 +428,7 @@ class LayerwisePipeline:
         t0 = time.perf_counter()
         if st is None:  # not prefetched: own the slot here and queue the load
             loads = self._has_loads(unit)
-            lease = self.gate.acquire_write(unit.gate_slot, unit.main, behind_queued=loads,
-                                            pump=self._lio.pump)  # type: ignore[union-attr]
+            lease = self._acquire(unit, loads)
             st = self._own(unit, lease, loads)
         if st.ticket:
             self._lio.wait_ticket(  # type: ignore[union-attr]  # a ticket: it exists
@@ -419,6 +437,22 @@ class LayerwisePipeline:
         st.loaded = True
         with self._lock:
             self._stats.load_wait_s += time.perf_counter() - t0
+
+    def _acquire(self, unit: _Unit, loads: bool) -> WriteLease:
+        """Own ``unit``'s slot through the gate (deadline). A wait that times out only on
+        saves abandoned at an earlier deadline (``_drain_or_abandon``) is not an error:
+        their copies were waited for twice, their objects are never committed, so their
+        consumers are released and the slot is reused (logged)."""
+        lio = self._lio
+        assert lio is not None  # made by start_step
+        try:
+            return self.gate.acquire_write(unit.gate_slot, unit.main, behind_queued=loads, pump=lio.pump)
+        except GateTimeout as exc:
+            if not lio.release_abandoned(unit.gate_slot):
+                raise
+            log.error("%s: only abandoned store saves held it (never committed); the slot is "
+                      "reused while their copies end", exc)
+            return self.gate.acquire_write(unit.gate_slot, unit.main, behind_queued=loads, pump=lio.pump)
 
     def _has_loads(self, unit: _Unit) -> bool:
         return any(self._load_refs(m) for m in unit.members)
