@@ -31,7 +31,7 @@ import zmq
 
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
-from ascend_offload.pd.auth import ControlKeys, secure_server
+from ascend_offload.pd.auth import ControlKeys, ServerAuth, secure_server
 from ascend_offload.pd.consumer_records import (
     BlockPool,
     ConsumerStats,
@@ -119,7 +119,9 @@ class Consumer:
         self._results: list[ReadResult] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
-        self._ctx = zmq.Context.instance()
+        # With keys: a context of our own whose ZAP handler admits only the derived client key.
+        self._auth = ServerAuth(keys)
+        self._ctx = self._auth.context
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
@@ -128,7 +130,12 @@ class Consumer:
         self._router.setsockopt(zmq.ROUTER_HANDOVER, int(keys is not None))
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         secure_server(self._router, keys)
-        self._router.bind(f"tcp://{host}:{port}")
+        try:
+            self._router.bind(f"tcp://{host}:{port}")
+        except BaseException:
+            self._router.close(linger=0)
+            self._auth.close()
+            raise
         self.address = f"tcp://{host}:{port}"
         self._loop = IoLoop(f"pd-consumer-{d_rank}", self._tick, self._next_wait)
         self._loop.add(self._router)
@@ -255,6 +262,7 @@ class Consumer:
     def close(self) -> None:
         self._loop.stop()
         self._router.close(linger=0)
+        self._auth.close()
         for r in self._readers.values():
             r.stop()
         self._readers.clear()
