@@ -213,6 +213,7 @@ def record_after_compute() -> Any:
 
 TOPK_READ = "sparse.topk"  # per layer: an indexer top-k handed to the host resolver
 STEP_READ = "sparse.step"  # per step: the device resolver's error flags and totals
+NEW_ROWS_READ = "sparse.new_rows"  # per layer: new main-KV rows for the host scatter
 _reads: dict[str, int] = {}
 _reads_lock = threading.Lock()
 

@@ -291,7 +291,10 @@ class SparseMLACache(_CacheLayer):
         selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
         hot_slots = None
         if plan.any_decode:
-            topk = torch.full((plan.num_entries, self.index_topk), -1, dtype=torch.int32)
+            # built where the indexer ran: a device resolver takes it as is, the host
+            # resolver reads it (counted in device.host_reads)
+            topk = torch.full((plan.num_entries, self.index_topk), -1, dtype=torch.int32,
+                              device=q.device)
             for i, positions in enumerate(selected):
                 if plan.decode[i]:
                     topk[plan.batch_index[i], : positions.shape[1]] = positions[0]

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ascend_offload import device as dev
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
@@ -213,6 +214,7 @@ class ColocatedSparseDecode:
     def counters(self) -> dict[str, int]:
         """Monotonic totals (the connector turns them into per-report deltas)."""
         st = self.manager.stats
+        reads = dev.host_reads()
         return {
             "steps": st.steps,
             "resolved_positions": st.resolved_positions,
@@ -232,6 +234,11 @@ class ColocatedSparseDecode:
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
             "stash_ns": self.stash.counters.stash_ns,
+            # this process's device -> host reads on the sparse path (device.host_read): per
+            # layer with the host resolver (top-k, new rows), per step with the device one
+            "host_reads_topk": reads.get(dev.TOPK_READ, 0),
+            "host_reads_new_rows": reads.get(dev.NEW_ROWS_READ, 0),
+            "host_reads_step": reads.get(dev.STEP_READ, 0),
         }
 
     def gauges(self) -> dict[str, int]:

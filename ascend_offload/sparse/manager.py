@@ -31,6 +31,11 @@ import torch
 from ascend_offload import device as dev
 from ascend_offload import native
 from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.sparse.device_residency import (
+    DeviceResidency,
+    gather_misses,
+    scatter_new_rows,
+)
 from ascend_offload.sparse.pools import (
     HostKVPool,
     HotBuffers,
@@ -86,8 +91,12 @@ class SparseOffloadManager:
                  index_topk: int | None = None, pool: HostKVPool | None = None,
                  pool_rows: int | None = None, device: torch.device | None = None,
                  tp_rank: int = 0, fence_timeout_s: float = 30.0, nthreads: int = 1,
-                 residency: Residency | None = None,
-                 hot_buffers: Sequence[torch.Tensor] | None = None) -> None:
+                 residency: Residency | DeviceResidency | None = None,
+                 hot_buffers: Sequence[torch.Tensor] | None = None,
+                 max_positions: int | None = None) -> None:
+        """``max_positions``: the most positions one request reaches (the engine's
+        ``max_model_len``; default the pool's rows): the width of the device residency's
+        position map. ``residency``: a table to use instead of the config's."""
         if not cfg.enabled:
             raise ConfigError("key 'enabled'=False: sparse offload is off (the default); "
                               "set it to true to build the offload manager")
@@ -111,9 +120,24 @@ class SparseOffloadManager:
             pool.attach_reader(tp_rank)
         self.hot = HotBuffers(num_layers, max_requests, self.hot_size, pool.row_shape, dtype,
                               device, buffers=hot_buffers)
+        # The device resolver needs the pool reachable from device kernels (on CPU: itself).
+        self._pool_dev: torch.Tensor | None = None
+        backend = cfg.residency_backend if residency is None else (
+            "device" if residency.kind == "device" else "host")
+        if backend == "device":
+            why = self._no_device_path()
+            if why and residency is not None:
+                raise ValueError(f"a device residency table was given, but {why}")
+            if why:
+                logger.warning("sparse decode: residency_backend 'device': %s; the host resolver "
+                               "runs instead (the top-k crosses to the host every layer)", why)
+                backend = "host"
         self.residency = residency if residency is not None else make_residency(
             num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads,
-            policy=cfg.residency_policy)
+            policy=cfg.residency_policy, backend=backend,
+            max_positions=max_positions or pool.num_rows, device=self.hot.device)
+        self._device = self.residency.kind == "device"
+        self._new_dst: tuple[list[int], torch.Tensor] | None = None  # this step's new-row rows
         self._hot_on_host = self.hot.device.type == "cpu"  # the resolver's slots are host tensors
         self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()
@@ -126,6 +150,20 @@ class SparseOffloadManager:
         self._step_lens: list[int] = []
         self._step_blocks: list[list[int]] = []
         self.stats = SparseStats()
+
+    def _no_device_path(self) -> str | None:
+        """Why the device resolver cannot run here (None: it can; the pool's device view
+        is kept). Its miss gather and new-row scatter are device kernels over a device
+        view of the host pool; a pool shared by TP ranks needs a host-side publish fence
+        per layer (rank 0's writes must be complete), i.e. a synchronization."""
+        if self.pool.shared_name is not None and dev.platform() != "cpu":
+            return ("the host pool is shared by TP ranks, whose per-layer publish fence "
+                    "needs the host to see rank 0's writes finish")
+        view = dev.device_view_of_host(self.pool.kv)
+        if view is None:
+            return f"no device view of the host pool on this platform ({dev.platform()})"
+        self._pool_dev = view
+        return None
 
     # ------------------------------------------------------------------ requests
 
@@ -246,13 +284,22 @@ class SparseOffloadManager:
         b = self._batch
         # Bound once per step: each layer's onload_topk then passes only its top-k.
         self.residency.bind_step(b["rows"], b["tags"], b["stable"], b["lens"], bt, self.block_size)
+        self._new_dst = None
         self.stats.steps += 1
 
     def end_step(self) -> None:
         """Make the host pool writes of this step visible before the next one (CPU: no-op).
 
         Shared pool (TP): a reader records that it finished this step's reads; rank 0
-        waits for that before it frees, reassigns or rewrites any row."""
+        waits for that before it frees, reassigns or rewrites any row.
+
+        Device resolver: its per-layer reports are read here, once (input errors raise
+        :class:`~ascend_offload.sparse.residency.ResidencyError`; the totals feed the stats)."""
+        if self._device:
+            valid, misses = self.residency.check()  # type: ignore[union-attr]
+            self.stats.resolved_positions += valid
+            self.stats.miss_rows += misses
+            self.stats.onload_bytes += misses * self.pool.row_bytes
         self._stream.synchronize()
         if self.pool.shared_name is not None:
             if self.tp_rank == 0:
@@ -273,13 +320,18 @@ class SparseOffloadManager:
         dst = self._host_rows(positions)
         if new_kv.shape[0] != dst.numel():
             raise ValueError(f"layer {layer}: {new_kv.shape[0]} new rows for {dst.numel()} positions")
-        ready = dev.record_after_compute()
-        with dev.stream_context(self._stream):
-            self._stream.wait_event(ready)
-            # A blocking D2H on the offload stream: the host scatter below must
-            # not read a buffer whose asynchronous copy is still in flight.
-            rows = new_kv if new_kv.device.type == "cpu" else new_kv.to("cpu")
-            dev.scatter_rows(rows, dst, self.pool.layer(layer))
+        if self._device and self._pool_dev is not None:
+            # a device kernel writes the pool through its device view, on the compute
+            # stream after the rows were made: no host wait
+            scatter_new_rows(self._pool_dev[layer], new_kv, self._device_rows(dst))
+        else:
+            ready = dev.record_after_compute()
+            with dev.stream_context(self._stream):
+                self._stream.wait_event(ready)
+                # A blocking D2H on the offload stream: the host scatter below must
+                # not read a buffer whose asynchronous copy is still in flight.
+                rows = dev.host_read(new_kv, reason=dev.NEW_ROWS_READ)
+                dev.scatter_rows(rows, dst, self.pool.layer(layer))
         if self.pool.shared_name is not None:
             self._stream.synchronize()  # published rows must really be there
             self.pool.publish(layer, self._step_no)
@@ -297,8 +349,10 @@ class SparseOffloadManager:
                              f"step batch of {len(self._step)} requests")
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
+        if self._device:
+            return self._onload_device(layer, topk)
         t0 = time.perf_counter_ns()
-        res = self.residency.resolve_layer(layer, topk if topk.is_cpu else topk.to("cpu"))
+        res = self.residency.resolve_layer(layer, dev.host_read(topk, reason=dev.TOPK_READ))
         t1 = time.perf_counter_ns()
         self.stats.resolve_ns += t1 - t0
         n = res.num_misses
@@ -319,6 +373,27 @@ class SparseOffloadManager:
         self.stats.onload_bytes += n * self.pool.row_bytes
         slots = res.slots
         return slots if self._hot_on_host else slots.to(self.hot.device, non_blocking=True)
+
+    def _onload_device(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
+        """The device resolver's layer: resolve, then gather the misses from the pool's
+        device view into the hot buffer, both queued on the compute stream; nothing is
+        read back (the counts reach the stats at :meth:`end_step`)."""
+        assert self._pool_dev is not None
+        t0 = time.perf_counter_ns()
+        res = self.residency.resolve_layer(layer, topk)
+        t1 = time.perf_counter_ns()
+        gather_misses(self._pool_dev[layer], self.hot.layer(layer), res.copy_src, res.copy_dst)
+        self.stats.resolve_ns += t1 - t0
+        self.stats.copy_ns += time.perf_counter_ns() - t1
+        return res.slots
+
+    def _device_rows(self, dst: torch.Tensor) -> torch.Tensor:
+        """This step's new-row pool rows on the device: every layer writes the same
+        positions, so they cross host -> device once per step."""
+        key = dst.tolist()
+        if self._new_dst is None or self._new_dst[0] != key:
+            self._new_dst = (key, dst.to(self.hot.device, non_blocking=True))
+        return self._new_dst[1]
 
     def _host_rows_small(self, pos: list[list[int]]) -> list[int]:
         """:meth:`_host_rows` for a decode step's few new tokens, in Python: the

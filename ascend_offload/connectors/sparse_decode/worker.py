@@ -144,7 +144,7 @@ class SparseDecodeWorker:
             settings.cfg, num_layers=len(names), row_shape=(row,), dtype=dtype,
             block_size=settings.block_size, max_requests=settings.max_num_seqs,
             index_topk=settings.index_topk, pool=pool, device=where, hot_buffers=hot,
-            tp_rank=tp_rank)
+            tp_rank=tp_rank, max_positions=settings.max_model_len)
         if self.manager.pool.num_blocks != settings.pool_blocks and (pool is None or shared_pool):
             raise ConfigError(f"host pool of {self.manager.pool.num_blocks} blocks, the scheduler "
                               f"counts {settings.pool_blocks}: the roles disagree on the config")
