@@ -20,6 +20,13 @@ Greedy tokens must be identical, every decode token of every layer must have
 been resolved through the hot buffers, and the run must really hit and miss.
 The engine's device KV, read from its own allocation (``device_*_kv_bytes``
 gauges): main KV = the hot buffers only.
+
+A third engine, started after the first two are gone, runs the same batches with
+``residency_backend: device`` (the resolve, miss gather and new-row scatter as
+device tensor ops): its tokens must equal the baseline's, and in every engine step
+its worker read no top-k and no row back to the host (``device.host_read``'s counter,
+reported per step through the connector stats), while the host resolver's engine
+read the top-k every layer of every decode step.
 """
 
 from __future__ import annotations
@@ -78,11 +85,25 @@ def _reservation_blocks(n: int, k: int) -> int:
     return -(-(n + k) // BLOCK)
 
 
-def _sparse_config() -> dict[str, Any]:
+def _sparse_config(backend: str = "host") -> dict[str, Any]:
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB}
+              "dram_size_per_dp_GB": POOL_GB, "residency_backend": backend}
     return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"sparse_offload": sparse}}
+
+
+class _ConnectorSteps(StepRecorder):
+    """The scheduler counts of every step plus the connector's stats of that step (the
+    worker's counter deltas, as vLLM hands them to its stat loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connector: list[dict[str, Any]] = []
+
+    def add(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        super().add(scheduler_stats, iteration_stats)
+        if scheduler_stats is not None:
+            self.connector.append(dict(scheduler_stats.kv_connector_stats or {}))
 
 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -110,7 +131,7 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict[str, Any]:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    rec = {"baseline": StepRecorder(), "offload": StepRecorder()}
+    rec = {"baseline": StepRecorder(), "offload": _ConnectorSteps(), "device": _ConnectorSteps()}
     out: dict[str, Any] = {"tokens": {}, "peak_a": {}, "peak_b": {}, "blocks": {}}
     # baseline first: a later engine's Prometheus logger replaces an earlier one's, and the
     # connector metrics read below are the offload engine's
@@ -135,6 +156,18 @@ def runs(model_dir: str) -> dict[str, Any]:
             "offload_rows", "admission_failures", "unmatched_rows", "resolve_seconds",
             "copy_seconds", "pool_rows_used", "device_kv_bytes", "device_main_kv_bytes",
             "device_indexer_kv_bytes")}
+    # the device resolver's engine: the same batches after the others are gone
+    with owned_engine(lambda: stepped_engine(rec["device"], model=model_dir,
+                                             kv_transfer_config=_sparse_config("device"),
+                                             **ENGINE_ARGS)) as dev_engine:
+        m = rec["device"].mark()
+        toks = _run(dev_engine, PROMPTS_A, MAX_TOKENS_A)
+        out["peak_a"]["device"] = rec["device"].peak_running(m)
+        m = rec["device"].mark()
+        toks += _run(dev_engine, PROMPTS_B, MAX_TOKENS_B)
+        out["peak_b"]["device"] = rec["device"].peak_running(m)
+        out["tokens"]["device"] = toks
+    out["connector_steps"] = {n: rec[n].connector for n in ("offload", "device")}
     return out
 
 
@@ -143,6 +176,7 @@ def test_greedy_tokens_identical_to_the_model_without_offload(runs: dict[str, An
     assert len(LENGTHS) >= 30
     assert [len(t) for t in toks["offload"]] == MAX_TOKENS
     assert toks["offload"] == toks["baseline"]
+    assert toks["device"] == toks["baseline"]  # residency_backend: device
     # the prompts really differ in what they generate (not one degenerate answer)
     assert len({tuple(t) for t in toks["baseline"]}) == len(LENGTHS)
 
@@ -205,3 +239,33 @@ def test_device_main_kv_is_the_hot_buffers_only(runs: dict[str, Any]) -> None:
           f"{m['device_indexer_kv_bytes']:.0f} B in {blocks['offload']} blocks; main-KV ratio "
           f"{m['device_main_kv_bytes'] / base_main:.4f} of the baseline allocation, "
           f"{per_req['offload'] / per_req['baseline']:.4f} per request at {ctx} tokens")
+
+
+def test_device_resolver_reads_nothing_back_per_step(runs: dict[str, Any]) -> None:
+    """``residency_backend: device``: in every engine step the worker handed no top-k and
+    no new row to host code (``device.host_read`` counts them), only its once-per-step
+    report; the host resolver's engine read the top-k every layer of every decode step."""
+    steps = runs["connector_steps"]
+    dev_steps = [d for d in steps["device"] if d.get("steps")]
+    host_steps = [d for d in steps["offload"] if d.get("steps")]
+    decode_steps = [d for d in dev_steps if d.get("resolved_positions")]
+    assert len(decode_steps) >= 40, len(decode_steps)
+    for d in dev_steps:
+        assert d.get("host_reads_topk", 0) == 0 and d.get("host_reads_new_rows", 0) == 0, d
+        assert d.get("host_reads_step", 0) == d["steps"], d
+    # the same requests went through the device engine's hot buffers: hits and misses
+    resolved = sum(d.get("resolved_positions", 0) for d in dev_steps)
+    hits = sum(d.get("hit_positions", 0) for d in dev_steps)
+    assert resolved >= N_LAYERS * sum(min(TOPK, n) * (k - 1)
+                                      for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
+    assert 0 < hits < resolved
+    assert sum(d.get("admission_failures", 0) + d.get("unmatched_rows", 0) for d in dev_steps) == 0
+    # negative control: the host resolver reads the top-k of every layer of a decode step
+    host_decode = [d for d in host_steps if d.get("resolved_positions")]
+    assert host_decode and all(d.get("host_reads_topk", 0) >= N_LAYERS for d in host_decode)
+    assert all(d.get("host_reads_step", 0) == 0 for d in host_steps)
+    assert runs["peak_b"]["device"] == 2, runs["peak_b"]
+    print(f"\ndevice resolver: {len(dev_steps)} steps ({len(decode_steps)} with decode rows), "
+          f"0 top-k / row reads per step; host resolver: "
+          f"{sum(d.get('host_reads_topk', 0) for d in host_steps)} top-k reads in "
+          f"{len(host_decode)} decode steps; device hit rate {hits / resolved:.3f}")
