@@ -16,14 +16,22 @@ from typing import Any
 import pytest
 
 from ascend_offload.testing.servers import Server, free_port, wait_health
+from proxy.config import registration_max_bytes
 from tests.e2e.harness import BLOCK_SIZE, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 600.0
 RD2H_MODULE = "ascend_offload.connectors.remote_d2h"
-# Decode's request deadline and the prefill's ack deadline: short, so the stall fault
-# ends within the soak's budget.
-RD2H = {"ack_timeout_s": 8, "request_timeout_s": 8, "registration_timeout_s": 8}
+MAX_MODEL_LEN = 4096
+# The proxy's registration cap for these engines (--max-model-len, --block-size).
+REGISTRATION_MAX_BYTES = registration_max_bytes(MAX_MODEL_LEN, BLOCK_SIZE)
+# The RD2H deadlines the faults exercise. ack_timeout_s is how long the stall fault holds
+# the prefill (a layer never announced keeps its buffer until then): short, so the soak
+# stays within its budget. request_timeout_s is when decode gives a pull up (the stall,
+# the withheld layers after the failed store read); every other request must finish
+# well inside it, also behind an ack_timeout_s stall on a loaded 2-core box, so it has
+# headroom. registration_timeout_s is no fault's: only a bound.
+RD2H = {"ack_timeout_s": 8, "request_timeout_s": 30, "registration_timeout_s": 60}
 # The prefill's test-only protocol fault: drop layer 2's readiness for 7-block pulls.
 PD_FAULTS = "drop:2@7"
 
@@ -71,7 +79,7 @@ class Cluster:
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                   "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-                  "--max-model-len", "4096", "--seed", "0", "--host", "127.0.0.1"]
+                  "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--host", "127.0.0.1"]
         self.prefill = f"http://127.0.0.1:{p_port}"
         self.decode = f"http://127.0.0.1:{d_port}"
         self.proxy = f"http://127.0.0.1:{proxy_port}"
@@ -90,7 +98,8 @@ class Cluster:
             "proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(proxy_port),
                       "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(p_port),
                       "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d_port),
-                      "--register-timeout-s", "30", "--timeout-s", "60", "--cooldown-s", "1"],
+                      "--register-timeout-s", "30", "--timeout-s", "60", "--cooldown-s", "1",
+                      "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)],
             env, log_dir)
         deadline = time.monotonic() + STARTUP_S
         try:
