@@ -25,9 +25,11 @@ BENCHES: dict[str, str] = {
     "e2e-pd": "ascend_offload.bench.e2e_pd",
     "sparse-e2e": "ascend_offload.bench.sparse_e2e",
     "sparse-admission": "ascend_offload.bench.sparse_admission",
+    "sparse-scale": "ascend_offload.bench.sparse_scale",
 }
 # minutes long (real vLLM engines): ``bench all`` skips them; run them by name
-SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission", "store-ssd"})
+SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission", "store-ssd",
+                          "sparse-scale"})
 
 USAGE = (
     "usage: ascend-offload {plan,check-config,demo,bench} ...\n"
