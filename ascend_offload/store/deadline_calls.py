@@ -37,7 +37,11 @@ class DeadlineCalls:
         with self._lock:
             return self._overrun
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(self, fn: Callable[..., Any], *args: Any,
+             on_late: Callable[[], None] | None = None) -> Any:
+        """``fn(*args)``'s result, :data:`OVERRAN` or :data:`NOT_SENT`. ``on_late``: for a call
+        that overran, called once when it really ended (from the call's thread, or here if
+        it ended meanwhile): only then are the buffers it reads or writes free again."""
         with self._lock:
             if self._overrun >= self._threads:
                 return NOT_SENT
@@ -50,12 +54,14 @@ class DeadlineCalls:
         except cf.TimeoutError:
             with self._lock:
                 self._overrun += 1
-            fut.add_done_callback(self._done)
+            fut.add_done_callback(lambda f: self._done(f, on_late))
             return OVERRAN
 
-    def _done(self, _fut: cf.Future[Any]) -> None:
+    def _done(self, _fut: cf.Future[Any], on_late: Callable[[], None] | None) -> None:
         with self._lock:
             self._overrun -= 1
+        if on_late is not None:
+            on_late()
 
     def shutdown(self) -> None:
         """Stop taking calls; never waits on an overrun one."""

@@ -40,6 +40,8 @@ class _Saving:
     readers: list[str]  # requests that save (and later read back) this block
     done: int = 0  # ranks that reported it written
     failed: int = 0  # ranks that reported it failed
+    held: int = 0  # ranks whose publish of its page may still read it
+    stale: bool = False  # settled by a reset while held: aborted once released
 
 
 class LayerwiseSaves(RequestBook[LayerwiseEntry]):
@@ -53,6 +55,7 @@ class LayerwiseSaves(RequestBook[LayerwiseEntry]):
                          world_size=world_size, min_load_blocks=min_load_blocks, remote=remote)
         self.partial_prefix = partial_prefix
         self._saving: dict[str, _Saving] = {}
+        self._held: dict[str, _Saving] = {}  # every rank reported; settled once released
 
     @property
     def saving(self) -> frozenset[str]:
@@ -135,6 +138,30 @@ class LayerwiseSaves(RequestBook[LayerwiseEntry]):
         if s.done + s.failed < self.world_size:
             return
         del self._saving[key]
+        if s.held:  # a publish may still read its page: settled when released
+            self._held[key] = s
+            return
+        self._settle_saved(key, s)
+
+    def hold(self, counts: Mapping[str, int]) -> None:
+        for key, n in counts.items():
+            s = self._saving.get(key) or self._held.get(key)
+            if s is not None:
+                s.held += n
+
+    def release(self, counts: Mapping[str, int]) -> None:
+        for key, n in counts.items():
+            s = self._saving.get(key) or self._held.get(key)
+            if s is None:
+                continue
+            s.held = max(0, s.held - n)
+            if not s.held and self._held.pop(key, None) is not None:
+                self._settle_saved(key, s)
+
+    def _settle_saved(self, key: str, s: _Saving) -> None:
+        if s.stale:
+            self.index.abort([s.handle])
+            return
         if s.failed:
             self.totals["save_failed_jobs"] += 1
             self.index.abort([s.handle])
@@ -161,8 +188,14 @@ class LayerwiseSaves(RequestBook[LayerwiseEntry]):
         which every rank runs after this step's), read-back pins and hit keys are
         dropped (the clear makes the pins inert). Late reports of these keys arrive
         with the old epoch and are dropped by the connector."""
-        for s in self._saving.values():
-            self.index.abort([s.handle])
+        for key, s in self._saving.items():
+            if s.held:  # a late publish still reads its page: pending until released
+                s.stale = True
+                self._held[key] = s
+            else:
+                self.index.abort([s.handle])
+        for s in self._held.values():
+            s.stale = True  # pre-reset objects never commit
         self._saving.clear()
         for e in self._entries.values():
             e.pins.clear()

@@ -15,8 +15,9 @@ What is Memcache-specific, behind :class:`~ascend_offload.store.shared_tier.Tier
   refuses larger ones);
 * the meta service's link codes (``OUTAGE_CODES``) are an unreachable service; so is
   a call that outlived ``call_timeout_s`` (the library's own first call after the
-  service died waited 60 s): calls run through :class:`DeadlineCalls`, and a get that
-  overran reports ``IN_FLIGHT``, its pages never reused.
+  service died waited 60 s): calls run through :class:`DeadlineCalls`, and a put or get
+  that overran reports ``IN_FLIGHT``: the library may still read (put) or write (get)
+  its pages, so they stay out of use until the call really ended (``on_late``).
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ class MemcacheTierClient:
         self._replicate = replicate
 
     def _batched(self, op: str, fn: Callable[..., Any], n: int, args: Callable[[int, int], list[Any]],
-                 *, getting: bool = False) -> list[int]:
+                 *, getting: bool = False, moving: bool = False,
+                 on_late: Callable[[], None] | None = None) -> list[int]:
         """Per-key codes of ``fn`` over ``n`` keys in calls of at most ``MAX_BATCH``;
-        after an unreachable answer the rest are not sent."""
+        after an unreachable answer the rest are not sent, so at most one call overruns:
+        ``moving`` (a put or get) reports its keys ``IN_FLIGHT`` and ``on_late`` is called
+        once it really ended."""
         out: list[int] = []
         for lo in range(0, n, MAX_BATCH):
             hi = min(n, lo + MAX_BATCH)
@@ -75,7 +79,7 @@ class MemcacheTierClient:
                 out.extend([_NOT_SENT_CODE] * (n - lo))
                 break
             try:
-                got = self._calls.call(fn, *args(lo, hi))
+                got = self._calls.call(fn, *args(lo, hi), on_late=on_late if moving else None)
             except Exception:
                 if getting:
                     raise  # a get that raised may still run: the caller keeps its pages
@@ -83,7 +87,7 @@ class MemcacheTierClient:
                 out.extend([TIMED_OUT] * (hi - lo))
                 continue
             if got is OVERRAN:
-                out.extend([IN_FLIGHT if getting else TIMED_OUT] * (hi - lo))
+                out.extend([IN_FLIGHT if moving else TIMED_OUT] * (hi - lo))
             elif got is NOT_SENT:
                 out.extend([_NOT_SENT_CODE] * (hi - lo))
             else:
@@ -103,7 +107,8 @@ class MemcacheTierClient:
     def unreachable(code: int) -> bool:
         return code in OUTAGE_CODES or code == IN_FLIGHT
 
-    def _move(self, put: bool, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
+    def _move(self, put: bool, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+              on_late: Callable[[], None] | None) -> list[int]:
         keys = list(keys)
         single = all(len(p) == 1 for p in ptrs)
         name, fn = data_call(self.client, put=put, layers=not single)
@@ -115,13 +120,20 @@ class MemcacheTierClient:
                 return [keys[lo:hi], p, n, H2G, self._replicate]
             return [keys[lo:hi], p, n, G2H]
 
-        return self._batched(name, fn, len(keys), args, getting=not put)
+        return self._batched(name, fn, len(keys), args, getting=not put, moving=True, on_late=on_late)
 
-    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
-        return self._move(True, keys, ptrs, lens)
+    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        return self._move(True, keys, ptrs, lens, on_late)
 
-    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
-        return self._move(False, keys, ptrs, lens)
+    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        return self._move(False, keys, ptrs, lens, on_late)
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Drop objects that failed verification (``remove_batch``, deadline-bounded)."""
+        keys = list(keys)
+        self._batched("remove_batch", self.client.remove_batch, len(keys), lambda lo, hi: [keys[lo:hi]])
 
     @staticmethod
     def safe_failure(code: int) -> bool:

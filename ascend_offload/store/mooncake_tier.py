@@ -14,7 +14,7 @@ it while it is down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,21 +99,29 @@ class MooncakeTierClient:
     def unreachable(code: int) -> bool:
         return _rpc_failure(code)
 
-    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
+    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        """Synchronous (Mooncake's transport deadline bounds it): never ``IN_FLIGHT``."""
         from mooncake.store import ReplicateConfig
 
         rep = ReplicateConfig()
         rep.replica_num = self.replica_num
         return _call(self.client.batch_put_from_multi_buffers, list(keys), ptrs, lens, rep, n=len(keys))
 
-    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]]) -> list[int]:
-        """Raises what the client raises (the shared tier then keeps the pages out of use)."""
+    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        """Raises what the client raises (the shared tier then keeps the pages out of use);
+        synchronous, never ``IN_FLIGHT``."""
         got = self.client.batch_get_into_multi_buffers(list(keys), ptrs, lens)
         return [0 if g == sum(n) else (g if g < 0 else SHORT_READ) for g, n in zip(got, lens, strict=False)]
 
     @staticmethod
     def safe_failure(code: int) -> bool:
         return code in SAFE_GET_FAILURES
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Objects that failed verification are left to the master's eviction (a miss
+        meanwhile: every fetch verifies)."""
 
     def register(self, ptr: int, nbytes: int) -> int:
         return int(self.client.register_buffer(ptr, nbytes))

@@ -47,6 +47,8 @@ class _Job:
     pin: Pin | None = None
     done: int = 0
     failed: int = 0
+    held: int = 0  # ranks whose publish of the saved pages may still read them
+    stale: bool = False  # settled by a reset while held: aborted once released
 
 
 class PrefixJobs(RequestBook[PrefixEntry]):
@@ -60,6 +62,7 @@ class PrefixJobs(RequestBook[PrefixEntry]):
                          world_size=world_size, min_load_blocks=min_load_blocks, remote=remote)
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
+        self._held: dict[int, _Job] = {}  # saves every rank reported, settled once released
         self._pending_loads: list[CopyJob] = []
         #: loads every rank reported since the scheduler last drained this: (request, all ok)
         self.settled_loads: list[tuple[str, bool]] = []
@@ -147,14 +150,43 @@ class PrefixJobs(RequestBook[PrefixEntry]):
         if job.failed:
             self.totals[f"{job.kind}_failed_jobs"] += 1
         if job.kind == "save":
-            if job.failed:
-                self.index.abort(job.handles)
+            if job.held:  # a publish may still read its pages: settled when released
+                self._held[job_id] = job
             else:
-                self.index.commit(job.handles)
+                self._settle_save(job)
         else:
             if job.pin is not None:
                 self.index.unpin(job.pin)
             self.settled_loads.append((job.req_id, not job.failed))
+
+    def _settle_save(self, job: _Job) -> None:
+        if job.failed or job.stale:
+            self.index.abort(job.handles)
+        else:
+            self.index.commit(job.handles)
+
+    def hold(self, counts: Mapping[int, int]) -> None:
+        for job_id, n in counts.items():
+            job = self._jobs.get(job_id) or self._held.get(job_id)
+            if job is None or job.kind != "save":
+                log.warning("store: publish hold for unknown save job %d: its pages may be "
+                            "reused under a late put (a fetch of it verifies, a miss)", job_id)
+                continue
+            job.held += n
+
+    def release(self, counts: Mapping[int, int]) -> None:
+        for job_id, n in counts.items():
+            job = self._jobs.get(job_id) or self._held.get(job_id)
+            if job is None:
+                continue
+            job.held = max(0, job.held - n)
+            if not job.held and self._held.pop(job_id, None) is not None:
+                self._settle_save(job)
+
+    @property
+    def held_jobs(self) -> int:
+        """Save jobs every rank reported whose pages a late publish still reads."""
+        return len(self._held)
 
     def rewind_saves(self, req_id: str, upto: int) -> None:
         """A resumed request holds only blocks ``[0, upto)`` (the rest is recomputed):
@@ -168,9 +200,16 @@ class PrefixJobs(RequestBook[PrefixEntry]):
         every rank runs after this step's), a load's pin is dropped with the clear; the
         ranks' reports of these jobs arrive with the old epoch and are dropped, so none
         commits into the new index. Every request saves again from block 0."""
-        for job in self._jobs.values():
-            if job.kind == "save":
+        for job_id, job in self._jobs.items():
+            if job.kind != "save":
+                continue
+            if job.held:  # a late publish still reads its pages: pending until released
+                job.stale = True
+                self._held[job_id] = job
+            else:
                 self.index.abort(job.handles)
+        for job in self._held.values():
+            job.stale = True  # pre-reset objects never commit
         self._jobs.clear()
         self._pending_loads.clear()
         self.settled_loads.clear()

@@ -12,7 +12,8 @@ Rules (each a unit test):
 * a request consults the shared tier once per admission (again after a preemption);
   its next lookups use the local index;
 * a fetch is committed only when every rank fetched it whole, aborted otherwise,
-  and never aborted when a rank says a transfer may still write its pages;
+  and never aborted while a rank says a transfer may still write its pages (its
+  pages are quarantined; a get past its deadline releases them once it ended);
 * a request never waits past ``timeout_s`` for a fetch.
 """
 
@@ -55,6 +56,7 @@ class _Fetch:
     done: int = 0
     failed: int = 0
     unsafe: int = 0
+    released: int = 0  # unsafe ranks whose late get has since ended
 
 
 class RemoteFetches(TierWaits):
@@ -76,6 +78,7 @@ class RemoteFetches(TierWaits):
         self.tier = tier
         self.world_size = world_size
         self._jobs: dict[int, _Fetch] = {}
+        self._quarantined: dict[int, _Fetch] = {}  # settled, pages held for a late get
         self._queue: list[FetchJob] = []
         #: monotonic totals for the connector's metrics
         self.fetch_jobs = 0
@@ -83,6 +86,7 @@ class RemoteFetches(TierWaits):
         self.failed_fetch_jobs = 0
         self.timed_out_waits = 0
         self.quarantined_pages = 0
+        self.released_pages = 0  # quarantined pages returned once their late get ended
 
     def consult(self, req_id: str, keys: Sequence[str], local_hit: int) -> bool:
         """True while the request should wait for a fetch of ``keys[local_hit:]`` (the
@@ -140,13 +144,30 @@ class RemoteFetches(TierWaits):
                 self.fetched_blocks += len(job.handles)
                 continue
             self.failed_fetch_jobs += 1
-            if job.unsafe:  # stays pending: its pages are never handed out again
+            if job.unsafe > job.released:  # stays pending: its pages are not handed out again
                 self.quarantined_pages += len(job.handles)
+                self._quarantined[job_id] = job
             else:
                 self.index.abort(job.handles)
+
+    def release(self, counts: Mapping[int, int]) -> None:
+        """Ranks whose get past its deadline (reported unsafe) has really ended (job id ->
+        ranks): once every unsafe rank's has, the job's quarantined pages are free again.
+        Why: repeated outages would otherwise shrink the page pool for good. A failure
+        whose end nobody can see (a get that raised) stays quarantined."""
+        for job_id, n in counts.items():
+            job = self._jobs.get(job_id) or self._quarantined.get(job_id)
+            if job is None:
+                log.warning("store: release of unknown fetch job %d ignored", job_id)
+                continue
+            job.released += n
+            if job.released >= job.unsafe and self._quarantined.pop(job_id, None) is not None:
+                self.index.abort(job.handles)
+                self.released_pages += len(job.handles)
 
     def counters(self) -> dict[str, int]:
         return {"remote_fetch_jobs": self.fetch_jobs, "remote_fetched_blocks": self.fetched_blocks,
                 "remote_failed_fetch_jobs": self.failed_fetch_jobs,
                 "remote_fetch_wait_timeouts": self.timed_out_waits,
-                "remote_quarantined_pages": self.quarantined_pages}
+                "remote_quarantined_pages": self.quarantined_pages,
+                "remote_released_pages": self.released_pages}

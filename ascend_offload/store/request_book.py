@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from ascend_offload.store.base import Pin
 from ascend_offload.store.local import LocalStore
@@ -195,6 +195,15 @@ class RequestBook(Generic[E]):
 
     def _finished(self, e: E) -> None:
         """Mode-specific release of what a finished request still holds."""
+
+    def hold(self, counts: Mapping[Any, int]) -> None:
+        """Ranks whose publish of a save (job id or block key -> ranks) outlived its
+        deadline: the library may still read the saved pages, so the save's objects stay
+        pending (pages never reused) until :meth:`release`; implemented per mode."""
+
+    def release(self, counts: Mapping[Any, int]) -> None:
+        """Those publishes really ended: the held saves settle now (commit, or abort if a
+        rank failed or a reset came meanwhile)."""
 
     def reset(self) -> int:
         """Forget every object of the index (``LocalStore.clear``) and start a new epoch;

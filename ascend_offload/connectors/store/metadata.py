@@ -76,6 +76,12 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
     ssd_spill_failed: Counter[int] = dataclasses.field(default_factory=Counter)
     ssd_promoted: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
     ssd_corrupt: Counter[str] = dataclasses.field(default_factory=Counter)
+    # shared tier: a publish past its deadline may still read the saved pages: save job id
+    # (whole-prefix) or block key (layerwise) -> ranks holding them, then ranks whose late
+    # put ended; fetch job id -> ranks whose late get (reported unsafe) ended
+    save_held: Counter[Any] = dataclasses.field(default_factory=Counter)
+    save_released: Counter[Any] = dataclasses.field(default_factory=Counter)
+    fetch_released: Counter[int] = dataclasses.field(default_factory=Counter)
     epoch: int = 0  # the epoch of the step whose jobs ``done`` / ``failed`` report
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -90,8 +96,12 @@ class StoreWorkerMetadata(KVConnectorWorkerMetadata):
             ssd_spill_failed=self.ssd_spill_failed + other.ssd_spill_failed,
             ssd_promoted=self.ssd_promoted + other.ssd_promoted,
             ssd_corrupt=self.ssd_corrupt + other.ssd_corrupt,
+            save_held=self.save_held + other.save_held,
+            save_released=self.save_released + other.save_released,
+            fetch_released=self.fetch_released + other.fetch_released,
         )
 
     def empty(self) -> bool:
         return not (self.done or self.failed or self.fetched or self.fetch_failed or self.ssd_spilled
-                    or self.ssd_spill_failed or self.ssd_promoted or self.ssd_corrupt)
+                    or self.ssd_spill_failed or self.ssd_promoted or self.ssd_corrupt or self.save_held
+                    or self.save_released or self.fetch_released)

@@ -192,11 +192,19 @@ class StoreScheduler(abc.ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, StoreWorkerMetadata):
+            # holds and their releases count whatever the epoch: a late put reads its pages
+            # until it ends, reset or not (a reset keeps held saves pending, then aborts them)
+            if meta.save_held:
+                self.book.hold(meta.save_held)
             if (meta.done or meta.failed) and self.book.current(meta.epoch):
                 self.book.report(meta.done, meta.failed)
                 self._after_report()
+            if meta.save_released:
+                self.book.release(meta.save_released)
             if self.fetches is not None and (meta.fetched or meta.fetch_failed):
                 self.fetches.report(meta.fetched, meta.fetch_failed, meta.fetch_unsafe)
+            if self.fetches is not None and meta.fetch_released:
+                self.fetches.release(meta.fetch_released)
             if self.ssd is not None:
                 self.ssd.report(meta.ssd_spilled, meta.ssd_spill_failed, meta.ssd_promoted, meta.ssd_corrupt)
 

@@ -85,6 +85,13 @@ class StoreWorker(abc.ABC):
         self._fetched: Counter[int] = Counter()
         self._fetch_failed: Counter[int] = Counter()
         self._fetch_unsafe: Counter[int] = Counter()
+        # shared tier calls past their deadline: save job id / block keys held, their
+        # releases, and releases of late gets (see StoreWorkerMetadata)
+        self._save_held: Counter[Any] = Counter()
+        self._save_released: Counter[Any] = Counter()
+        self._fetch_released: Counter[int] = Counter()
+        self._late: dict[Any, tuple[str, tuple[Any, ...]]] = {}  # token -> (kind, what it holds)
+        self._late_ids = 0
         #: the shared tier's client (backend mooncake / memcache, after ``register_kv_caches``)
         self.remote: RemotePages | None = None
         self._remote_deltas = CounterDeltas()
@@ -124,7 +131,10 @@ class StoreWorker(abc.ABC):
             if self.remote is None:  # never set up: the scheduler aborts it
                 self._fetch_failed[job.job_id] += 1
                 continue
-            whole, reusable = self.remote.fetch(job.keys, job.pages)
+            token = self._late_token("fetch", (job.job_id,))
+            whole, reusable = self.remote.fetch(job.keys, job.pages, token)
+            if reusable:
+                self._late.pop(token, None)  # no transfer outlives it
             if whole:
                 self._fetched[job.job_id] += 1
                 ok.append(job)
@@ -134,11 +144,36 @@ class StoreWorker(abc.ABC):
                     self._fetch_unsafe[job.job_id] += 1
         return ok
 
-    def _publish(self, keys: Iterable[str], pages: Iterable[int]) -> None:
+    def _publish(self, keys: Iterable[str], pages: Iterable[int], held: tuple[Any, ...]) -> None:
         """Publish blocks whose every layer is in ``pages`` (synchronous: the page may be
-        reused once this step's report reached the scheduler)."""
-        if self.remote is not None:
-            self.remote.publish(list(keys), list(pages))
+        reused once this step's report reached the scheduler). A put past its deadline
+        may still read the pages: ``held`` (the save job id, or the block keys) is reported
+        held with this step's completions, and released once the put really ended; the
+        scheduler keeps the saves' pages out of use meanwhile (no copy is made)."""
+        if self.remote is None:
+            return
+        token = self._late_token("save", held)
+        if self.remote.publish(list(keys), list(pages), token):
+            self._late.pop(token, None)
+        else:
+            self._save_held.update(held)
+
+    def _late_token(self, kind: str, what: tuple[Any, ...]) -> int:
+        """A token for a shared-tier call whose end may come after its deadline."""
+        self._late_ids += 1
+        self._late[self._late_ids] = (kind, what)
+        return self._late_ids
+
+    def _take_late_ends(self) -> None:
+        """Shared-tier calls past their deadline that have ended: release what they held."""
+        if self.remote is None:
+            return
+        for token in self.remote.take_ended():
+            kind, what = self._late.pop(token, ("", ()))
+            if kind == "save":
+                self._save_released.update(what)
+            elif kind == "fetch":
+                self._fetch_released.update(what)
 
     def _remote_stats(self, totals: dict[str, int] | None = None,
                       gauges: dict[str, int] | None = None) -> StoreConnectorStats | None:
@@ -151,6 +186,8 @@ class StoreWorker(abc.ABC):
                           remote_publish_skipped=c.publish_skipped,
                           remote_worker_fetched_blocks=c.fetched_blocks,
                           remote_worker_fetch_failed_blocks=c.fetch_failed_blocks,
+                          remote_worker_fetch_corrupt_blocks=c.fetch_corrupt_blocks,
+                          remote_worker_late_calls=c.late_calls,
                           remote_worker_outages=self.remote.health.outages)
         return self._remote_deltas.take(totals, gauges)
 
@@ -188,14 +225,17 @@ class StoreWorker(abc.ABC):
 
     def build_worker_meta(self) -> StoreWorkerMetadata | None:
         """This step's completions; None when there are none."""
+        self._take_late_ends()
         meta = StoreWorkerMetadata(done=self._done, failed=self._failed, fetched=self._fetched,
                                    fetch_failed=self._fetch_failed, fetch_unsafe=self._fetch_unsafe,
-                                   epoch=self._epoch,
+                                   save_held=self._save_held, save_released=self._save_released,
+                                   fetch_released=self._fetch_released, epoch=self._epoch,
                                    **(self.ssd.take_report() if self.ssd is not None else {}))
         if meta.empty():
             return None
         self._done, self._failed = Counter(), Counter()
         self._fetched, self._fetch_failed, self._fetch_unsafe = Counter(), Counter(), Counter()
+        self._save_held, self._save_released, self._fetch_released = Counter(), Counter(), Counter()
         return meta
 
     @abc.abstractmethod
@@ -267,7 +307,7 @@ class PrefixWorker(StoreWorker):
         def save(job: CopyJob) -> None:
             pool.save(job.block_ids, job.pages)  # synchronous: the blocks are read when it returns
             if meta.publish:
-                self._publish(job.keys, job.pages)
+                self._publish(job.keys, job.pages, (job.job_id,))
 
         self._run_jobs(meta.saves, save, "save")
 
@@ -347,8 +387,8 @@ class LayerwiseWorker(StoreWorker):
         if self._publish_full and self.remote is not None:
             full = [k for k in done if not k.startswith(self.settings.partial_prefix)]
             pages = [store.committed_page(k) for k in full]
-            self._publish([k for k, p in zip(full, pages, strict=True) if p is not None],
-                          [p for p in pages if p is not None])
+            keys = [k for k, p in zip(full, pages, strict=True) if p is not None]
+            self._publish(keys, [p for p in pages if p is not None], tuple(keys))
         self._done.update(done)
         self._failed.update(failed)
 

@@ -66,7 +66,8 @@ def test_ranks_publish_and_another_engine_fetches_whole_blocks() -> None:
         assert index.counters() == {"remote_lookups": 2, "remote_hit_blocks": 2, "remote_outages": 0}
         # one object per block and rank: its rows of every layer, in layer order
         assert set(cluster.objects) == {"b0@r0", "b1@r0", "b2@r0", "b0@r1", "b1@r1"}
-        assert cluster.objects["b1@r1"] == b"".join(bytes(t.numpy()) for t in block(writers[1], 1))
+        # (then the 16-byte trailer a fetch verifies: key and payload checksums)
+        assert cluster.objects["b1@r1"][:-16] == b"".join(bytes(t.numpy()) for t in block(writers[1], 1))
         assert "batch_put_from_layers" in cluster.calls  # two layer planes: one buffer per row
         writers[0].publish(["b0"], [5])
         assert writers[0].counts.publish_duplicates == 1
@@ -87,8 +88,8 @@ def test_one_layer_plane_uses_the_plain_batch_calls() -> None:
     w.publish(["x"], [2])
     assert r.fetch(["x"], [7]) == (True, True)
     assert torch.equal(block(r, 7)[0], block(w, 2)[0])
-    assert "batch_put_from" in cluster.calls and "batch_get_into" in cluster.calls
-    assert "batch_put_from_layers" not in cluster.calls
+    # the row and its checksum trailer are two spans: the _layers calls even for one plane
+    assert "batch_put_from_layers" in cluster.calls and "batch_get_into_layers" in cluster.calls
     w.close()
     r.close()
 
