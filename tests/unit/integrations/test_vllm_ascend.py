@@ -158,8 +158,8 @@ def _meta(step: list[tuple[str, int, int]]) -> Any:
     return AscendSFAMetadata(
         num_actual_tokens=int(ends[-1]), slot_mapping=torch.tensor(slots),
         seq_lens=torch.tensor(seq, dtype=torch.int32), seq_lens_cpu=torch.tensor(seq),
-        cum_query_lens=ends, block_table=table, num_input_tokens=int(ends[-1]),
-        block_size=KERNEL_BS)
+        cum_query_lens=ends, block_table=table, sin=None, cos=None,
+        num_input_tokens=int(ends[-1]), block_size=KERNEL_BS)
 
 
 def _keys(step: list[tuple[str, int, int]]) -> dict[int, str]:
@@ -285,10 +285,10 @@ def test_ours_on_selects_our_impl_and_refuses_conflicts(va: Any,
     with pytest.raises(ConfigError, match="FULL"):
         AscendSFABackend.get_impl_cls()
 
-    from vllm_ascend.attention import sfa_v1
+    from vllm_ascend.attention.context_parallel import sfa_cp
 
     cp_impl = type("AscendSFACPImpl", (AscendSFAImpl,), {})
-    monkeypatch.setattr(sfa_v1, "resolve_sfa_impl", lambda: cp_impl)
+    monkeypatch.setattr(sfa_cp, "resolve_sfa_impl", lambda: cp_impl)
     _use_config(monkeypatch, _vcfg())
     with pytest.raises(ConfigError, match="AscendSFACPImpl"):
         AscendSFABackend.get_impl_cls()

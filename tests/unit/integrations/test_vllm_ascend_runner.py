@@ -69,7 +69,12 @@ def _store_vcfg(layerwise: bool, path: str = "ascend_offload.connectors.store") 
                                        "layerwise_num_shared_buffers": 2}),
         cache_config=SimpleNamespace(enable_prefix_caching=False),
         compilation_config=SimpleNamespace(cudagraph_mode=None),
-        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=6)))
+        model_config=_model_config())
+
+
+def _model_config() -> Any:
+    return SimpleNamespace(hf_text_config=SimpleNamespace(
+        num_hidden_layers=6, kv_lora_rank=R, qk_rope_head_dim=P))
 
 
 def _npu_config(num_blocks: int = 10) -> Any:
@@ -113,7 +118,7 @@ def test_runner_allocation_follows_the_cpu_hook(va: Any) -> None:
     cpu_parts = _partition({n: t.data_ptr() for n, t in cpu.items()})
 
     mr.ORIGINAL_PLAN_CALLS.clear()
-    npu = mr.NPUModelRunner(vcfg, torch.device("cpu"), k_dim=R, v_dim=P)
+    npu = mr.NPUModelRunner(vcfg, torch.device("cpu"))
     config = _npu_config()
     npu.initialize_kv_cache(config)
     assert not mr.ORIGINAL_PLAN_CALLS  # vllm-ascend's own plan did not run
@@ -127,9 +132,9 @@ def test_runner_allocation_follows_the_cpu_hook(va: Any) -> None:
 def test_runner_off_runs_vllm_ascend_plan(va: Any) -> None:
     mr = importlib.import_module("vllm_ascend.worker.model_runner_v1")
     for vcfg in (_store_vcfg(False), _store_vcfg(True, path="vllm_ascend.distributed.x"),
-                 SimpleNamespace(kv_transfer_config=None)):
+                 SimpleNamespace(kv_transfer_config=None, model_config=_model_config())):
         mr.ORIGINAL_PLAN_CALLS.clear()
-        npu = mr.NPUModelRunner(vcfg, torch.device("cpu"), k_dim=R, v_dim=P)
+        npu = mr.NPUModelRunner(vcfg, torch.device("cpu"))
         npu.initialize_kv_cache(_npu_config())
         assert len(mr.ORIGINAL_PLAN_CALLS) == 1
         assert len(_partition({n: t[0].data_ptr() for n, t in npu.kv_caches.items()})) == 12
@@ -140,11 +145,11 @@ def test_runner_refuses_what_sharing_cannot_do(va: Any) -> None:
     vcfg = _store_vcfg(True)
     vcfg.cache_config.enable_prefix_caching = True
     with pytest.raises(LayerwiseStartupError, match="enable_prefix_caching"):
-        mr.NPUModelRunner(vcfg, torch.device("cpu"), R, P).initialize_kv_cache(_npu_config())
+        mr.NPUModelRunner(vcfg, torch.device("cpu")).initialize_kv_cache(_npu_config())
     config = _npu_config()
     config.kv_cache_tensors[1] = KVCacheTensor(size=1, shared_by=[MAINS[1]])
     with pytest.raises(LayerwiseStartupError, match="sizes differ"):
-        mr.NPUModelRunner(_store_vcfg(True), torch.device("cpu"), R, P).initialize_kv_cache(config)
+        mr.NPUModelRunner(_store_vcfg(True), torch.device("cpu")).initialize_kv_cache(config)
 
 
 def test_vllm032_descriptors_are_checked_not_rewritten() -> None:

@@ -1,9 +1,10 @@
 """Fake of ``vllm_ascend/attention/sfa_v1.py`` (vllm-ascend main 182b75ea, 2026-08-22).
 
-Same class and method names and signatures as published: ``PreprocessType``,
+Same class and method names and signatures as published (checked against
+``vllm_ascend_api/snapshot.json``): ``PreprocessType``,
 ``AscendSFABackend.get_impl_cls`` (staticmethod; vllm-ascend's own offload impl
-when ``sparse_kv_offload_config.enabled``), ``AscendSFAMetadata`` (the fields the
-decode path reads), ``AscendSFAImpl.__init__`` / ``_resolve_preprocess_type`` /
+when ``sparse_kv_offload_config.enabled``, else ``context_parallel/sfa_cp.resolve_sfa_impl``),
+``AscendSFAMetadata`` (all fields), ``AscendSFAImpl.__init__`` / ``_resolve_preprocess_type`` /
 ``exec_kv`` / ``_execute_sparse_flash_attention_process`` / ``forward``.
 
 ``forward`` keeps the published order on a torch reference: a fused preprocess
@@ -52,30 +53,35 @@ class AscendSFABackend:
             from vllm_ascend.attention.sfa_kv_offload import AscendSFAKVOffloadImpl
 
             return AscendSFAKVOffloadImpl
+        from vllm_ascend.attention.context_parallel.sfa_cp import resolve_sfa_impl
+
         return resolve_sfa_impl()
-
-
-def resolve_sfa_impl() -> type[AscendSFAImpl]:
-    """Published in ``attention/context_parallel/sfa_cp.py``: the CP impl when DSA context
-    parallel is on, else ``AscendSFAImpl``."""
-    return AscendSFAImpl
 
 
 @dataclass
 class AscendSFAMetadata:
+    """All published fields, in order (the constructor's signature); unused ones are ``Any``."""
+
     num_actual_tokens: int
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     cum_query_lens: torch.Tensor
     block_table: torch.Tensor
-    sin: torch.Tensor | None = None
-    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None
+    cos: torch.Tensor | None
     num_input_tokens: int = 0
+    head_dim: int | None = None
+    attn_mask: torch.Tensor | None = None
+    attn_state: Any = None  # published: AscendAttentionState.ChunkedPrefill
+    reshape_cache_event: Any = None
     num_decodes: int = 0
     num_decode_tokens: int = 0
     num_prefills: int = 0
     block_size: int = 0
+    group_len: torch.Tensor | None = None
+    group_key_idx: torch.Tensor | None = None
+    group_key_cache_idx: torch.Tensor | None = None
     req_ids_tensor: torch.Tensor | None = None
     token_to_req: torch.Tensor | None = None
 

@@ -5,8 +5,9 @@ Kept: the two SFA cache spec classes and the fields the registration reads.
 ``kv_lora_rank + qk_rope_head_dim``; ``scale_dim`` / ``cache_sparse_sfa_c8`` for the
 packed C8 main cache); ``AscendSFAIndexerCacheSpec`` the indexer K (and scale)
 cache, which shares the main layers' group and block ids. Published, both derive
-from vLLM's ``MLAAttentionSpec``; here from a small frozen base with the fields vLLM's
-group code reads.
+from vLLM's ``MLAAttentionSpec``; here from a small frozen base (``_MLASpec``, standing
+in for it) with the fields vLLM's group code and the registration read. The fields each
+class declares itself are the published ones (``vllm_ascend_api/snapshot.json``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class _MLASpec:
     head_size: int
     dtype: torch.dtype
     dcp_sharded: bool = False  # a field of vLLM's KVCacheSpec base
+    cache_dtype_str: str | None = None  # vLLM's MLAAttentionSpec
+    compress_ratio: int = 1  # vLLM's MLAAttentionSpec of the vLLM vllm-ascend targets
 
     @property
     def page_size_bytes(self) -> int:
@@ -35,7 +38,6 @@ class AscendMLAAttentionSpec(_MLASpec):
     scale_dtype: torch.dtype = torch.int8
     cache_sparse_sfa_c8: bool = False
     store_on_host: bool = False
-    compress_ratio: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,4 +45,5 @@ class AscendSFAIndexerCacheSpec(_MLASpec):
     scale_dim: int = 0
     scale_dtype: torch.dtype = torch.int8
     cache_sparse_li_c8: bool = False
+    cache_dtype_str: str | None = None
     sfa_dcp_replicated_indexer_size: int = 1

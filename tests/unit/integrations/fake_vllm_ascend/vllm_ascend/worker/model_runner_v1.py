@@ -6,8 +6,9 @@ recorder, since it acts only for vllm-ascend's memcache store) and
 ``NPUModelRunner.initialize_kv_cache`` -> ``initialize_kv_cache_tensors`` ->
 ``_allocate_kv_cache_tensors`` with the published allocation rule: one buffer per
 ``KVCacheTensor``, given to every layer in its ``shared_by``; a main MLA layer gets
-``(k_cache, v_cache)`` split by ``kv_lora_rank : qk_rope_head_dim``, an indexer layer
-``(k_cache,)``.
+``(k_cache, v_cache)`` split by ``_get_attention_kv_cache_dims`` (``kv_lora_rank :
+qk_rope_head_dim``, read here from the model config instead of the attention layer),
+an indexer layer ``(k_cache,)``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ def apply_layerwise_kv_cache_plan(kv_cache_config: Any, vllm_config: Any) -> Non
 
 
 class NPUModelRunner:
-    def __init__(self, vllm_config: Any, device: torch.device, k_dim: int, v_dim: int) -> None:
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.device = device
-        self.k_dim, self.v_dim = k_dim, v_dim  # published: _get_attention_kv_cache_dims
         self.kv_caches: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def initialize_kv_cache(self, kv_cache_config: Any) -> None:
@@ -40,6 +40,10 @@ class NPUModelRunner:
     def initialize_kv_cache_tensors(self, kv_cache_config: Any) -> dict[str, Any]:
         return self._allocate_kv_cache_tensors(kv_cache_config)
 
+    def _get_attention_kv_cache_dims(self, layer_name: str, kv_cache_spec: Any) -> tuple[int, int]:
+        hf = self.vllm_config.model_config.hf_text_config
+        return hf.kv_lora_rank, hf.qk_rope_head_dim
+
     def _allocate_kv_cache_tensors(self, kv_cache_config: Any) -> dict[str, Any]:
         raw: dict[str, tuple[torch.Tensor, ...]] = {}
         for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
@@ -50,7 +54,8 @@ class NPUModelRunner:
                     tensors: tuple[torch.Tensor, ...] = (
                         torch.zeros(kv_cache_tensor.size, dtype=torch.int8, device=self.device),)
                 else:
-                    k_size = kv_cache_tensor.size * self.k_dim // (self.k_dim + self.v_dim)
+                    k_dim, v_dim = self._get_attention_kv_cache_dims(layer_name, None)
+                    k_size = kv_cache_tensor.size * k_dim // (k_dim + v_dim)
                     tensors = (torch.zeros(k_size, dtype=torch.int8, device=self.device),
                                torch.zeros(kv_cache_tensor.size - k_size, dtype=torch.int8,
                                            device=self.device))

@@ -8,7 +8,11 @@ from typing import Any
 
 
 class SparseKVOffloadManager:
-    def __init__(self) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any,
+                 sparse_kv_offload_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.sparse_kv_offload_config = sparse_kv_offload_config
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     def offload_new_kv(self, slot_mapping: Any, k_cache_cpu: Any, v_cache_cpu: Any,
@@ -23,7 +27,8 @@ class SparseKVOffloadManager:
         self.calls.append(("onload_topk_kv", {"layer_name": layer_name, "num_tokens": num_tokens}))
 
 
-_SPARSE_KV_OFFLOAD_MANAGER = SparseKVOffloadManager()
+# published: created by init_sparse_kv_offload_manager in NPUModelRunner.initialize_kv_cache
+_SPARSE_KV_OFFLOAD_MANAGER = SparseKVOffloadManager(None, None, None)
 
 
 def get_sparse_kv_offload_manager() -> SparseKVOffloadManager:
