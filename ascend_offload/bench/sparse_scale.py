@@ -10,8 +10,10 @@ Three paths:
   path runs per layer after the top-k reached the host;
 * ``host_threads``: the same, its requests spread over every core (OpenMP);
 * ``device``: the device table (``DeviceResidency``, static-shape tensor ops). Here
-  the "device" is this machine's CPU: its tensor ops run on the host, so its time is
-  host time too; on an NPU/GPU the same ops run as kernels.
+  the "device" is this machine's CPU: its tensor ops run on the host (torch with
+  ``--device-threads`` intra-op threads, one by default: on a shared, oversubscribed
+  VM torch's OpenMP threads spin at barriers and two threads measured 50-100x slower
+  than one), so its time is host time too; on an NPU/GPU the same ops run as kernels.
 
 Per step: wall time (median over the measured steps) and host <-> device
 synchronizations, counted through ``device.host_read``: the host paths hand every
@@ -80,8 +82,10 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
     rows = torch.arange(batch, dtype=torch.int32)
     tags = torch.ones(batch, dtype=torch.int64)
     table: Any
+    threads_before = torch.get_num_threads()
     if path == "device":
         table = DeviceResidency(L, batch, H, max_positions=cap)
+        torch.set_num_threads(a.device_threads)
     else:
         threads = 1 if path == "host" else a.threads
         table = NativeResidency(L, batch, H, nthreads=threads)
@@ -110,13 +114,14 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
             table.check()  # drop the warm-up steps' totals (not timed)
     if path == "device":
         valid, misses = table.check()  # after the timed steps: one read for the hit rate
+    torch.set_num_threads(threads_before)
     return {"path": path, "batch": batch, "context": ctx,
             "hit_rate": 1.0 - misses / valid if valid else 0.0,
             "host_ms_per_step": statistics.median(times),
             "host_syncs_per_step": reads_timed / len(times),
             "ms_per_step_steps": [round(x, 3) for x in times],
-            "threads": 1 if path == "host" else (a.threads if path == "host_threads"
-                                                 else torch.get_num_threads()),
+            "threads": {"host": 1, "host_threads": a.threads,
+                        "device": a.device_threads}[path],
             "device_state_bytes": table.state_bytes if path == "device" else None}
 
 
@@ -154,7 +159,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     "loadavg_1m": load},
         "config": {k: getattr(a, k) for k in ("layers", "k", "hot", "contexts", "batches",
                                               "traces", "steps", "warmup", "distinct", "block",
-                                              "threads", "quick", "seed")},
+                                              "threads", "device_threads", "quick", "seed")},
         "rows": rows,
     }
 
@@ -184,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", default="drift,uniform", help=f"of {', '.join(TRACE_KINDS)}")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--steps", type=int, default=3, help="measured steps")
-    p.add_argument("--warmup", type=int, default=3, help="steps that fill the hot buffers first")
+    p.add_argument("--warmup", type=int, default=2, help="steps that fill the hot buffers first")
     p.add_argument("--distinct", type=int, default=8, help="distinct traces per kind and context")
     p.add_argument("--block", type=int, default=128, help="host pool block size")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of the host_threads path")
+    p.add_argument("--device-threads", type=int, default=1,
+                   help="torch intra-op threads of the device path on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="a small smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
