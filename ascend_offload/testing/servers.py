@@ -11,7 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 _SLICES = 16  # disjoint port slices: one per test worker (pytest-xdist ``gwN``) or process
 
 

@@ -86,3 +86,10 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[A
 
 def tokens(outputs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def store_counter(llm: Any, name: str) -> float:
+    """An ``AscendStoreConnector`` Prometheus counter of an in-process ``LLM`` (started with
+    ``disable_log_stats=False``), summed over its label sets."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics()
+               if m.name == f"vllm:ascend_offload_store_{name}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import generate, make_engine, store_transfer_config, tokens
+from tests.e2e.harness import generate, make_engine, store_counter, store_transfer_config, tokens
 
 N_LAYERS = 8
 CHUNK = 64
@@ -46,12 +46,6 @@ def baseline() -> dict[str, Any]:
         }
 
 
-def _counter(llm: Any, name: str) -> float:
-    return sum(
-        getattr(m, "value", 0) for m in llm.get_metrics() if m.name == f"vllm:ascend_offload_store_{name}"
-    )
-
-
 @pytest.mark.parametrize("b", [1, 2, 3])
 def test_layerwise_parity_prefix_and_capacity(baseline: dict[str, Any], b: int) -> None:
     slow = b == 1
@@ -78,12 +72,12 @@ def test_layerwise_parity_prefix_and_capacity(baseline: dict[str, Any], b: int) 
         factor = blocks / baseline["blocks"]
         print(f"B={b}: physical={physical} blocks={blocks} base={baseline['blocks']} factor={factor:.3f}")
         assert factor >= 0.9 * N_LAYERS / physical
-        assert _counter(llm, "layerwise_load_errors") == 0
-        assert _counter(llm, "layerwise_blocks_loaded") > 0
+        assert store_counter(llm, "layerwise_load_errors") == 0
+        assert store_counter(llm, "layerwise_blocks_loaded") > 0
         # the CPU product path: every copy ran on the native ordered queue
-        assert _counter(llm, "layerwise_native_copies") > 0
+        assert store_counter(llm, "layerwise_native_copies") > 0
         if slow:
-            assert _counter(llm, "layerwise_gate_waits") > 0
+            assert store_counter(llm, "layerwise_gate_waits") > 0
 
 
 def test_prefix_caching_on_is_refused() -> None:

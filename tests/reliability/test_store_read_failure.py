@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ascend_offload.testing.tiny_model import random_prompts
-from tests.e2e.harness import generate, make_engine, tokens
+from tests.e2e.harness import generate, make_engine, store_counter, tokens
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
@@ -37,10 +37,15 @@ def layer_sharing_store(fail_loads: int) -> dict[str, Any]:
 
 def test_one_failed_store_read_keeps_the_answer() -> None:
     with make_engine(num_layers=8, kv_transfer_config=layer_sharing_store(0), core=0,
-                     disable_hybrid_kv_cache_manager=True) as llm:
+                     disable_hybrid_kv_cache_manager=True, disable_log_stats=False) as llm:
         clean = tokens(generate(llm, PROMPT, 16))
         assert tokens(generate(llm, PROMPT, 16)) == clean  # store hits alone change nothing
+        assert store_counter(llm, "layerwise_blocks_loaded") > 0  # the second pass loaded
+        assert store_counter(llm, "layerwise_load_errors") == 0
     with make_engine(num_layers=8, kv_transfer_config=layer_sharing_store(1), core=0,
-                     disable_hybrid_kv_cache_manager=True) as llm:
+                     disable_hybrid_kv_cache_manager=True, disable_log_stats=False) as llm:
         faulted = [tokens(generate(llm, PROMPT, 16)) for _ in range(2)]
+        # the injected failure really happened, and only once (the first layer load)
+        assert store_counter(llm, "layerwise_load_errors") >= 1
+        assert store_counter(llm, "layerwise_blocks_loaded") > 0
     assert faulted == [clean, clean]

@@ -7,6 +7,7 @@ extern "C" {
 void* ao_res_create(int32_t, int32_t, int32_t);
 int64_t ao_res_resolve(void*, int32_t, int32_t, const int32_t*, const int64_t*, const int32_t*, const int32_t*, const int32_t*, int32_t, const int32_t*, int32_t, int32_t, int32_t*, int32_t*, int32_t*, int32_t*, int32_t, int32_t*);
 int32_t ao_res_release(void*, int32_t);
+int32_t ao_res_simd_width();
 int64_t ao_copy_rows(const uint8_t*, int64_t, const int32_t*, uint8_t*, int64_t, const int32_t*, int64_t, int64_t, int32_t);
 }
 static uint64_t st = 88172645463325252ull;
@@ -48,4 +49,5 @@ int main() {
   std::free(a_src);
   std::free(a_dst);
   printf("%016llx\n", (unsigned long long)sum);
+  fprintf(stderr, "simd=%d\n", ao_res_simd_width());
 }

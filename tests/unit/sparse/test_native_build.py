@@ -240,6 +240,12 @@ def test_vector_and_scalar_paths_give_identical_results(tmp_path) -> None:
                          env=env)
     assert vec.stdout.strip() and vec.stdout.strip() == sca.stdout.strip()
     assert avx2.stdout.strip() == sca.stdout.strip()
+    # each run really took its path (the driver reports the scan width it used)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    widest = 512 if {"avx512f", "avx512vl"} <= set(flags) else 256 if "avx2" in flags else 0
+    assert vec.stderr.split() == [f"simd={widest}"]
+    assert avx2.stderr.split() == [f"simd={min(widest, 256)}"]
+    assert sca.stderr.split() == ["simd=0"]
 
 
 @pytest.mark.skipif(
