@@ -438,6 +438,8 @@ class SparseOffloadManager:
         src = self.pool.layer(layer)
         if self._hot_on_host:
             return src, host
+        if self._device:  # this step's new rows went in by a device kernel: let it finish
+            dev.current_stream().synchronize()
         uniq, inverse = torch.unique(host[valid], return_inverse=True)
         rows = torch.full_like(host, -1)
         rows[valid] = inverse
