@@ -23,6 +23,14 @@ Two vLLM-free halves, one per role, driven by the connector's objects:
 The budget on both sides is the host pool's token capacity: every stashed
 request still holds at least as many pool rows as it stashes tokens, so the
 stash never holds more indexer rows than the pool holds main-KV rows.
+
+What vLLM does with a stash the worker could not load (:func:`stash_offer_guard`):
+the worker reports the resumed request's blocks as load errors. vLLM recomputes them
+only with ``kv_load_failure_policy: recompute``; its default, ``fail``, fails the
+user's request, and with several KV cache groups vLLM raises on any block-level load
+error whatever the policy. So the scheduler side sets ``recompute`` at startup (the
+only loads of a sparse decode engine's stash), and never offers a stash to an engine
+with several KV cache groups (every preempted request is recomputed there).
 """
 
 from __future__ import annotations
@@ -70,6 +78,35 @@ class ResumeOrder:
     blocks: tuple[tuple[int, ...], ...]
 
 
+def stash_offer_guard(num_kv_cache_groups: int) -> str | None:
+    """Why vLLM cannot take a stash offer safely (None: it can). A stash the worker could
+    not hold or load comes back as block-level load errors (``invalid_block_ids``), which
+    vLLM 0.32 refuses with a RuntimeError for models of several KV cache groups (block
+    ids are unique only within a group) - an engine failure, whatever
+    ``kv_load_failure_policy`` says."""
+    if num_kv_cache_groups > 1:
+        return (f"the engine has {num_kv_cache_groups} KV cache groups, and vLLM fails the engine "
+                "on a block-level load error then")
+    return None
+
+
+def set_load_failure_policy(kv_transfer_config: Any, stash_tokens: int) -> None:
+    """Startup: a worker that cannot load an offered stash reports its blocks as load
+    errors, which vLLM recomputes only under ``kv_load_failure_policy: recompute`` (its
+    default ``fail`` fails the user's request). With a stash budget the policy is set to
+    ``recompute`` (logged when changed); vLLM's scheduler reads it after it created the
+    connector, so the setting takes effect."""
+    if stash_tokens <= 0 or kv_transfer_config is None:
+        return
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy == "recompute":
+        return
+    kv_transfer_config.kv_load_failure_policy = "recompute"
+    logger.warning("sparse decode: key 'kv_load_failure_policy'=%r set to 'recompute': a "
+                   "preempted request's stash that a worker could not hold or load is reported as "
+                   "load errors, which %r would turn into a failed request", policy, policy)
+
+
 class PreemptionBook:
     """Scheduler side: the per-request preemption state and the stash budget (tokens)."""
 
@@ -86,6 +123,16 @@ class PreemptionBook:
         self._progress: dict[str, tuple[int, Sequence[Sequence[int]]]] = {}
         self.stashed_requests = 0
         self.lost_requests = 0
+        #: why stashes are not offered at all (every preempted request is recomputed)
+        self.refused: str | None = None
+
+    def refuse(self, why: str) -> None:
+        """Stop stashing (and so offering) from now on: every preempted request is
+        ``LOST`` and recomputed (logged once)."""
+        if self.refused is None:
+            self.refused = why
+            logger.warning("sparse decode: preempted requests are recomputed, not resumed from "
+                           "the stash: %s", why)
 
     def state(self, req_id: str) -> PreemptState:
         return self._state.get(req_id, PreemptState.RUNNING)
@@ -113,7 +160,7 @@ class PreemptionBook:
         tokens, blocks = self._progress.pop(req_id, (0, ()))
         self._release(req_id)
         need = self._blocks_for(tokens)
-        if tokens <= 0 or need > self.capacity_blocks - self._used:
+        if tokens <= 0 or self.refused is not None or need > self.capacity_blocks - self._used:
             self._state[req_id] = PreemptState.LOST
             self.lost_requests += 1
             return StashOrder(0, ())

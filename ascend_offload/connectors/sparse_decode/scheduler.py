@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -29,6 +29,8 @@ from ascend_offload.sparse.preemption import (
     PreemptState,
     ResumeOrder,
     StashOrder,
+    set_load_failure_policy,
+    stash_offer_guard,
 )
 
 if TYPE_CHECKING:
@@ -58,11 +60,30 @@ class SparseDecodeMetadata(KVConnectorMetadata):
 class SparseDecodeScheduler:
     """Request naming and host-pool admission for one engine."""
 
-    def __init__(self, settings: SparseDecodeSettings) -> None:
+    def __init__(self, settings: SparseDecodeSettings, kv_transfer_config: Any = None) -> None:
+        """``kv_transfer_config`` (vLLM's, at startup): its ``kv_load_failure_policy`` is
+        set to ``recompute`` when stashes are offered (``set_load_failure_policy``)."""
         self.s = settings
         self.ledger = PoolLedger(settings.pool_blocks, settings.block_size)
         self.preemption = PreemptionBook(settings.stash_tokens, settings.block_size)
+        if kv_transfer_config is None:  # vLLM's config of this process, where one is current
+            from vllm.config import get_current_vllm_config_or_none
+
+            current = get_current_vllm_config_or_none()
+            kv_transfer_config = None if current is None else current.kv_transfer_config
+        set_load_failure_policy(kv_transfer_config, settings.stash_tokens)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
+        self._groups_checked = False
+
+    def _check_groups(self) -> None:
+        """Once the KV cache manager is bound: no stash offers to an engine of several KV
+        cache groups (``stash_offer_guard``)."""
+        if self._groups_checked or self.kv_cache_manager is None:
+            return
+        self._groups_checked = True
+        why = stash_offer_guard(int(getattr(self.kv_cache_manager, "num_kv_cache_groups", 1)))
+        if why is not None:
+            self.preemption.refuse(why)
 
     def admit(self, request: Request) -> bool:
         """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step)."""
@@ -90,6 +111,7 @@ class SparseDecodeScheduler:
         return self.preemption.after_alloc(request.request_id, num_external_tokens)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
+        self._check_groups()
         finished = tuple(sorted(scheduler_output.finished_req_ids))
         # before the scheduled requests update the book: a request preempted this step
         # stashes what it had after the last step it ran
