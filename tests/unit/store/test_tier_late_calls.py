@@ -238,3 +238,26 @@ def test_a_fetch_release_may_come_before_the_job_settles() -> None:
     fetches.release(Counter({job.job_id: 1}))  # it ended before rank 1 reported
     fetches.report({job.job_id: 1}, {}, {})
     assert index.stats().pending_objects == 0
+
+
+def test_layerwise_held_saves_commit_only_once_released() -> None:
+    from ascend_offload.store.layerwise_saves import LayerwiseSaves
+
+    index = LocalStore(4 * PAGE, PAGE, with_data=False)
+    book = LayerwiseSaves(index, block_size=BS, page_bytes=PAGE, world_size=2, min_load_blocks=1,
+                          partial_prefix="partial:")
+    assert book.place("r", ["K", "L"]) == ["K", "L"]
+    book.hold({"K": 1})  # rank 0's publish of K outlived its deadline
+    book.report({"K": 2, "L": 2}, {})
+    assert not index.is_committed("K") and index.is_committed("L")
+    assert index.allocate(["x", "y", "z"], [PAGE] * 3) is None  # K's page is not handed out
+    book.release({"K": 1})
+    assert index.is_committed("K")
+    # held across a reset: pending until released, then aborted (never served)
+    assert book.place("r", ["M"]) == ["M"]
+    book.hold({"M": 1})
+    book.reset()
+    assert index.stats().pending_objects == 1
+    book.release({"M": 1})
+    st = index.stats()
+    assert (st.pending_objects, st.stored_objects) == (0, 0)
