@@ -85,7 +85,8 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         self._prepared: KVConnectorMetadata | None = None
         self._deltas = CounterDeltas(RD2HConnectorStats)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = RemoteD2HScheduler(self.settings, self.sparse_settings)
+            self.scheduler = RemoteD2HScheduler(self.settings, self.sparse_settings,
+                                                vllm_config.kv_transfer_config)
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 class RemoteD2HScheduler:
     """Scheduler state of one connector: decode's pulls and/or prefill's sends."""
 
-    def __init__(self, settings: Settings, sparse: SparseDecodeSettings | None = None) -> None:
+    def __init__(self, settings: Settings, sparse: SparseDecodeSettings | None = None,
+                 kv_transfer_config: Any = None) -> None:
+        """``kv_transfer_config``: vLLM's, handed to the sparse scheduler (it sets the
+        load-failure policy its preemption stash relies on)."""
         cfg = settings.cfg
         self.decode = DecodeRequests(
             settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
@@ -39,7 +42,8 @@ class RemoteD2HScheduler:
         ) if settings.is_consumer else None
         self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.
-        self.sparse = SparseDecodeScheduler(sparse) if sparse is not None and self.decode else None
+        self.sparse = (SparseDecodeScheduler(sparse, kv_transfer_config)
+                       if sparse is not None and self.decode else None)
         self._ledger_after_pull: set[str] = set()  # finished while pulling: released once stopped
         self._kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
 

@@ -81,7 +81,7 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
                                                            kv_cache_config)
         self.scheduler: SparseDecodeScheduler | None = None
         if self.settings is not None and role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SparseDecodeScheduler(self.settings)
+            self.scheduler = SparseDecodeScheduler(self.settings, tc)
         self.worker: SparseDecodeWorker | None = None
         self._reporter = StatsReporter()
 
