@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -92,3 +92,18 @@ def pytest_configure(config: pytest.Config) -> None:
             "optional components are missing, so their tests would be skipped silently:\n  "
             + "\n  ".join(missing)
             + f"\nInstall them, or opt out explicitly: {ALLOW_ENV}={','.join(m.split(':')[0] for m in missing)}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment_restored_after_each_file() -> Iterator[None]:
+    """A test file's changes to ``os.environ`` end with the file.
+
+    Why: test files share a worker process, and engines started by a later file
+    inherit its environment. A Mooncake transport deadline or a CPU pinning left
+    behind by one file (``apply_read_deadline`` writes ``os.environ``) once made
+    another file's engines fail their store reads under load."""
+    saved = dict(os.environ)
+    yield
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)

@@ -38,16 +38,22 @@ def make_engine(
     num_layers: int = 4,
     kv_transfer_config: dict[str, Any] | None = None,
     core: int | None = None,
+    in_process: bool = True,
     **kwargs: Any,
 ) -> Iterator[Any]:
     """A float32, eager, prefix-caching-off LLM on the tiny Llama (or ``model=``); shut down on exit.
 
-    ``core`` pins the engine's worker (``VLLM_CPU_OMP_THREADS_BIND``) for the engine's
-    start only: the variable is restored once its processes have read it, so it never
-    leaks into a later test of the same worker."""
+    ``in_process`` (the default): engine core and worker run in this process and start
+    in seconds (see ``owned_engine``); ``False`` where a test needs what only separate
+    processes exercise (metadata serialization, per-process library state, TP > 1).
+    ``core`` pins a multi-process engine's worker (``VLLM_CPU_OMP_THREADS_BIND``) for the
+    engine's start only: the variable is restored once its processes have read it, so
+    it never leaks into a later test of the same worker."""
     model = kwargs.pop("model", None) or tiny_model(num_layers)
-    with pinned_env({"VLLM_CPU_OMP_THREADS_BIND": None if core is None else str(core)}) as restore, \
-            tiny_llm(model, kv_transfer_config, **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
+    pin = None if core is None or in_process else str(core)
+    with pinned_env({"VLLM_CPU_OMP_THREADS_BIND": pin}) as restore, \
+            tiny_llm(model, kv_transfer_config, in_process=in_process,
+                     **{"block_size": BLOCK_SIZE, **kwargs}) as llm:
         restore()
         yield llm
 

@@ -94,7 +94,7 @@ def test_decode_tp2_shares_one_host_pool_tokens_equal_tp1(model_dir: str, baseli
     cfg = {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"sparse_offload": _sparse()}}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with make_engine(model=model_dir, kv_transfer_config=cfg, **TP2, **ENGINE_ARGS) as llm:
+    with make_engine(model=model_dir, kv_transfer_config=cfg, in_process=False, **TP2, **ENGINE_ARGS) as llm:
         out = _generate(llm)
         m = {n: _metric(n) for n in ("offload_rows", "resolved_positions", "miss_rows", "admission_failures")}
         during = _pool_files() - before

@@ -23,7 +23,6 @@ What must hold:
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
@@ -77,7 +76,6 @@ def _metric(name: str) -> float:
 def runs() -> dict[str, Any]:
     from vllm import SamplingParams
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     model = str(make_tiny_sparse_model(MODEL_CACHE / "tiny-sparse-mla-4l", index_topk=TOPK))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     out: dict[str, Any] = {"tokens": {}, "preempted": {}, "peak": {}, "blocks": {}}
@@ -87,7 +85,7 @@ def runs() -> dict[str, Any]:
                                   "kv_transfer_config": _sparse_config()})):
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
-                                                                 **kw)) as eng:
+                                                                 **kw), in_process=True) as eng:
             out["blocks"][name] = eng.vllm_config.cache_config.num_gpu_blocks
             out["tokens"][name] = run_requests(eng, PROMPTS, params)
             out["preempted"][name] = rec.preempted()

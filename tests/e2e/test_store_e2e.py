@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from ascend_offload.testing.tiny_model import random_prompts
-from tests.e2e.harness import BLOCK_SIZE, generate, make_engine, store_transfer_config, tokens
+from tests.e2e.harness import (
+    BLOCK_SIZE,
+    generate,
+    make_engine,
+    store_counter,
+    store_transfer_config,
+    tokens,
+)
 
 PROMPTS = random_prompts(4, [200, 333, 97, 520], seed=7)
 # One block of the 4-layer tiny model on one rank: 4 layers x 2 (K,V) x 32 tokens x 64 x fp32.
@@ -24,7 +31,7 @@ def baseline() -> list[list[int]]:
     old = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = ""
     try:
-        with make_engine(core=0) as llm:
+        with make_engine(core=0, in_process=False) as llm:  # its own processes: no plugin there
             return tokens(generate(llm, PROMPTS))
     finally:
         if old is None:
@@ -40,7 +47,8 @@ def _params(out: Any) -> dict[str, Any]:
 
 def test_second_run_loads_prefix_and_matches(baseline: list[list[int]]) -> None:
     cfg = store_transfer_config({"local": {"capacity_bytes": 256 << 20}})
-    with make_engine(core=1, kv_transfer_config=cfg) as llm:
+    # Its own processes: the connector's metadata crosses the scheduler-worker boundary.
+    with make_engine(core=1, kv_transfer_config=cfg, in_process=False, disable_log_stats=False) as llm:
         first = generate(llm, PROMPTS)
         assert tokens(first) == baseline
         for p, o in zip(PROMPTS, first, strict=True):
@@ -59,6 +67,10 @@ def test_second_run_loads_prefix_and_matches(baseline: list[list[int]]) -> None:
         assert store["pinned_objects"] == 0
         assert store["pending_objects"] == 0
         assert store["stored_objects"] == store["total_pages"] - store["free_pages"]
+        # the whole-prefix counters reach Prometheus, summed over the requests
+        loaded = sum(_params(o)["loaded_blocks"] for o in [*second, *last])
+        assert store_counter(llm, "loaded_blocks") == loaded > 0
+        assert store_counter(llm, "saved_blocks") >= sum(_params(o)["saved_blocks"] for o in first) > 0
 
 
 def test_tiny_store_still_serves_identically(baseline: list[list[int]]) -> None:

@@ -95,7 +95,7 @@ def baseline() -> dict[tuple[int, ...], list[int]]:
     old = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = ""
     try:
-        with make_engine(core=0, **ENGINE_ARGS) as llm:
+        with make_engine(core=0, in_process=False, **ENGINE_ARGS) as llm:
             return {tuple(p): t for p, t in zip(ALL, tokens(generate(llm, ALL)), strict=True)}
     finally:
         if old is None:
@@ -120,7 +120,7 @@ def one_by_one(llm: Any, prompts: list[list[int]], baseline: dict[tuple[int, ...
 def engine_a(master: SimpleNamespace, baseline: dict) -> dict[str, Any]:
     """A: whole-prefix mode; computes PROMPTS and publishes their blocks, then exits."""
     before = master.master.key_count()
-    with make_engine(core=1, kv_transfer_config=mooncake_config(master), **ENGINE_ARGS) as llm:
+    with make_engine(core=1, in_process=False, kv_transfer_config=mooncake_config(master), **ENGINE_ARGS) as llm:
         outs = one_by_one(llm, PROMPTS, baseline)
     return {"outs": outs, "published": master.master.key_count() - before}
 
@@ -130,7 +130,7 @@ def engine_c(master: SimpleNamespace, baseline: dict, engine_a: dict) -> dict[st
     """C: layerwise mode; loads PROMPTS from the store, computes and publishes PROMPTS_L."""
     cfg = mooncake_config(master, use_layerwise=True, layerwise_num_shared_buffers=2,
                           layerwise_independent_layers=[0], layerwise_prefetch_layers=1)
-    with make_engine(core=1, kv_transfer_config=cfg, **ENGINE_ARGS) as llm:
+    with make_engine(core=1, in_process=False, kv_transfer_config=cfg, **ENGINE_ARGS) as llm:
         loads = one_by_one(llm, PROMPTS, baseline)
         before = master.master.key_count()
         saves = run(llm, PROMPTS_L, baseline)
@@ -165,7 +165,7 @@ def engine_b(master: SimpleNamespace, engine_c: dict) -> Iterator[SimpleNamespac
     log = master.dir / "engine_b.log"
     cfg = mooncake_config(master, local_bytes=B_LOCAL_PAGES * OBJECT_BYTES)
     with output_to(log):
-        ctx = make_engine(core=1, kv_transfer_config=cfg, **ENGINE_ARGS)
+        ctx = make_engine(core=1, in_process=False, kv_transfer_config=cfg, **ENGINE_ARGS)
         llm = ctx.__enter__()
     try:
         yield SimpleNamespace(llm=llm, log=log)

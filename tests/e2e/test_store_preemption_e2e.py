@@ -75,24 +75,12 @@ def _sum(outs: Sequence[Any], name: str) -> int:
 
 @pytest.fixture(scope="module")
 def baseline() -> dict[str, list[list[int]]]:
-    """Tokens of an engine without our plugin and with a large KV cache."""
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()  # this (frontend) process keeps our connector names
+    """Tokens of an engine without a connector and with a large KV cache."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    old = os.environ.get("VLLM_PLUGINS")
-    os.environ["VLLM_PLUGINS"] = ""
     rec = StepRecorder()
-    try:
-        with owned_engine(lambda: stepped_engine(rec, model=tiny_model(), **ENGINE_ARGS)) as eng:
-            out = {name: _tokens(_run(eng, p)) for name, p in
-                   (("A", PROMPTS_A), ("B", PROMPTS_B), ("C", PROMPTS_C))}
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = old
+    with owned_engine(lambda: stepped_engine(rec, model=tiny_model(), **ENGINE_ARGS), in_process=True) as eng:
+        out = {name: _tokens(_run(eng, p)) for name, p in
+               (("A", PROMPTS_A), ("B", PROMPTS_B), ("C", PROMPTS_C))}
     assert rec.preempted() == 0  # the reference never preempts
     return out
 
@@ -105,7 +93,6 @@ def store_engine(request: pytest.FixtureRequest) -> Any:
     """One engine per mode: the store connector and a KV cache of 24 blocks (layerwise:
     layers 1-3 share two device buffers, so their KV lives in the store between steps)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"
     rec = StepRecorder()
     extra: dict[str, Any] = {"local": {"capacity_bytes": 256 << 20}}
     if request.param == "layerwise":
@@ -113,7 +100,7 @@ def store_engine(request: pytest.FixtureRequest) -> Any:
     cfg = store_transfer_config(extra)
     with owned_engine(lambda: stepped_engine(rec, model=tiny_model(), kv_transfer_config=cfg,
                                              num_gpu_blocks_override=SMALL_KV_BLOCKS,
-                                             **ENGINE_ARGS)) as eng:
+                                             **ENGINE_ARGS), in_process=True) as eng:
         assert eng.vllm_config.cache_config.num_gpu_blocks == SMALL_KV_BLOCKS
         yield eng, rec, request.param
 

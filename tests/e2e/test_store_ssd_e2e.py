@@ -33,20 +33,20 @@ def _tokens(outs: list[Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    with tiny_llm(tiny_model(), None, plugin=False) as llm:
+    with tiny_llm(tiny_model(), None, in_process=True) as llm:
         return _tokens(run_sequence(llm, PROMPTS, 16))
 
 
 def test_ssd_tier_raises_the_hit_rate_and_damaged_slots_are_misses(plain: list[list[int]], tmp_path: Path) -> None:
     assert prefix_set_blocks(PROMPTS) >= 4 * HOST_PAGES
-    with tiny_llm(tiny_model(), store_config(HOST_PAGES, OBJECT_BYTES, None)) as llm:
+    with tiny_llm(tiny_model(), store_config(HOST_PAGES, OBJECT_BYTES, None), in_process=True) as llm:
         host_outs = run_sequence(llm, PROMPTS, 16)
     assert _tokens(host_outs) == plain
     host = summarize(PROMPTS, host_outs)
 
     ssd_dir = tmp_path / "ssd"
     cfg = store_config(HOST_PAGES, OBJECT_BYTES, {"path": str(ssd_dir), "capacity_bytes": 32 << 20})
-    with tiny_llm(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg, in_process=True) as llm:
         outs = run_sequence(llm, PROMPTS, 16)
         assert _tokens(outs) == plain
         ssd = summarize(PROMPTS, outs)
@@ -84,12 +84,12 @@ def test_persistent_tier_serves_a_restarted_engine(plain: list[list[int]], tmp_p
     ssd = {"path": str(tmp_path / "ssd"), "capacity_bytes": 32 << 20, "persist": True, "persist_interval_s": 0.5}
     cfg = store_config(HOST_PAGES, OBJECT_BYTES, ssd)
     first_turn, second_turn = PROMPTS[:6], PROMPTS[6:12]
-    with tiny_llm(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg, in_process=True) as llm:
         outs = run_sequence(llm, first_turn, 16)
         assert _tokens(outs) == plain[:6]
         assert outs[-1].kv_transfer_params["ascend_store"]["store"]["ssd_spilled_blocks"] > 0
     assert list((tmp_path / "ssd").glob("ssd-*.index.json"))
-    with tiny_llm(tiny_model(), cfg) as llm:
+    with tiny_llm(tiny_model(), cfg, in_process=True) as llm:
         outs = run_sequence(llm, second_turn, 16)
         assert _tokens(outs) == plain[6:12]
         st = outs[-1].kv_transfer_params["ascend_store"]["store"]
