@@ -1,22 +1,25 @@
 """``ascend-offload bench sparse-e2e``: decode step time with sparse decode offload vs without.
 
-Two real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
-engine config, same process, both alive for the whole run): the baseline has no
-connector, the other runs ``AscendSparseDecodeConnector`` (colocated mode: the
+Three real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
+engine config, same process, all alive for the whole run): the baseline has no
+connector, the other two run ``AscendSparseDecodeConnector`` (colocated mode: the
 engine prefills, then one-token rows attend over per-layer hot buffers filled
-from the host pool). Each round sends the same ``--batch`` prompts of
+from the host pool), ``offload`` with the host resolver (``residency_backend:
+host``, the native table) and ``device`` with the device resolver
+(``residency_backend: device``). Each round sends the same ``--batch`` prompts of
 ``--context`` tokens (``index_topk`` < context, context >= 4x the hot buffer)
 at once with greedy ``max_tokens=--decode-tokens``; ``max_num_batched_tokens``
 fits every prompt in one prefill step, so every later step is a pure decode
-step of the whole batch. Rounds alternate between the engines (ABBA order) so
-slow drift of the shared machine hits both alike.
+step of the whole batch. Rounds alternate the engines' order (forward, then
+backward) so slow drift of the shared machine hits all alike.
 
 Step time: per request ``(last_token_ts - first_token_ts) / (n - 1)`` from
 vLLM's own per-request engine-core timestamps (``RequestOutput.metrics``); a
 round's figure is the median over its requests. ``step_ratio`` is the median
 over rounds of the round's offload / baseline step time (the two run back to
 back, so each ratio sees the same minute of a shared machine); the ratio of the
-two medians and every round are reported too.
+two medians and every round are reported too. ``device_step_ratio`` is the same
+for the device resolver's engine against the same baseline rounds.
 
 Breakdown (ms per decode step, both engines): ``resolve``, ``miss_copy`` and
 ``offload`` (new rows into the host pool) are the connector's own counters
@@ -62,7 +65,9 @@ from ascend_offload.testing.engines import explicit_kv_memory, owned_engine
 BLOCK_SIZE = 32
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
 TARGET_RATIO = 1.10
-ENGINES = ("baseline", "offload")
+DEVICE_TARGET_RATIO = 1.15
+ENGINES = ("baseline", "offload", "device")
+BACKENDS = {"baseline": None, "offload": "host", "device": "device"}
 # model functions timed in the worker (first argument: the request's queries or scores)
 _TIMED = ("indexer_scores", "select_topk", "sparse_attention")
 _COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
@@ -183,7 +188,8 @@ def _kv_bytes(a: argparse.Namespace, model: str) -> int:
 
 
 @contextlib.contextmanager
-def _engine(a: argparse.Namespace, model: str, offload: bool) -> Iterator[Any]:
+def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[Any]:
+    """``backend``: None (no connector) or the offload engine's ``residency_backend``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -191,9 +197,10 @@ def _engine(a: argparse.Namespace, model: str, offload: bool) -> Iterator[Any]:
     row_bytes, _, layers = _rows(model)
     kw: dict[str, Any] = {"kv_cache_memory_bytes": _kv_bytes(a, model)}
     explicit_kv_memory(kw)
-    if offload:
+    if backend is not None:
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
-                  "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers)}
+                  "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers),
+                  "residency_backend": backend}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="AscendSparseDecodeConnector", kv_role="kv_both",
             kv_connector_extra_config={"sparse_offload": sparse})
@@ -273,15 +280,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     parity = True
     load = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
-        # baseline first, then the offload engine (vLLM's Prometheus loggers of a later
+        # baseline first, then the offload engines (vLLM's Prometheus loggers of a later
         # engine replace an earlier one's; this bench reads the workers, not Prometheus)
-        llms = {"baseline": stack.enter_context(_engine(a, model, False)),
-                "offload": stack.enter_context(_engine(a, model, True))}
+        llms = {n: stack.enter_context(_engine(a, model, BACKENDS[n])) for n in ENGINES}
         for name in ENGINES:  # warm-up (first-call allocations), not timed
             _round(llms[name], _prompts(a, -1)[: max(1, a.batch // 2)], 4)
             llms[name].collective_rpc("bench_probe_timers", args=(True,))
         for r in range(a.rounds):
-            order = ENGINES if r % 2 == 0 else ENGINES[::-1]  # ABBA: drift hits both alike
+            order = ENGINES if r % 2 == 0 else ENGINES[::-1]  # drift hits all alike
             prompts = _prompts(a, r)
             toks: dict[str, list[list[int]]] = {}
             for name in order:
@@ -298,7 +304,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 acc = phase_ns[name]
                 for k, v in full.items():
                     acc[k] = acc.get(k, 0.0) + v - (pre[k] if k in _COUNTED else 0.0)
-            parity = parity and toks["baseline"] == toks["offload"]
+            parity = parity and toks["baseline"] == toks["offload"] == toks["device"]
             load.append(os.getloadavg()[0])
             if a.verbose:
                 print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
@@ -315,11 +321,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         bd["other"] = bd["step"] - sum(v for k, v in bd.items() if k != "step")
         breakdown[name] = bd
     paired = [o / b for o, b in zip(steps["offload"], steps["baseline"], strict=True)]
+    paired_dev = [o / b for o, b in zip(steps["device"], steps["baseline"], strict=True)]
     medians = {n: statistics.median(steps[n]) for n in ENGINES}
     main_row, _, layers = _rows(model)
     kv_base = a.batch * _request_blocks(a) * BLOCK_SIZE * main_row * layers  # stated context
     kv_off = probes["offload"]["device_kv"]["device_main_kv_bytes"]
     ratio = statistics.median(paired)
+    dev_ratio = statistics.median(paired_dev)
     return {
         "bench": "sparse-e2e",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
@@ -332,6 +340,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "step_ratio_of_medians": medians["offload"] / medians["baseline"],
         "target_step_ratio": TARGET_RATIO,
         "target_met": ratio <= TARGET_RATIO,
+        "device_step_ratio": dev_ratio,
+        "device_step_ratio_rounds": _spread(paired_dev),
+        "device_step_ratio_of_medians": medians["device"] / medians["baseline"],
+        "device_target_step_ratio": DEVICE_TARGET_RATIO,
+        "device_target_met": dev_ratio <= DEVICE_TARGET_RATIO,
         "parity": parity,
         "breakdown_ms_per_step": breakdown,
         "decode_device_kv_ratio": kv_off / kv_base,
@@ -341,6 +354,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "baseline_for_context": kv_base,
             "baseline_allocated": probes["baseline"]["paged_main_kv_bytes"]},
         "offload_counters": probes["offload"]["counters"],
+        "device_counters": probes["device"]["counters"],
         "loadavg_1m": load,
     }
 
@@ -360,6 +374,12 @@ def report(res: dict[str, Any]) -> str:
                  f"{sr['min']:.3f}, max {sr['max']:.3f}; ratio of medians "
                  f"{res['step_ratio_of_medians']:.3f}); target <= {res['target_step_ratio']:.2f}: "
                  f"{verdict}; greedy tokens identical: {res['parity']}")
+    dr = res["device_step_ratio_rounds"]
+    lines.append(f"  device_step_ratio {res['device_step_ratio']:.3f} (device resolver; min "
+                 f"{dr['min']:.3f}, max {dr['max']:.3f}; ratio of medians "
+                 f"{res['device_step_ratio_of_medians']:.3f}); target <= "
+                 f"{res['device_target_step_ratio']:.2f}: "
+                 f"{'met' if res['device_target_met'] else 'NOT met'}")
     keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "layer_rest", "other",
             "step")
     lines.append("  breakdown ms/step  " + "  ".join(f"{k:>9s}" for k in keys))

@@ -1,10 +1,11 @@
-"""``bench sparse-e2e`` with tiny settings: two real vLLM CPU engines (about a minute).
+"""``bench sparse-e2e`` with tiny settings: three real vLLM CPU engines (a few minutes).
 
-Checks what the JSON promises rather than any timing: the ratio is the ratio of
-the reported medians, both engines generated the same greedy tokens, every decode
-row of every layer was resolved through the hot buffers (exact count over the
-whole run), the breakdown has the offload phases only for the offload engine, and
-the offload engine's main-KV device bytes are exactly its hot buffers.
+Checks what the JSON promises rather than any timing: the ratios are medians of the
+paired rounds, all engines generated the same greedy tokens, every decode row of
+every layer was resolved through the hot buffers (exact count over the whole run)
+by both resolvers, the device resolver's worker read no top-k back to the host, the
+breakdown has the offload phases only for the offload engines, and the offload
+engine's main-KV device bytes are exactly its hot buffers.
 """
 
 from __future__ import annotations
@@ -58,18 +59,23 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
     assert "step_ratio" in proc.stdout and "decode_device_kv_ratio" in proc.stdout
     res: dict[str, Any] = json.loads(out.read_text())
 
-    med = {n: res["step_ms"][n]["median"] for n in ("baseline", "offload")}
+    med = {n: res["step_ms"][n]["median"] for n in ("baseline", "offload", "device")}
     assert all(len(res["step_ms"][n]["rounds"]) == ARGS["rounds"] for n in med)
     paired = [o / b for o, b in zip(res["step_ms"]["offload"]["rounds"],
                                     res["step_ms"]["baseline"]["rounds"], strict=True)]
     assert res["step_ratio"] == pytest.approx(statistics.median(paired), rel=1e-3)
     assert res["step_ratio_of_medians"] == pytest.approx(med["offload"] / med["baseline"])
     assert res["target_met"] == (res["step_ratio"] <= 1.10)
+    paired_dev = [o / b for o, b in zip(res["step_ms"]["device"]["rounds"],
+                                        res["step_ms"]["baseline"]["rounds"], strict=True)]
+    assert res["device_step_ratio"] == pytest.approx(statistics.median(paired_dev), rel=1e-3)
+    assert res["device_step_ratio_of_medians"] == pytest.approx(med["device"] / med["baseline"])
+    assert res["device_target_met"] == (res["device_step_ratio"] <= 1.15)
     assert res["parity"] is True
 
     bd = res["breakdown_ms_per_step"]
     for phase in ("resolve", "miss_copy", "offload"):
-        assert phase not in bd["baseline"] and phase in bd["offload"], bd
+        assert phase not in bd["baseline"] and phase in bd["offload"] and phase in bd["device"], bd
     # no prefill-pass subtraction touches these (a prefill resolves and copies nothing);
     # offload and layer_rest are differences of timings: on a loaded machine either may
     # come out slightly negative, so only their presence is checked
@@ -94,9 +100,19 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
 
     # every decode row of every layer went through the hot buffers: warm-up (batch // 2
     # requests, 4 tokens) and the rounds (their prefill-only passes decode nothing)
-    c = res["offload_counters"]
     b, dt = ARGS["batch"], ARGS["decode_tokens"]
     decode_rows = (b // 2) * 3 + ARGS["rounds"] * b * (dt - 1)
-    assert c["resolved_positions"] == LAYERS * ARGS["index_topk"] * decode_rows, c
-    assert c["admission_failures"] == 0 and c["unmatched_rows"] == 0, c
-    assert c["miss_rows"] > 0 and c["hit_positions"] > 0, c
+    for c in (res["offload_counters"], res["device_counters"]):
+        assert c["resolved_positions"] == LAYERS * ARGS["index_topk"] * decode_rows, c
+        assert c["admission_failures"] == 0 and c["unmatched_rows"] == 0, c
+        assert c["miss_rows"] > 0 and c["hit_positions"] > 0, c
+    # the same exact-LRU decisions on both resolvers; only the host one reads the top-k
+    assert res["device_counters"]["miss_rows"] == res["offload_counters"]["miss_rows"]
+    assert res["device_counters"]["host_reads_topk"] == 0
+    assert res["device_counters"]["host_reads_new_rows"] == 0
+    # one top-k read per layer of every step with decode rows: at least the warm-up's 3 and
+    # the rounds' steps (more when a batch's requests do not decode in lockstep)
+    reads = res["offload_counters"]["host_reads_topk"]
+    assert reads % LAYERS == 0 and LAYERS * (3 + ARGS["rounds"] * (dt - 1)) <= reads \
+        <= LAYERS * decode_rows, reads
+    assert res["device_counters"]["host_reads_step"] > 0
