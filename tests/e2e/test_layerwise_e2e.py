@@ -11,7 +11,6 @@ engine without any connector:
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
@@ -81,30 +80,10 @@ def test_layerwise_parity_prefix_and_capacity(baseline: dict[str, Any], b: int) 
 
 
 def test_prefix_caching_on_is_refused() -> None:
-    """Sharing cannot keep device-cached blocks: a clear startup error, not wrong answers."""
-    import subprocess
-    import sys
-    import textwrap
-
-    from tests.e2e.harness import tiny_model
-
-    code = textwrap.dedent(
-        """
-        import sys
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-        if __name__ == "__main__":
-            LLM(model=sys.argv[1], dtype="float32", block_size=32, enforce_eager=True,
-                max_model_len=1024, enable_prefix_caching=True,
-                kv_transfer_config=KVTransferConfig(kv_connector="AscendStoreConnector",
-                    kv_role="kv_both", kv_connector_extra_config={"use_layerwise": True}))
-            print("ENGINE STARTED")
-        """
-    )
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, tiny_model(N_LAYERS)], capture_output=True, text=True, timeout=600, env=env
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "ENGINE STARTED" not in out
-    assert "enable_prefix_caching" in out
+    """Sharing cannot keep device-cached blocks: a clear startup error, not wrong answers
+    (in-process: the engine core's error reaches the test as it is)."""
+    cfg = store_transfer_config({"use_layerwise": True})
+    with pytest.raises(Exception) as exc, \
+            make_engine(kv_transfer_config=cfg, max_model_len=1024, enable_prefix_caching=True):
+        pass
+    assert "enable_prefix_caching" in str(exc.value), repr(exc.value)
