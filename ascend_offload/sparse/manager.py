@@ -138,6 +138,7 @@ class SparseOffloadManager:
             max_positions=max_positions or pool.num_rows, device=self.hot.device)
         self._device = self.residency.kind == "device"
         self._new_dst: tuple[list[int], torch.Tensor] | None = None  # this step's new-row rows
+        self._new_dst_buf: torch.Tensor | None = None  # persistent: a captured graph reads it
         self._hot_on_host = self.hot.device.type == "cpu"  # the resolver's slots are host tensors
         self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()
@@ -323,7 +324,7 @@ class SparseOffloadManager:
         if self._device and self._pool_dev is not None:
             # a device kernel writes the pool through its device view, on the compute
             # stream after the rows were made: no host wait
-            scatter_new_rows(self._pool_dev[layer], new_kv, self._device_rows(dst))
+            scatter_new_rows(self._pool_dev[layer], new_kv, self._bind_new_dst(dst))
         else:
             ready = dev.record_after_compute()
             with dev.stream_context(self._stream):
@@ -387,12 +388,28 @@ class SparseOffloadManager:
         self.stats.copy_ns += time.perf_counter_ns() - t1
         return res.slots
 
-    def _device_rows(self, dst: torch.Tensor) -> torch.Tensor:
-        """This step's new-row pool rows on the device: every layer writes the same
-        positions, so they cross host -> device once per step."""
+    def bind_new_rows(self, positions: torch.Tensor) -> None:
+        """Device resolver: copy the pool rows of this step's new tokens (``positions``
+        ``[N, 2]``, as :meth:`offload_new_kv` takes them) into a persistent device buffer.
+        :meth:`offload_new_kv` does it itself on a step's first call; a captured decode
+        graph replays without that Python, so its runner calls this once per step
+        before the replay (like :meth:`begin_step`)."""
+        self._bind_new_dst(self._host_rows(positions))
+
+    def _bind_new_dst(self, dst: torch.Tensor) -> torch.Tensor:
+        """The step's new-row pool rows in the persistent buffer: every layer writes the
+        same positions, so they cross host -> device once per step."""
         key = dst.tolist()
         if self._new_dst is None or self._new_dst[0] != key:
-            self._new_dst = (key, dst.to(self.hot.device, non_blocking=True))
+            n = len(key)
+            buf = self._new_dst_buf
+            if buf is None or buf.numel() < n:  # grows for prefill-sized steps (not captured)
+                buf = torch.empty(max(n, self.max_requests), dtype=torch.int64,
+                                  device=self.hot.device)
+                self._new_dst_buf = buf
+            view = buf[:n]
+            view.copy_(dst, non_blocking=True)
+            self._new_dst = (key, view)
         return self._new_dst[1]
 
     def _host_rows_small(self, pos: list[list[int]]) -> list[int]:
