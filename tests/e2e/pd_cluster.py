@@ -35,16 +35,24 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
-               decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None
-               ) -> Iterator[dict[str, Any]]:
+               decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None,
+               worker_in_core: bool = True) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
     are functions of the role's kv port returning the transfer config dict; a ``None`` in
-    ``decode_env`` removes that variable from the decode's environment."""
+    ``decode_env`` removes that variable from the decode's environment.
+
+    ``worker_in_core`` (default): a TP=1 engine runs its worker inside its engine-core
+    process (vLLM's uni-process executor, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the API
+    server still talks to the engine core across processes), ~10 s less per server.
+    ``False`` keeps vLLM's default worker process, where the connectors' scheduler-to-
+    worker metadata is serialized (test_pd_e2e and the demo check that path)."""
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     p_kv, d_kv = free_port(), free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if worker_in_core:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
               "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "4096",
               "--seed", "0", "--host", "127.0.0.1"]

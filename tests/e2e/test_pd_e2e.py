@@ -57,7 +57,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     with pd_cluster(tiny_model(4), tmp_path_factory.mktemp("pd-e2e"),
                     lambda port: rd2h_config("kv_producer", port, extra),
                     lambda port: rd2h_config("kv_consumer", port, extra),
-                    prefill_env={"ASCEND_OFFLOAD_PD_FAULTS": FAULTS}) as c:
+                    prefill_env={"ASCEND_OFFLOAD_PD_FAULTS": FAULTS},
+                    worker_in_core=False) as c:  # RD2H metadata crosses vLLM's worker boundary
         yield c
 
 

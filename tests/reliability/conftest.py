@@ -75,7 +75,10 @@ class Cluster:
         self.model = tiny_model(8)
         p_port, d_port, proxy_port = free_port(), free_port(), free_port()
         p_kv, d_kv = free_port(), free_port()
+        # the worker inside the engine-core process (vLLM's uni-process executor): each
+        # (re)start is ~10 s shorter; test_pd_e2e and the demo keep the worker process
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                   "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
