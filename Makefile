@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; [ $$n -lt 2 ] && n=0; echo $$n)
 DEMO_ARGS ?=
 
-.PHONY: bootstrap test test-unit test-fast demo bench lint clean
+.PHONY: bootstrap test test-bench test-unit test-fast demo bench lint clean
 
 bootstrap: $(STAMP)
 
@@ -49,8 +49,12 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 
 test: bootstrap
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile $(PYTEST_ARGS) tests; rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile -m "not bench" $(PYTEST_ARGS) tests; rc=$$?; \
 	echo "make test: tests took $$(( $$(date +%s) - start )) s (after the bootstrap)"; exit $$rc
+
+# The benchmarks' smoke runs on real engines (their JSON keys and parity checks).
+test-bench: bootstrap
+	$(PY) -m pytest -q -ra -m bench $(PYTEST_ARGS) tests
 
 test-unit: bootstrap
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests/unit

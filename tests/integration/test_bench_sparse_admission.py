@@ -57,6 +57,7 @@ def test_bad_settings_are_refused_before_any_engine_starts() -> None:
         sparse_admission.main(["--context", "512", "--hot", "32", "--index-topk", "64"])
 
 
+@pytest.mark.bench
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(600)

@@ -45,6 +45,7 @@ def test_bad_settings_are_refused_before_any_engine_starts() -> None:
         sparse_e2e.main(["--decode-tokens", "1"])
 
 
+@pytest.mark.bench
 @pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(480)
