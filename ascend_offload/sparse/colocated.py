@@ -68,6 +68,7 @@ class ColocatedSparseDecode:
         self.admission_failures = 0
         self.unmatched_rows = 0
         self.recomputed_tokens = 0  # positions written again after they had been pooled
+        self._reads0 = dev.host_reads()  # device.host_read totals are per process
 
     # ------------------------------------------------------------------ requests
 
@@ -214,7 +215,8 @@ class ColocatedSparseDecode:
     def counters(self) -> dict[str, int]:
         """Monotonic totals (the connector turns them into per-report deltas)."""
         st = self.manager.stats
-        reads = dev.host_reads()
+        now = dev.host_reads()
+        reads = {k: v - self._reads0.get(k, 0) for k, v in now.items()}
         return {
             "steps": st.steps,
             "resolved_positions": st.resolved_positions,
@@ -234,8 +236,9 @@ class ColocatedSparseDecode:
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
             "stash_ns": self.stash.counters.stash_ns,
-            # this process's device -> host reads on the sparse path (device.host_read): per
-            # layer with the host resolver (top-k, new rows), per step with the device one
+            # device -> host reads on the sparse path (device.host_read) since this object was
+            # made, in its process (engines sharing a process share the count): per layer
+            # with the host resolver (top-k, new rows), per step with the device one
             "host_reads_topk": reads.get(dev.TOPK_READ, 0),
             "host_reads_new_rows": reads.get(dev.NEW_ROWS_READ, 0),
             "host_reads_step": reads.get(dev.STEP_READ, 0),
