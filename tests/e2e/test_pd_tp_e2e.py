@@ -20,8 +20,9 @@ Two cores: a TP=2 engine binds one OpenMP thread per rank (``VLLM_CPU_OMP_THREAD
 
 from __future__ import annotations
 
-import os
 import random
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,10 +74,6 @@ def _metric(name: str) -> float:
     return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
 
 
-def _pool_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("ascend_offload_sd_")}
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     return str(make_tiny_sparse_model(MODEL_CACHE / "tiny-sparse-mla-4l", index_topk=TOPK))
@@ -89,15 +86,24 @@ def baseline(model_dir: str) -> list[list[int]]:
 
 
 def test_decode_tp2_shares_one_host_pool_tokens_equal_tp1(model_dir: str, baseline: list[list[int]],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    before = _pool_files()
-    cfg = {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    # The pool's name follows from the engine id, so the test looks at exactly its file
+    # (another test worker's pools are none of its business).
+    engine_id = f"tp-e2e-{uuid.uuid4().hex[:12]}"
+    pool = f"sd_{engine_id}_dp0"
+    cfg = {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both", "engine_id": engine_id,
            "kv_connector_extra_config": {"sparse_offload": _sparse()}}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     with make_engine(model=model_dir, kv_transfer_config=cfg, in_process=False, **TP2, **ENGINE_ARGS) as llm:
         out = _generate(llm)
         m = {n: _metric(n) for n in ("offload_rows", "resolved_positions", "miss_rows", "admission_failures")}
-        during = _pool_files() - before
+        name_left = (Path("/dev/shm") / f"ascend_offload_{pool}").exists()
+    logs = capfd.readouterr()
+    seen = logs.out + logs.err
+    # both ranks mapped the one pool at startup: rank 0 created and writes it, rank 1 reads it
+    assert f"pool shared by the TP ranks ({pool}), rank 0 writes" in seen, seen[-3000:]
+    assert f"pool shared by the TP ranks ({pool}), rank 1 reads" in seen, seen[-3000:]
     assert [len(t) for t in out] == list(MAX_TOKENS)
     assert out == baseline
     assert len({tuple(t) for t in baseline}) == len(PROMPTS)
@@ -105,7 +111,7 @@ def test_decode_tp2_shares_one_host_pool_tokens_equal_tp1(model_dir: str, baseli
     computed = sum(n + k - 1 for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
     assert m["offload_rows"] == N_LAYERS * computed, m
     assert m["resolved_positions"] > 0 and m["miss_rows"] > 0 and m["admission_failures"] == 0, m
-    assert during == set(), f"the shared pool's name outlived the first step: {during}"
+    assert not name_left, f"the shared pool's name {pool} outlived the first step"
 
 
 def test_prefill_tp2_feeds_decode_tp1(model_dir: str, baseline: list[list[int]],

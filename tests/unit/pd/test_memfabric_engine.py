@@ -57,7 +57,10 @@ def test_session_is_host_and_the_engines_port() -> None:
                              "Prefill", "n")
 
 
-def test_mismatched_protocols_cannot_read() -> None:
+def test_a_read_the_library_refuses_is_a_transfer_error_naming_the_protocol() -> None:
+    """What our engine does when MemFabric fails a read (here: the fake, like the library,
+    fails one between mismatched data-op types): a ``TransferError`` naming our protocol.
+    Our own guard refuses such a request before any read (next section)."""
     p, d = engine("Prefill", "device_rdma"), engine("Decode", "sdma")
     buf = torch.zeros(64, dtype=torch.uint8)
     out = torch.zeros(64, dtype=torch.uint8)
