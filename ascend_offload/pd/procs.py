@@ -76,6 +76,7 @@ class RankConfig:
     engine_id: str = ""
     # deadlines move only on ``advance`` RPCs, so a test decides when they pass
     manual_clock: bool = False
+    secret_path: str = ""  # the control plane's CURVE secret file ("" = no authentication)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +110,7 @@ def _layers(arrays: list[tuple[np.ndarray, np.ndarray | None]]) -> list[Any]:
 
 class _PrefillRank:
     def __init__(self, cfg: RankConfig) -> None:
+        from ascend_offload.pd.auth import load_keys
         from ascend_offload.pd.producer import Producer
         from ascend_offload.pd.topology import Topology
         from ascend_offload.transfer.base import create_engine
@@ -122,6 +124,7 @@ class _PrefillRank:
             engine_id=cfg.engine_id or "prefill", p_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), ack_timeout_s=cfg.ack_timeout_s,
             listener=self.releases.append, request_timeout_s=cfg.request_timeout_s, clock=self.clock,
+            keys=load_keys(cfg.secret_path),
         )
         self.outcomes: list[Any] = []
 
@@ -180,6 +183,7 @@ class _PrefillRank:
 
 class _DecodeRank:
     def __init__(self, cfg: RankConfig) -> None:
+        from ascend_offload.pd.auth import load_keys
         from ascend_offload.pd.consumer import Consumer
         from ascend_offload.pd.topology import Topology, decode_port
         from ascend_offload.transfer.base import create_engine
@@ -193,7 +197,7 @@ class _DecodeRank:
             engine_id=cfg.engine_id or "decode", d_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), host=cfg.host, port=self.port,
             read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
-            read_retries=cfg.read_retries, clock=self.clock,
+            read_retries=cfg.read_retries, clock=self.clock, keys=load_keys(cfg.secret_path),
         )
         self.t_expect: dict[str, float] = {}
 

@@ -104,3 +104,28 @@ def test_prefill_killed_decode_fails_request_and_holds_nothing(ranks):
     assert outs[0][2] == (0, 1, 2, 3)  # every block is a load error
     assert any("timeout" in r for r in outs[0][3])
     assert d.call("active") == []
+
+
+def test_authenticated_control_plane_across_processes(ranks, tmp_path):
+    """With a CURVE secret on both sides the layers arrive byte-identical; a prefill process
+    without it is never heard (its ack deadline ends its request), decode serves on."""
+    secret = tmp_path / "pd.secret"
+    secret.write_bytes(b"a control-plane secret of enough bytes\n")
+    secret.chmod(0o600)
+    port = free_port_range(1)
+    d = ranks(RankConfig("decode", 0, 1, 1, SHAPE, kv_port=port, secret_path=str(secret)))
+    member = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, secret_path=str(secret), engine_id="member"))
+    outsider = ranks(RankConfig("prefill", 0, 1, 1, SHAPE, engine_id="outsider", manual_clock=True))
+    d.call("expect", "m", [1, 2])
+    d.call("expect", "x", [3])
+    member.call("add", "m", [5, 6], "127.0.0.1", port, 1)
+    outsider.call("add", "x", [7], "127.0.0.1", port, 1)
+    outsider.call("run", list(range(SHAPE.num_layers)))
+    member.call("run", list(range(SHAPE.num_layers)))
+    assert [(o[0], o[1]) for o in d.call("wait", 1, 30.0, timeout_s=40)] == [("m", True)]
+    assert_blocks_equal(d.call("blocks", [1, 2]), expected_blocks(SHAPE, 1234, [5, 6]))
+    assert member.call("finished", 1, 10.0) == [("m", True, ())]
+    assert d.call("stats")["items"] == SHAPE.num_layers  # nothing of the outsider was decoded
+    outsider.call("advance", 60.0)  # past its ack deadline: nobody will ever answer it
+    sent = outsider.call("finished", 1, 20.0, timeout_s=30)
+    assert len(sent) == 1 and sent[0][0] == "x" and not sent[0][1]
