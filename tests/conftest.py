@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -103,7 +104,42 @@ def _environment_restored_after_each_file() -> Iterator[None]:
     behind by one file (``apply_read_deadline`` writes ``os.environ``) once made
     another file's engines fail their store reads under load."""
     saved = dict(os.environ)
+    core = sys.modules.get("vllm.v1.engine.core")
+    hooked = getattr(core, "get_kv_cache_configs", None)
     yield
     for key in [k for k in os.environ if k not in saved]:
         del os.environ[key]
     os.environ.update(saved)
+    if core is not None and core.get_kv_cache_configs is not hooked:
+        # our plugin's engine-core hook (layerwise layout, sparse KV cut), as the file found
+        # it: engines a later file starts in this process need it
+        core.get_kv_cache_configs = hooked
+
+
+# The files that take longest (engine clusters), started first so that two workers end
+# together instead of one finishing a long file alone at the end; then every other
+# engine or process test, then the unit tests, which fill the gaps.
+SLOW_FIRST = (
+    "tests/e2e/test_pd_tp_e2e.py",
+    "tests/e2e/test_demo_e2e.py",
+    "tests/reliability/test_soak.py",
+    "tests/e2e/test_pd_layerwise_e2e.py",
+    "tests/e2e/test_joint_sparse_e2e.py",
+    "tests/e2e/test_store_mooncake_engines.py",
+    "tests/e2e/test_pd_e2e.py",
+    "tests/e2e/test_sparse_decode_e2e.py",
+)
+
+
+def _order(item: pytest.Item) -> tuple[int, int]:
+    path = item.nodeid.split("::", 1)[0]
+    if path in SLOW_FIRST:
+        return 0, SLOW_FIRST.index(path)
+    for rank, prefix in enumerate(("tests/e2e/", "tests/reliability/", "tests/integration/"), start=1):
+        if path.startswith(prefix):
+            return rank, 0
+    return 4, 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_order)  # stable: a file's tests keep their order

@@ -11,14 +11,18 @@ layer; in layerwise mode an indexer cache follows its main layer's buffer.
 * Joint P/D: the prefill runs ``AscendMultiConnector`` (layerwise store with one
   shared buffer + the ``SfaRemoteD2HConnector`` producer), the decode the
   consumer with ``sparse_offload`` (main KV pulled into its host pool, the
-  indexer into device blocks). Both orders of the children in the config give
-  the plain engine's tokens, the store serves prefix hits, decode pulls.
+  indexer into device blocks). The producer-first order here (the demo runs the
+  other) gives the plain engine's tokens, the store serves prefix hits, decode pulls.
+* The same cluster at load: 32 prompts, 6 at a time, decode running at most 4, the
+  pool too small for all of them at once; tokens equal, every decode row resolved
+  through the hot buffers, no load failed.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,10 +64,21 @@ def sparse_model() -> str:
 
 
 @pytest.fixture(scope="module")
-def baseline() -> list[list[int]]:
-    """Tokens of a plain engine of the same model (no connector)."""
+def plain_tokens() -> dict[str, list[list[int]]]:
+    """Tokens of a plain engine of the same model (no connector), for both prompt sets."""
     with make_engine(model=sparse_model(), core=0) as llm:
-        return tokens(generate(llm, PROMPTS, MAX_TOKENS))
+        return {"families": tokens(generate(llm, PROMPTS, MAX_TOKENS)),
+                "load": tokens(generate(llm, LOAD_PROMPTS, LOAD_MAX_TOKENS))}
+
+
+@pytest.fixture(scope="module")
+def baseline(plain_tokens: dict[str, list[list[int]]]) -> list[list[int]]:
+    return plain_tokens["families"]
+
+
+@pytest.fixture(scope="module")
+def load_baseline(plain_tokens: dict[str, list[list[int]]]) -> list[list[int]]:
+    return plain_tokens["load"]
 
 
 def _store(out: Any) -> dict[str, Any]:
@@ -101,6 +116,7 @@ def test_store_on_the_sparse_model_matches_plain(baseline: list[list[int]], laye
 # ------------------------------------------------------------------ joint P/D
 
 HOT = 64
+MAX_SEQS = 4
 ROW_BYTES = (64 + 16) * 4  # main row: latent + rope, float32
 MAX_LEN = 4096
 POOL_ROWS = MAX_LEN + 512
@@ -134,41 +150,112 @@ def _counter(url: str, name: str) -> float:
                if line.startswith(f"vllm:ascend_offload_{name}_total"))
 
 
-# The store-first order is what the demo runs (configs/cpu-demo/prefill-joint.json), with the
-# same parity check, in tests/e2e/test_demo_e2e.py; here the other order.
-@pytest.mark.parametrize("producer_first", [True], ids=["producer-first"])
-def test_joint_prefill_feeding_sparse_decode_matches_plain(
-        baseline: list[list[int]], producer_first: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture(scope="module")
+def joint_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One P/D cluster for the P/D tests below: the joint prefill (producer first) and the
+    sparse decode (hot buffers of 64 rows, at most 4 running requests)."""
     pytest.importorskip("mooncake.engine")
-    from concurrent.futures import ThreadPoolExecutor
+    from tests.e2e.pd_cluster import pd_cluster, rd2h_config
 
-    from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config
-
-    extra = {"ack_timeout_s": 30, "request_timeout_s": 30, "registration_timeout_s": 30}
+    extra = {"ack_timeout_s": 30, "request_timeout_s": 60, "registration_timeout_s": 30}
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK, "dram_size_per_dp_GB": POOL_GB}
     with pd_cluster(sparse_model(), tmp_path_factory.mktemp("joint-sparse"),
-                    lambda port: joint_prefill_config(port, extra, producer_first),
+                    lambda port: joint_prefill_config(port, extra, producer_first=True),
                     lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
                     prefill_args=("--disable-hybrid-kv-cache-manager",),
-                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", "4")) as c:
-        model = c["model"]
-        prefill = c["servers"]["prefill"]
-        assert "decode reads of each layer hold its physical buffer (8 layers on 4 buffers)" in prefill.text(), \
-            [ln for ln in prefill.text().splitlines() if "physical buffer" in ln]
-        since = log_sizes(c)
-        req = [body(model, p, False, MAX_TOKENS, return_token_ids=True) for p in PROMPTS]
-        # The first member of each family alone (it stores the prefix), the rest 4 at a time.
-        firsts = list(range(0, len(PROMPTS), 3))
-        answers: dict[int, Any] = {i: complete(c["proxy"], req[i]) for i in firsts}
-        rest = [i for i in range(len(PROMPTS)) if i not in answers]
-        with ThreadPoolExecutor(4) as pool:
-            answers.update(zip(rest, pool.map(lambda i: complete(c["proxy"], req[i]), rest), strict=True))
-        got = [list(answers[i].token_ids or ()) for i in range(len(PROMPTS))]
-        assert got == baseline
-        deadline = time.monotonic() + 30
-        while _counter(c["decode"], "rd2h_layers_pulled") < len(PROMPTS) * N_LAYERS and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _counter(c["decode"], "rd2h_layers_pulled") == len(PROMPTS) * N_LAYERS
-        assert _counter(c["prefill"], "store_loaded_blocks") > 0  # family members hit the store
-        assert _counter(c["prefill"], "rd2h_gate_holds") > 0
-        assert [line for b in BAD for line in log_lines(c, since, b)] == []
+                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS))) as c:
+        yield c
+
+
+# The store-first order is what the demo runs (configs/cpu-demo/prefill-joint.json), with the
+# same parity check, in tests/e2e/test_demo_e2e.py; here the other order.
+def test_joint_prefill_feeding_sparse_decode_matches_plain(
+        baseline: list[list[int]], joint_cluster: dict[str, Any]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes
+
+    c = joint_cluster
+    model = c["model"]
+    prefill = c["servers"]["prefill"]
+    assert "decode reads of each layer hold its physical buffer (8 layers on 4 buffers)" in prefill.text(), \
+        [ln for ln in prefill.text().splitlines() if "physical buffer" in ln]
+    since = log_sizes(c)
+    pulled0 = _counter(c["decode"], "rd2h_layers_pulled")
+    req = [body(model, p, False, MAX_TOKENS, return_token_ids=True) for p in PROMPTS]
+    # The first member of each family alone (it stores the prefix), the rest 4 at a time.
+    firsts = list(range(0, len(PROMPTS), 3))
+    answers: dict[int, Any] = {i: complete(c["proxy"], req[i]) for i in firsts}
+    rest = [i for i in range(len(PROMPTS)) if i not in answers]
+    with ThreadPoolExecutor(4) as pool:
+        answers.update(zip(rest, pool.map(lambda i: complete(c["proxy"], req[i]), rest), strict=True))
+    got = [list(answers[i].token_ids or ()) for i in range(len(PROMPTS))]
+    assert got == baseline
+    want = pulled0 + len(PROMPTS) * N_LAYERS
+    deadline = time.monotonic() + 30
+    while _counter(c["decode"], "rd2h_layers_pulled") < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _counter(c["decode"], "rd2h_layers_pulled") == want
+    assert _counter(c["prefill"], "store_loaded_blocks") > 0  # family members hit the store
+    assert _counter(c["prefill"], "rd2h_gate_holds") > 0
+    assert [line for b in BAD for line in log_lines(c, since, b)] == []
+
+
+# ------------------------------------------------------------------ P/D sparse decode at load
+#
+# 32 prompts of 20-900 tokens (most >= 4x the hot buffer, all beyond index_topk but the
+# shortest), sent 6 at a time through the proxy while decode runs at most 4, so requests
+# finish and free their pool rows while others continue, and some wait for rows (the pool
+# holds about five of the longest reservations). Greedy tokens must equal the plain
+# engine's, and no load may have failed (parity after a silent recompute would prove
+# nothing about the pool path).
+
+LOAD_MAX_TOKENS = 10
+LOAD_LENGTHS = [300, 420, 512, 600, 20, 333, 470, 560, 64, 389, 900, 301, 256, 777, 45, 640,
+                350, 880, 128, 505, 699, 280, 33, 455, 610, 820, 270, 390, 515, 900, 72, 430]
+
+
+def _load_prompts() -> list[list[int]]:
+    rng = random.Random(29)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in LOAD_LENGTHS]
+
+
+LOAD_PROMPTS = _load_prompts()
+
+
+def _decode_counters(url: str) -> dict[str, float]:
+    return {n: _counter(url, f"rd2h_{n}") for n in (
+        "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
+        "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows")}
+
+
+def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[int]],
+                                                       joint_cluster: dict[str, Any]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes
+
+    c = joint_cluster
+    since = log_sizes(c)
+    before = _decode_counters(c["decode"])
+    req = [body(c["model"], p, False, LOAD_MAX_TOKENS, return_token_ids=True) for p in LOAD_PROMPTS]
+    with ThreadPoolExecutor(6) as pool:
+        pd = list(pool.map(lambda r: complete(c["proxy"], r), req))
+    assert [list(a.token_ids or ()) for a in pd] == load_baseline
+    assert len({tuple(t) for t in load_baseline}) == len(LOAD_PROMPTS)
+    assert [line for b in BAD for line in log_lines(c, since, b)] == []
+    # the decode engine really decoded from the host pool: its KV allocation was cut
+    assert log_lines(c, {k: 0 for k in since}, "not on the device; device KV")
+    assert log_lines(c, {k: 0 for k in since}, "into a host pool of")
+    after = _decode_counters(c["decode"])
+    m = {k: after[k] - before[k] for k in after}
+    assert m["bytes_pulled"] > 0, m
+    # every decode token of every layer resolved its top-k through the hot buffers
+    decode_positions = N_LAYERS * sum(min(TOPK, n) * (LOAD_MAX_TOKENS - 1) for n in LOAD_LENGTHS)
+    assert m["sparse_resolved_positions"] >= decode_positions, m
+    assert m["sparse_hit_positions"] > 0 and m["sparse_miss_rows"] > 0, m
+    assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
+    # decode computed only the last prompt token and the new ones: the pool got the rest over RD2H
+    assert m["sparse_offload_rows"] == N_LAYERS * len(LOAD_LENGTHS) * LOAD_MAX_TOKENS, m
+    # the pool holds far less than every request at once
+    assert POOL_ROWS // BLOCK_SIZE * BLOCK_SIZE < sum(LOAD_LENGTHS) + LOAD_MAX_TOKENS * len(LOAD_LENGTHS)

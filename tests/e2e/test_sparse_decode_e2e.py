@@ -31,7 +31,6 @@ read the top-k every layer of every decode step.
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
@@ -130,13 +129,15 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict[str, Any]:
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     rec = {"baseline": StepRecorder(), "offload": _ConnectorSteps(), "device": _ConnectorSteps()}
     out: dict[str, Any] = {"tokens": {}, "peak_a": {}, "peak_b": {}, "blocks": {}}
     # baseline first: a later engine's Prometheus logger replaces an earlier one's, and the
     # connector metrics read below are the offload engine's
-    with owned_engine(lambda: stepped_engine(rec["baseline"], model=model_dir, **ENGINE_ARGS)
-                      ) as base, \
+    # baseline and the device resolver in this process (they start in seconds); the host
+    # resolver's engine in its own processes, so the colocated connector's metadata crosses
+    # vLLM's scheduler-worker boundary
+    with owned_engine(lambda: stepped_engine(rec["baseline"], model=model_dir, **ENGINE_ARGS),
+                      in_process=True) as base, \
          owned_engine(lambda: stepped_engine(rec["offload"], model=model_dir,
                                              kv_transfer_config=_sparse_config(), **ENGINE_ARGS)
                       ) as off:
@@ -159,7 +160,7 @@ def runs(model_dir: str) -> dict[str, Any]:
     # the device resolver's engine: the same batches after the others are gone
     with owned_engine(lambda: stepped_engine(rec["device"], model=model_dir,
                                              kv_transfer_config=_sparse_config("device"),
-                                             **ENGINE_ARGS)) as dev_engine:
+                                             **ENGINE_ARGS), in_process=True) as dev_engine:
         m = rec["device"].mark()
         toks = _run(dev_engine, PROMPTS_A, MAX_TOKENS_A)
         out["peak_a"]["device"] = rec["device"].peak_running(m)

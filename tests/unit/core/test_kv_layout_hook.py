@@ -139,6 +139,7 @@ def test_uniform_type_specs_per_layer() -> None:
 
 def test_install_is_idempotent_and_reversible() -> None:
     core = pytest.importorskip("vllm.v1.engine.core")
+    before = core.get_kv_cache_configs  # as this process has it (the plugin may have hooked it)
     layout.uninstall_layout_hook()
     original = core.get_kv_cache_configs
     try:
@@ -150,7 +151,8 @@ def test_install_is_idempotent_and_reversible() -> None:
         layout.uninstall_layout_hook()
         assert core.get_kv_cache_configs is original
     finally:
-        core.get_kv_cache_configs = original
+        # what the process had before: an engine a later test starts in-process needs the hook
+        core.get_kv_cache_configs = before
 
 
 def test_wrapper_off_is_identity_on_checks_constraints() -> None:
