@@ -36,7 +36,6 @@ read from the baseline engine's allocation).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -44,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ascend_offload.bench import write_json
 
 BLOCK_SIZE = 32
 PAGE = 4096  # the cut page-aligns each hot region
@@ -250,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a)
     print(report(res))
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(a.json, res)
     return 0
 
 

@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ascend_offload.bench import write_json
 from ascend_offload.testing.engines import explicit_kv_memory, owned_engine
 
 BLOCK_SIZE = 32
@@ -413,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a)
     print(report(res))
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(a.json, res)
     return 0
 
 

@@ -32,13 +32,11 @@ take minutes and change no per-call cost).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +44,7 @@ import torch
 
 from ascend_offload import device as dev
 from ascend_offload import native
+from ascend_offload.bench import write_json
 from ascend_offload.bench.sparse_traces import TRACE_KINDS
 from ascend_offload.sparse.device_residency import DeviceResidency
 from ascend_offload.sparse.residency import NativeResidency
@@ -208,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a)
     print(report(res))
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(a.json, res)
     return 0
 
 

@@ -14,10 +14,16 @@ from typing import Any
 from ascend_offload.store.layerwise_saves import LayerwiseSaves
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.prefix_jobs import PrefixJobs
+from tests.support.scheduler_inputs import request as _new_request
+from tests.support.scheduler_inputs import step as _step
 
 PAGE = 64
 BS = 4
 
+
+
+def _request(rid: str, n_tokens: int) -> SimpleNamespace:
+    return _new_request(rid, n_tokens, BS)
 
 def index(num_pages: int = 8) -> LocalStore:
     return LocalStore(num_pages * PAGE, PAGE, with_data=False)
@@ -127,21 +133,7 @@ def _scheduler(num_pages: int = 16, save_timeout_s: float = 30.0) -> Any:
     return sched, tables
 
 
-def _request(rid: str, n_tokens: int) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, num_tokens=n_tokens, num_preemptions=0, num_computed_tokens=0,
-                           block_hashes=[f"{rid}-h{i}" for i in range(n_tokens // BS)])
 
-
-def _step(new: list[tuple[str, int, int]] = (), cached: list[tuple[str, int, int]] = (),
-          preempted: set[str] | None = None) -> SimpleNamespace:
-    """(req id, computed tokens before the step, tokens scheduled) per request."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
-                                              num_computed_tokens=[c for _, c, _ in cached],
-                                              resumed_req_ids=set()),
-        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
-        preempted_req_ids=preempted)
 
 
 def _report(sched: Any, meta: Any, failed: bool = False) -> None:

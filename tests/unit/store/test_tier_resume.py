@@ -16,10 +16,16 @@ from typing import Any
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.prefix_jobs import PrefixJobs
 from ascend_offload.store.remote_fetch import RemoteFetches
+from tests.support.scheduler_inputs import request as _new_request
+from tests.support.scheduler_inputs import step as _step
 
 PAGE = 64
 BS = 4
 
+
+
+def _request(rid: str, n_tokens: int) -> SimpleNamespace:
+    return _new_request(rid, n_tokens, BS)
 
 def _scheduler(tmp_path: Path) -> tuple[Any, dict[str, list[int]]]:
     from ascend_offload.config import parse_extra_config
@@ -34,20 +40,7 @@ def _scheduler(tmp_path: Path) -> tuple[Any, dict[str, list[int]]]:
     return PrefixScheduler(settings, lambda rid: tables[rid]), tables
 
 
-def _request(rid: str, n_tokens: int) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, num_tokens=n_tokens, num_preemptions=0, num_computed_tokens=0,
-                           block_hashes=[f"{rid}-h{i}" for i in range(n_tokens // BS)])
 
-
-def _step(new: Sequence[tuple[str, int, int]] = (), cached: Sequence[tuple[str, int, int]] = (),
-          preempted: set[str] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
-                                              num_computed_tokens=[c for _, c, _ in cached],
-                                              resumed_req_ids=set()),
-        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
-        preempted_req_ids=preempted)
 
 
 def _report(sched: Any, meta: Any) -> None:
