@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+#: Request ids remembered as reported, to drop a second outcome (a few minutes of traffic).
+MAX_REPORTED = 1 << 16
+
 class DecodeWorker:
     """Decode state of one rank: the consumer, and with sparse offload the pool's worker."""
 
@@ -61,6 +65,11 @@ class DecodeWorker:
         self._sparse_settings = sparse
         self._load_errors: set[int] = set()
         self._cancelled: set[str] = set()  # vLLM finished them before their KV arrived
+        # Requests already reported to vLLM (received or stopped), newest last, bounded: a
+        # request failed twice (a refused registration and an abort in one step, or an abort
+        # racing its last read) yields a second outcome, and vLLM's scheduler asserts on a
+        # request it hears of twice or no longer holds (that stopped the engine).
+        self._reported: OrderedDict[str, None] = OrderedDict()
         self._recv_failed: set[str] = set()  # refused when expected: reported received (failed)
         # Sparse offload: the pool's worker (the model's adapter), per-request state.
         self.sparse: SparseDecodeWorker | None = None
@@ -150,7 +159,8 @@ class DecodeWorker:
                 self._load_errors.update(job.block_ids)
                 self._recv_failed.add(job.request_id)
         for rid, reason in meta.fail_recv.items():
-            self.consumer.fail(rid, reason)
+            if rid not in meta.cancel_recv:  # a cancel fails it below, once
+                self.consumer.fail(rid, reason)
         for rid in meta.cancel_recv:
             self._cancelled.add(rid)
             self.consumer.fail(rid, "request finished on decode before its KV arrived")
@@ -163,6 +173,12 @@ class DecodeWorker:
         recving: set[str] = set()
         if self.consumer is not None:
             for o in self.consumer.finished():
+                if o.request_id in self._reported:
+                    log.debug("%s: request %s: a second outcome ignored", NAME, o.request_id)
+                    continue
+                self._reported[o.request_id] = None
+                while len(self._reported) > MAX_REPORTED:
+                    self._reported.popitem(last=False)
                 device_blocks = self._pool_jobs.pop(o.request_id, None)
                 if self.pool is not None and o.request_id in self._pool_finished | self._cancelled:
                     self._pool_finished.discard(o.request_id)
@@ -178,7 +194,10 @@ class DecodeWorker:
                     self._load_errors.update(o.failed_blocks if device_blocks is None else device_blocks)
                     log.warning("%s: request %s: %d blocks failed to load: %s", NAME, o.request_id,
                                 len(o.failed_blocks), "; ".join(o.reasons)[:500])
-            recving |= self._recv_failed
+            for rid in self._recv_failed - sending - recving:
+                if rid not in self._reported:
+                    self._reported[rid] = None
+                    recving.add(rid)
             self._recv_failed.clear()
         if self.pool is not None:
             for rid in finished_req_ids:
