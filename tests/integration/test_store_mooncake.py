@@ -207,8 +207,15 @@ def test_eviction_by_the_master_is_a_miss(master: MooncakeMaster) -> None:
     try:
         data = payload(6, 4)
         committed: list[str] = []
-        for r in range(160):
+        # The master evicts in the background once the segment is nearly full; until it
+        # has, puts are refused for space (skipped saves). Keep storing until more than
+        # fits was stored, bounded by a deadline, not by a round count.
+        deadline = time.monotonic() + 60
+        r = 0
+        while len(committed) * PAGE <= SEG:
+            assert time.monotonic() < deadline, f"only {len(committed)} objects stored: the master never evicted"
             keys = [f"ev:{r}:{j}" for j in range(4)]
+            r += 1
             before = s.stats().committed_objects
             hs = s.allocate(keys, [PAGE] * 4)
             assert hs is not None
@@ -216,7 +223,8 @@ def test_eviction_by_the_master_is_a_miss(master: MooncakeMaster) -> None:
             s.commit(hs)
             if s.stats().committed_objects - before == 4:
                 committed += keys
-        assert len(committed) * PAGE > SEG  # more than fits was stored at some point
+            else:
+                time.sleep(0.05)  # full: give the master's eviction a moment
         evicted = [k for k in committed if not s.contains(k)]
         assert evicted, "the master evicted nothing"
         assert s.pin(evicted[:1]) is None
