@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,9 @@ def _carriers(token: str) -> list[int]:
     return pids
 
 
+_STARTED: list[tuple[subprocess.Popen[str], str]] = []
+
+
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     token = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -50,6 +54,7 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "ascend_offload.cli", "demo", "--log-dir", str(tmp_path / "logs"),
                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             process_group=0)
+    _STARTED.append((proc, token))
     return proc, token
 
 
@@ -63,11 +68,22 @@ def _gone(token: str, timeout_s: float = 30.0) -> list[int]:
 
 def _kill_all(proc: subprocess.Popen[str], token: str) -> None:
     """Test cleanup after a failure: the demo's group and anything that carries the marker."""
-    for pid in [proc.pid, *_carriers(token)]:
+    alive = [proc.pid] if proc.poll() is None else []  # an exited demo's pid may be reused
+    for pid in [*alive, *_carriers(token)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(autouse=True)
+def _no_demo_outlives_its_test() -> Iterator[None]:
+    """Whatever a test asserted, every process it started is gone afterwards: a demo that
+    failed while stopping (or a straggler the test found) is never left running."""
+    _STARTED.clear()
+    yield
+    for proc, token in _STARTED:
+        _kill_all(proc, token)
 
 
 def test_demo_prints_the_table_and_leaves_nothing_running(tmp_path: Path) -> None:
