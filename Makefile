@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 
 test: bootstrap
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not bench" $(PYTEST_ARGS) tests; rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile -m "not bench" $(PYTEST_ARGS) tests; rc=$$?; \
 	echo "make test: tests took $$(( $$(date +%s) - start )) s (after the bootstrap)"; exit $$rc
 
 # The benchmarks' smoke runs on real engines (their JSON keys and parity checks).

@@ -116,9 +116,11 @@ def _environment_restored_after_each_file() -> Iterator[None]:
         core.get_kv_cache_configs = hooked
 
 
-# The files that take longest (engine clusters), started first so that two workers end
-# together instead of one finishing a long file alone at the end; then every other
-# engine or process test, then the unit tests, which fill the gaps.
+# The files that take longest (engine clusters), first in collection order. pytest-xdist's
+# loadfile scheduling then sends files with many tests first (its default reorder) and keeps
+# this order among files of equal size; measured here, interleaving the engine files with
+# the unit tests that way finished sooner (13 min) than running all engine files first
+# (16 min: two engine clusters at once oversubscribe two cores).
 SLOW_FIRST = (
     "tests/e2e/test_pd_tp_e2e.py",
     "tests/e2e/test_demo_e2e.py",
