@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from sparse_oracle import Oracle
-from test_residency import BLOCK, _block_table, traces
+from test_residency import BLOCK, _block_table, call_args, traces
 
 from ascend_offload import native
 from ascend_offload.bench.sparse_traces import TRACE_KINDS
@@ -57,9 +57,7 @@ def _replay(tr: dict, device: DeviceResidency) -> None:
                 impl.release(entries[0][0])
             oracle.release(entries[0][0])
         rows = [e[0] for e in entries]
-        args = (layer, torch.tensor(rows), torch.tensor([e[1] for e in entries]),
-                torch.tensor([e[2] for e in entries]), torch.tensor([e[3] for e in entries]),
-                torch.tensor([e[4] for e in entries]), bt_all[rows], BLOCK)
+        args = call_args(layer, entries, bt_all)
         got = device.resolve(*args)
         assert device.check() == (sum(p >= 0 for e in entries for p in e[4]),
                                   int(got.counts[:, 1].sum()))

@@ -57,6 +57,14 @@ def _block_table(rows: int, max_len: int) -> torch.Tensor:
     return perm.view(rows, nblk).to(torch.int32)
 
 
+def call_args(layer: int, entries: list, bt_all: torch.Tensor) -> tuple:
+    """One trace call's ``resolve`` arguments: (row, tag, stable, length, top-k) per entry."""
+    rows = [e[0] for e in entries]
+    return (layer, torch.tensor(rows), torch.tensor([e[1] for e in entries]),
+            torch.tensor([e[2] for e in entries]), torch.tensor([e[3] for e in entries]),
+            torch.tensor([e[4] for e in entries]), bt_all[rows], BLOCK)
+
+
 def _replay(impls: list, oracle: Oracle, tr: dict) -> None:
     bt_all = _block_table(tr["rows"], tr["max_len"])
     for n, (layer, entries) in enumerate(tr["calls"]):
@@ -65,9 +73,7 @@ def _replay(impls: list, oracle: Oracle, tr: dict) -> None:
                 impl.release(entries[0][0])
             oracle.release(entries[0][0])
         rows = [e[0] for e in entries]
-        args = (layer, torch.tensor(rows), torch.tensor([e[1] for e in entries]),
-                torch.tensor([e[2] for e in entries]), torch.tensor([e[3] for e in entries]),
-                torch.tensor([e[4] for e in entries]), bt_all[rows], BLOCK)
+        args = call_args(layer, entries, bt_all)
         results = [impl.resolve(*args) for impl in impls]
         want_out, want_miss = [], []
         for r, tag, stable, _, topk in entries:
