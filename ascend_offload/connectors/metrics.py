@@ -41,6 +41,7 @@ COUNTERS: dict[str, str] = {
     "layerwise_blocks_loaded": "layerwise: (block, layer) pages loaded into shared buffers (all ranks)",
     "layerwise_blocks_saved": "layerwise: (block, layer) pages saved from shared buffers (all ranks)",
     "layerwise_load_errors": "layerwise: blocks that could not be loaded (reported to vLLM)",
+    "layerwise_saves_dropped": "layerwise: (block, layer) pages not saved because a load of their step failed first",
     "layerwise_gate_waits": "layerwise: writers that waited for a physical buffer's consumers",
     "layerwise_gate_queued_waits": "layerwise: loads ordered behind a buffer's queued store saves",
     "layerwise_gate_timeouts": "layerwise: reuse-gate waits that hit their deadline",

@@ -128,6 +128,8 @@ def counters(c: Cluster) -> dict[str, Any]:
             vals["store_layerwise_blocks_loaded"] = m.get("vllm:ascend_offload_store_layerwise_blocks_loaded_total",
                                                           0.0)
             vals["store_layerwise_load_errors"] = m.get("vllm:ascend_offload_store_layerwise_load_errors_total", 0.0)
+            vals["store_layerwise_saves_dropped"] = m.get(
+                "vllm:ascend_offload_store_layerwise_saves_dropped_total", 0.0)
             vals["store_layerwise_gate_timeouts"] = m.get(
                 "vllm:ascend_offload_store_layerwise_gate_timeouts_total", 0.0)
         out[role] = vals
@@ -303,13 +305,18 @@ def test_soak_with_faults(soak_cluster: Cluster) -> None:
         time.sleep(1)
 
     # -- the store served the repeated prefixes, and failed exactly the one injected load:
-    #    one layer load (its blocks are the load errors), reported in one step, recomputed once
+    #    one layer load (its blocks are load errors), reported and recomputed. The step it
+    #    failed in saves nothing from that layer on, so a request of that step whose prompt
+    #    continues in its next chunk misses its own blocks there and is recomputed too
+    #    (docs/reliability.md): a recovery beyond the first needs dropped saves.
     prefill_log = c.log("prefill")
     store = snap["prefill"]
     assert store["store_layerwise_blocks_loaded"] > 0, store
     assert store["store_layerwise_load_errors"] >= 1, store
     assert prefill_log.count("failed: injected (debug_fail_layer_loads)") == 1
-    assert prefill_log.count("Recovered from KV load failure") == 1
+    recoveries = prefill_log.count("Recovered from KV load failure")
+    assert recoveries >= 1
+    assert recoveries == 1 or store["store_layerwise_saves_dropped"] > 0, (recoveries, store)
 
     # -- answers identical to the plain engine (decode, no transfer), per prompt and length
     wanted = sorted({(o.job.prompt_id, o.job.max_tokens) for o in outcomes if o.kind == "answer"})
@@ -330,5 +337,6 @@ def test_soak_with_faults(soak_cluster: Cluster) -> None:
           f"{sorted({s: sum(1 for f in flood if f[1] == s) for s in {f[1] for f in flood}}.items())}")
     fan_kinds = {k: sum(1 for o in fanouts if o.kind == k) for k in {o.kind for o in fanouts}}
     print(f"soak: fan-outs (n 2-3, streamed) {fan_kinds}; store blocks loaded "
-          f"{store['store_layerwise_blocks_loaded']:.0f}, load errors {store['store_layerwise_load_errors']:.0f}")
+          f"{store['store_layerwise_blocks_loaded']:.0f}, load errors {store['store_layerwise_load_errors']:.0f}, "
+          f"saves dropped {store['store_layerwise_saves_dropped']:.0f}, recoveries {recoveries}")
     print(f"soak: idle counters {json.dumps(snap, sort_keys=True)}")

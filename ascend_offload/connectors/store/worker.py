@@ -415,6 +415,7 @@ class LayerwiseWorker(StoreWorker):
             "layerwise_blocks_loaded": p.blocks_loaded,
             "layerwise_blocks_saved": p.blocks_saved,
             "layerwise_load_errors": p.load_errors,
+            "layerwise_saves_dropped": p.save_dropped,
             "layerwise_gate_waits": g.waits,
             "layerwise_gate_queued_waits": g.queued_waits,
             "layerwise_gate_timeouts": g.timeouts,
