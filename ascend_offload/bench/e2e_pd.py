@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.servers import Server, free_port, wait_health
+from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -150,12 +150,11 @@ def _cluster(setup: str, model: str, log_dir: Path,
         else:
             raise ValueError(f"unknown setup {setup!r} (accepted: {', '.join(SETUPS)})")
         deadline = time.monotonic() + startup_s
-        for port in ports:
-            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
+        for port, server in zip(ports, servers, strict=True):  # ports in the servers' order
+            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline, serving=server)
         yield entry, engine, servers
     finally:
-        for s in reversed(servers):
-            s.stop()
+        stop_all(servers)
 
 
 # ---------------------------------------------------------------------- Mooncake toy proxy

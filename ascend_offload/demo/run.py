@@ -11,6 +11,7 @@ prefixes the P/D pass saved).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from ascend_offload.demo.footprint import footprint_ratio
 from ascend_offload.demo.prom import Metrics, delta, parse
 from ascend_offload.demo.table import Footprint, RequestResult, render
 from ascend_offload.demo.workload import Request, workload
-from ascend_offload.testing.servers import Server, free_port
+from ascend_offload.testing.servers import Server, free_port, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs" / "cpu-demo"
@@ -36,6 +37,23 @@ MAX_MODEL_LEN = 4096
 REQUEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 30.0
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _stop_signals_held(deliver: bool) -> Iterator[None]:
+    """Hold Ctrl-C / SIGTERM during the block: raise KeyboardInterrupt after it
+    (``deliver``) or drop them. A handler that records, not the signal mask: a child
+    spawned inside the block inherits the mask, and a server started with SIGTERM
+    blocked never stops on it (each then waits out its SIGKILL grace)."""
+    got: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if got and deliver:
+        raise KeyboardInterrupt
 
 
 def with_kv_port(config: Any, port: int) -> Any:
@@ -87,12 +105,9 @@ class Cluster:
         """Start every server, then yield each name as it turns healthy; ``refresh`` is
         called about once a second meanwhile (the progress bar's clock)."""
         for name, cmd, env in self._cmds:
-            # a Ctrl-C between spawn and bookkeeping would leak the group: hold signals meanwhile
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-            try:
+            # a Ctrl-C between spawn and bookkeeping would leak the group: held meanwhile
+            with _stop_signals_held(deliver=True):
                 self.servers.append(Server(name, cmd, env, self.log_dir))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         waiting = [name for name, _, _ in self._cmds]
         with httpx.Client() as client:
             while waiting:
@@ -106,6 +121,7 @@ class Cluster:
                     except httpx.HTTPError:
                         healthy = False
                     if healthy:
+                        next(s for s in self.servers if s.name == name).ready = True
                         waiting.remove(name)
                         yield name
                 if waiting and time.monotonic() > deadline:
@@ -122,14 +138,12 @@ class Cluster:
         return next((s.text() for s in self.servers if s.name == name), "")
 
     def stop(self) -> None:
-        """Stop every server (bounded: SIGTERM, SIGKILL after 20 s); a second Ctrl-C meanwhile
-        is held until all are reaped, so it cannot cut the teardown short."""
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
-            while self.servers:
-                self.servers.pop().stop()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        """Stop every server together (bounded: SIGTERM, SIGKILL after 20 s, 3 s for one
+        still starting); a second Ctrl-C meanwhile is ignored, so it cannot cut the
+        teardown short."""
+        with _stop_signals_held(deliver=False):
+            servers, self.servers = self.servers, []
+            stop_all(servers)
 
 
 def scrape(client: httpx.Client, url: str) -> Metrics:

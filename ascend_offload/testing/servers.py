@@ -10,8 +10,13 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+STOP_GRACE_S = 20.0  # SIGTERM to SIGKILL
+# ... for a server that never answered its health check: a vLLM API server still
+# starting up ignores SIGTERM (its engine core exits at once), and has nothing to drain
+STARTING_GRACE_S = 3.0
 _SLICES = 16  # disjoint port slices: one per test worker (pytest-xdist ``gwN``) or process
 
 
@@ -104,6 +109,7 @@ class Server:
         self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path, cwd: Path | None = None
     ) -> None:
         self.name = name
+        self.ready = False  # answered its health check (set by whoever polled it)
         self.log = log_dir / f"{name}.log"
         self._fh = self.log.open("wb")
         self.proc = subprocess.Popen(
@@ -113,30 +119,47 @@ class Server:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def stop(self) -> None:
-        """SIGTERM the group, SIGKILL after 20 s; bounded either way, and never raises: a
-        killed process that a loaded machine has not reaped within 60 s more is left to
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the group, SIGKILL after ``grace_s``; bounded either way, and never raises:
+        a killed process that a loaded machine has not reaped within 60 s more is left to
         the kernel (its group got SIGKILL), so a caller's own teardown still runs."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(60)
-            except ProcessLookupError:
-                pass
-        try:  # stragglers left in the group after the leader exited
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._fh.close()
+        stop_all([self], grace_s)
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
 
 
-def wait_health(url: str, servers: list[Server], deadline: float) -> None:
-    """Poll ``url`` until 200; fail fast if any server exited, fail at ``deadline``."""
+
+def stop_all(servers: Iterable[Server], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop ``servers`` together: SIGTERM every group at once, then one shared ``grace_s``
+    before SIGKILL (``STARTING_GRACE_S`` for a server not yet ``ready``), so a cluster
+    stops in the time of its slowest server, not the sum. Never raises; stragglers left
+    in a group after its leader exited are killed too."""
+    servers = list(servers)
+    for s in servers:
+        if s.proc.poll() is None:
+            s._signal(signal.SIGTERM)
+    start = time.monotonic()
+    for s in servers:
+        deadline = start + (grace_s if s.ready else min(grace_s, STARTING_GRACE_S))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            s.proc.wait(max(0.0, deadline - time.monotonic()))
+    late = [s for s in servers if s.proc.poll() is None]
+    for s in late:
+        s._signal(signal.SIGKILL)
+    reap_deadline = time.monotonic() + 60.0
+    for s in late:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            s.proc.wait(max(0.0, reap_deadline - time.monotonic()))
+    for s in servers:
+        s._signal(signal.SIGKILL)  # stragglers left in the group after the leader exited
+        s._fh.close()
+
+
+def wait_health(url: str, servers: list[Server], deadline: float, serving: Server | None = None) -> None:
+    """Poll ``url`` until 200 (then ``serving``, the server behind it, is ``ready``); fail
+    fast if any server exited, fail at ``deadline``."""
     import httpx
 
     while time.monotonic() < deadline:
@@ -145,6 +168,8 @@ def wait_health(url: str, servers: list[Server], deadline: float) -> None:
                 raise RuntimeError(f"{s.name} exited with {s.proc.returncode}:\n{s.text()[-3000:]}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
+                if serving is not None:
+                    serving.ready = True
                 return
         except httpx.HTTPError:
             pass

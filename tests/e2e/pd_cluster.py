@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from ascend_offload.testing.servers import Server, free_port, wait_health
+from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
 from tests.e2e.harness import BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,13 +71,12 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                                         str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
                                         str(d_port)], env, log_dir))
         deadline = time.monotonic() + STARTUP_S
-        for port in (p_port, d_port, proxy_port):
-            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline)
+        for port, server in zip((p_port, d_port, proxy_port), servers, strict=True):
+            wait_health(f"http://127.0.0.1:{port}/health", servers, deadline, serving=server)
         yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "proxy": f"http://127.0.0.1:{proxy_port}",
                "decode": f"http://127.0.0.1:{d_port}", "servers": {s.name: s for s in servers}}
     finally:
-        for s in reversed(servers):
-            s.stop()
+        stop_all(servers)
 
 
 def body(model: str, prompt: list[int], stream: bool, max_tokens: int, **extra: Any) -> dict[str, Any]:

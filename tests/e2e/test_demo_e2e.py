@@ -44,6 +44,16 @@ def _carriers(token: str) -> list[int]:
     return pids
 
 
+def _stop_signals_blocked(pid: int) -> int:
+    """SIGINT / SIGTERM bits of the process's blocked-signal mask (0 if it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return mask & ((1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1)))
+
+
 _STARTED: list[tuple[subprocess.Popen[str], str]] = []
 
 
@@ -121,7 +131,11 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
                 break
             time.sleep(1)
         assert proc.poll() is None, proc.communicate()
-        assert len(_carriers(token)) >= 5  # demo, 2 API servers, 2 engine cores, proxy
+        carriers = _carriers(token)
+        assert len(carriers) >= 5  # demo, 2 API servers, 2 engine cores, proxy
+        # the servers can be stopped by SIGTERM: none was started with it blocked
+        blocked = {pid: mask for pid in carriers if (mask := _stop_signals_blocked(pid))}
+        assert blocked == {}, blocked
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         _, err = proc.communicate(timeout=120)
     finally:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from ascend_offload.testing.servers import Server
+from ascend_offload.testing.servers import Server, stop_all
 
 
 def _alive(pid: int) -> bool:
@@ -47,3 +48,30 @@ def test_servers_share_the_caller_session_and_are_reaped(tmp_path: Path) -> None
             break
         assert time.monotonic() < deadline, "the server's child survived teardown"
         time.sleep(0.05)
+
+
+def test_stop_all_signals_every_server_at_once_and_kills_one_still_starting(tmp_path: Path) -> None:
+    """A server that never turned ready and ignores SIGTERM (a vLLM API server mid-start-up)
+    is SIGKILLed after the short start-up grace; ready ones get SIGTERM and exit through
+    their handler (each leaves a mark)."""
+    def fake(name: str, ignore_term: bool) -> Server:
+        mark = tmp_path / f"{name}.term"
+        handler = ("signal.SIG_IGN" if ignore_term else
+                   f"lambda s, f: (pathlib.Path({str(mark)!r}).write_text('term'), sys.exit(0))")
+        code = (f"import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, {handler}); "
+                "print('up', flush=True); time.sleep(600)")
+        return Server(name, [sys.executable, "-c", code], dict(os.environ), tmp_path)
+
+    starting = fake("starting", ignore_term=True)
+    ready = [fake(f"ready{i}", ignore_term=False) for i in range(2)]
+    for s in (starting, *ready):
+        deadline = time.monotonic() + 20
+        while "up" not in s.text():
+            assert time.monotonic() < deadline, f"{s.name} did not start"
+            time.sleep(0.05)
+    for s in ready:
+        s.ready = True
+    stop_all([*ready, starting])
+    assert starting.proc.returncode == -signal.SIGKILL
+    assert [s.proc.returncode for s in ready] == [0, 0]
+    assert all((tmp_path / f"{s.name}.term").is_file() for s in ready)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.servers import Server, free_port, wait_health
+from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
 from proxy.config import registration_max_bytes
 from tests.e2e.harness import BLOCK_SIZE, tiny_model
 
@@ -106,8 +106,8 @@ class Cluster:
             env, log_dir)
         deadline = time.monotonic() + STARTUP_S
         try:
-            for url in (self.prefill, self.decode, self.proxy):
-                wait_health(f"{url}/health", list(self.servers.values()), deadline)
+            for name, url in (("prefill", self.prefill), ("decode", self.decode), ("proxy", self.proxy)):
+                wait_health(f"{url}/health", list(self.servers.values()), deadline, serving=self.servers[name])
         except BaseException:
             self.stop()
             raise
@@ -128,13 +128,12 @@ class Cluster:
         """Start the decode again with the same command; seconds until it was healthy."""
         t0 = time.monotonic()
         self._start_decode()
-        wait_health(f"{self.decode}/health", list(self.servers.values()), t0 + timeout_s)
+        wait_health(f"{self.decode}/health", list(self.servers.values()), t0 + timeout_s,
+                    serving=self.servers["decode"])
         return time.monotonic() - t0
 
     def stop(self) -> None:
-        for name in ("proxy", "decode", "prefill"):
-            if name in self.servers:
-                self.servers[name].stop()
+        stop_all(self.servers.values())
 
     def log(self, name: str) -> str:
         return self.servers[name].text()
