@@ -61,7 +61,8 @@ class MemoryModel:
     Why an object: tests run the device paths on a machine without an accelerator by
     installing a model that declares chosen CPU tensors device-resident and refuses any
     access to their bytes outside this module's copy functions
-    (``ascend_offload.testing.fake_device``). The default answers by ``t.device``.
+    (the repository's ``tests/support/fake_device.py``, not shipped). The default answers
+    by ``t.device``.
     """
 
     def is_host(self, t: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
+from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -384,7 +384,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ascend_offload.testing.tiny_model import make_tiny_llama, random_prompts
+    from ascend_offload.harness.tiny_model import make_tiny_llama, random_prompts
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     for s in setups:

@@ -42,7 +42,7 @@ def _pattern(kind: str, n: int, num_blocks: int) -> tuple[list[int], list[int]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ascend_offload.pd.procs import KVShape, RankConfig, start_ranks
+    from ascend_offload.bench.pd_ranks import KVShape, RankConfig, start_ranks
 
     num_blocks = max(2 * args.blocks, args.blocks + 1)
     shape = KVShape(num_layers=args.layers, num_blocks=num_blocks,

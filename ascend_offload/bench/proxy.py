@@ -289,7 +289,7 @@ def _proxied_phase(url: str, c: int, duration: float, stream: bool, pids: dict[s
 def run_bench(
     concurrencies: list[int], duration: float, stream: bool, baseline: bool = True
 ) -> dict[str, Any]:
-    fb = "ascend_offload.testing.fake_backends"
+    fb = "ascend_offload.harness.fake_backends"
     procs: list[subprocess.Popen[str]] = []
     try:
         pre, pre_port = spawn_server(["-m", fb, "--role", "prefill", "--no-record"], "ready on port")

@@ -12,7 +12,7 @@ the main KV lives in the host pool, sized to never be the limit). ``--requests``
 prompts of ``--context`` tokens are submitted at once (greedy,
 ``--decode-tokens`` each); chunked prefill is off, so a request is admitted only
 with its whole prompt's blocks. vLLM reports its running and waiting requests
-after every step (a stat logger, :mod:`ascend_offload.testing.engines`); the
+after every step (a stat logger, :mod:`ascend_offload.harness.engines`); the
 peak running count is what each engine admitted at once, and the greedy tokens
 of the two must be identical.
 
@@ -56,7 +56,7 @@ ENGINES = ("baseline", "offload")
 
 
 def _model(a: argparse.Namespace) -> str:
-    from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 
     path = MODEL_DIR / f"tiny-sparse-mla-v32rows-{a.layers}l-k{a.index_topk}"
     return str(make_tiny_sparse_model(path, num_hidden_layers=a.layers, index_topk=a.index_topk,
@@ -123,7 +123,7 @@ def _measure(a: argparse.Namespace, p: dict[str, Any], model: str, offload: bool
              prompts: list[list[int]]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from ascend_offload.testing.engines import (
+    from ascend_offload.harness.engines import (
         StepRecorder,
         owned_engine,
         run_requests,

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_offload.bench import write_json
-from ascend_offload.testing.engines import explicit_kv_memory, owned_engine
+from ascend_offload.harness.engines import explicit_kv_memory, owned_engine
 
 BLOCK_SIZE = 32
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
@@ -159,7 +159,7 @@ class WorkerProbe:
 
 
 def _model(index_topk: int) -> str:
-    from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 
     return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}",
                                       index_topk=index_topk))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.engines import tiny_llm
+from ascend_offload.harness.engines import tiny_llm
 
 BLOCK_SIZE = 32
 
@@ -51,7 +51,7 @@ def multi_turn_prompts(convs: int, turns: int, *, first_tokens: int = 160, reply
     other conversations speak: that follow-up comes right after the turn, so the host
     pages still hold its prefix. Without quick follow-ups the host pages alone hit nothing
     and the ratio of the two runs is unbounded."""
-    from ascend_offload.testing.tiny_model import VOCAB
+    from ascend_offload.harness.tiny_model import VOCAB
 
     rng = random.Random(seed)
     follow = random.Random(seed + 1)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ssd-dir", default=None, help="directory of the tier's files (default: a temp dir)")
     ap.add_argument("--ssd-mib", type=int, default=64)
     args = ap.parse_args(argv)
-    from ascend_offload.testing.tiny_model import make_tiny_llama
+    from ascend_offload.harness.tiny_model import make_tiny_llama
 
     models = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
     model = str(make_tiny_llama(models / "tiny-llama-4l", num_layers=4))

@@ -1,7 +1,7 @@
 """Start the P/D cluster, run the workload through the proxy, compare with plain answers.
 
 The prefill, the decode and the proxy are started as their own process groups
-(``ascend_offload.testing.servers.Server``), with their logs in files; on any
+(``ascend_offload.harness.servers.Server``), with their logs in files; on any
 exit path (end, error, Ctrl-C, SIGTERM) every group is stopped and reaped.
 Requests run one at a time so the counter deltas around a request are that
 request's. Plain answers come from a third server of the same model with no KV
@@ -28,7 +28,7 @@ from ascend_offload.demo.footprint import footprint_ratio
 from ascend_offload.demo.prom import Metrics, delta, parse
 from ascend_offload.demo.table import Footprint, RequestResult, render
 from ascend_offload.demo.workload import Request, workload
-from ascend_offload.testing.servers import Server, free_port, stop_all
+from ascend_offload.harness.servers import Server, free_port, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs" / "cpu-demo"
@@ -262,7 +262,7 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     from tqdm import tqdm
 
     from ascend_offload.check_config import check
-    from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 
     prefill_cfg, decode_cfg = load_json(prefill_path), load_json(decode_path)
     check(prefill_cfg)

@@ -53,7 +53,8 @@ class MemFabricEngine(LibraryEngine):
     """One MemFabric endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
     ``engine`` / ``op_types`` replace the library's objects
-    (tests pass the fakes of ``ascend_offload.testing.fake_ascend``)."""
+    (tests pass fakes with the library's API: the repository's ``tests/support/fake_ascend.py``,
+    not shipped)."""
 
     name = "memfabric"
 

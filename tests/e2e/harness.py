@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.engines import tiny_llm
-from ascend_offload.testing.tiny_model import make_tiny_llama
+from ascend_offload.harness.engines import tiny_llm
+from ascend_offload.harness.tiny_model import make_tiny_llama
 
 BLOCK_SIZE = 32
 MODEL_CACHE = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
+from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
 from tests.e2e.harness import BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]

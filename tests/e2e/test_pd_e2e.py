@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
-from ascend_offload.testing.tiny_model import random_prompts  # noqa: E402
+from ascend_offload.harness.tiny_model import random_prompts  # noqa: E402
 from tests.e2e.harness import BLOCK_SIZE, tiny_model  # noqa: E402
 from tests.e2e.pd_cluster import (  # noqa: E402
     body,

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from ascend_offload.testing.tiny_model import random_prompts
+from ascend_offload.harness.tiny_model import random_prompts
 from tests.e2e.harness import tiny_model
 from tests.e2e.pd_cluster import (
     body,

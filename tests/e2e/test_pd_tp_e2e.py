@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 from tests.e2e.harness import MODEL_CACHE, make_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.engines import StepRecorder, owned_engine, run_requests, stepped_engine
-from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
+from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
+from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 from tests.e2e.harness import MODEL_CACHE
 
 N_LAYERS = 4

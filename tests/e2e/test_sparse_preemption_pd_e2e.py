@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
-from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model  # noqa: E402
+from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model  # noqa: E402
 from tests.e2e.harness import MODEL_CACHE  # noqa: E402
 from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config  # noqa: E402
 

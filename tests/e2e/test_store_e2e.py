@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.tiny_model import random_prompts
+from ascend_offload.harness.tiny_model import random_prompts
 from tests.e2e.harness import (
     BLOCK_SIZE,
     generate,

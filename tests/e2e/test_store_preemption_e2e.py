@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.engines import StepRecorder, owned_engine, stepped_engine
-from ascend_offload.testing.tiny_model import random_prompts
+from ascend_offload.harness.engines import StepRecorder, owned_engine, stepped_engine
+from ascend_offload.harness.tiny_model import random_prompts
 from tests.e2e.harness import BLOCK_SIZE, store_transfer_config, tiny_model
 
 MAX_TOKENS = 96

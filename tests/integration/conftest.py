@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture
 def ranks() -> Iterator[Callable[[Any], Any]]:
     """Start P/D rank processes (``ranks(RankConfig)``); every one is closed afterwards."""
-    from ascend_offload.pd.procs import RankConfig, RankProcess
+    from tests.support.pd_ranks import RankConfig, RankProcess
 
     made: list[RankProcess] = []
 

@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("aiohttp")
 
 from ascend_offload.bench import e2e_pd  # noqa: E402
-from ascend_offload.testing.servers import free_port  # noqa: E402
+from ascend_offload.harness.servers import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]

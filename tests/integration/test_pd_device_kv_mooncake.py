@@ -13,8 +13,8 @@ pytest.importorskip("mooncake.engine")
 pytest.importorskip("vllm")
 
 from ascend_offload.connectors.remote_d2h import kv_region
-from ascend_offload.testing.fake_device import FakeDevice
 from ascend_offload.transfer.mooncake import MooncakeEngine
+from tests.support.fake_device import FakeDevice
 from tests.unit.pd.test_rd2h_device_kv import DST, LAYERS, SRC, _run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -11,9 +11,9 @@ import zmq
 
 pytest.importorskip("mooncake.engine")
 
+from ascend_offload.harness.servers import free_port
 from ascend_offload.pd import protocol as P
-from ascend_offload.pd.procs import KVShape, RankConfig, expected_blocks
-from ascend_offload.testing.servers import free_port
+from tests.support.pd_ranks import KVShape, RankConfig, expected_blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from ascend_offload.testing.servers import free_port_range
+from ascend_offload.harness.servers import free_port_range
 from ascend_offload.transfer.mooncake import MooncakeEngine
 from tests.unit.pd.pool_scenario import (
     MAX_NEW,

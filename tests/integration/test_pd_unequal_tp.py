@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from ascend_offload.pd.procs import KVShape, RankConfig, expected_blocks, start_ranks
-from ascend_offload.testing.servers import free_port_range
+from ascend_offload.harness.servers import free_port_range
+from tests.support.pd_ranks import KVShape, RankConfig, expected_blocks, start_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

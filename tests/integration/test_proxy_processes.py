@@ -20,7 +20,7 @@ from ascend_offload.bench.proxy import spawn_server
 
 pytestmark = pytest.mark.integration
 
-FB = "ascend_offload.testing.fake_backends"
+FB = "ascend_offload.harness.fake_backends"
 
 
 def _http(url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, bytes]:
@@ -142,7 +142,7 @@ def test_console_script_entry_point() -> None:
 
 
 def test_cli_metaserver_on_an_internal_listener(procs: Procs) -> None:
-    from ascend_offload.testing.servers import free_port
+    from ascend_offload.harness.servers import free_port
 
     meta_port = free_port()
     _, pre_port = procs.start(["-m", FB, "--role", "prefill"])

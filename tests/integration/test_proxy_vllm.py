@@ -58,7 +58,7 @@ def _get(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from ascend_offload.testing.tiny_model import make_tiny_llama
+    from ascend_offload.harness.tiny_model import make_tiny_llama
 
     model = str(make_tiny_llama(MODEL_CACHE / "tiny-llama-4l", num_layers=4))
     tmp = tmp_path_factory.mktemp("vllm")

@@ -1,4 +1,4 @@
-"""testing/servers.Server: the launcher of every e2e test and bench server."""
+"""harness/servers.Server: the launcher of every e2e test and bench server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ascend_offload.testing.servers import Server, stop_all
+from ascend_offload.harness.servers import Server, stop_all
 
 
 def _alive(pid: int) -> bool:

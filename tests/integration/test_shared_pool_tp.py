@@ -1,6 +1,6 @@
 """Decode TP=2 on one shared host pool, as two real worker processes (spawned).
 
-Each process runs the reference sparse decoder (``testing/sparse_reference.py``)
+Each process runs the reference sparse decoder (``tests/support/sparse_reference.py``)
 over the same schedule with its own :class:`SparseOffloadManager`, like the TP ranks
 of one decode engine: rank 0 creates the pool under ``/dev/shm`` and writes every
 prompt and new row; rank 1 attaches, writes nothing, and reads only after rank 0's
@@ -24,7 +24,7 @@ import torch
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool
-from ascend_offload.testing.sparse_reference import (
+from tests.support.sparse_reference import (
     FullKV,
     OffloadKV,
     RefConfig,

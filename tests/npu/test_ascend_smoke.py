@@ -194,9 +194,9 @@ def test_prefill_decode_pair_through_the_proxy(tmp_path: Path) -> None:
     pytest.importorskip("vllm_ascend", reason="vllm-ascend is not installed")
     import httpx
 
+    from ascend_offload.harness.servers import Server, free_port, wait_health
+    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
     from ascend_offload.store.memcache_meta import MemcacheMeta
-    from ascend_offload.testing.servers import Server, free_port, wait_health
-    from ascend_offload.testing.tiny_sparse_model import make_tiny_sparse_model
 
     model = str(make_tiny_sparse_model(tmp_path / "tiny-sparse"))
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.testing.servers import Server, free_port, stop_all, wait_health
+from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
 from proxy.config import registration_max_bytes
 from tests.e2e.harness import BLOCK_SIZE, tiny_model
 

@@ -43,7 +43,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
-from ascend_offload.testing.tiny_model import random_prompts
+from ascend_offload.harness.tiny_model import random_prompts
 from tests.reliability.conftest import RD2H, REGISTRATION_MAX_BYTES, Cluster
 from tests.reliability.loadgen import Job, Outcome, is_openai_error, run_jobs
 

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-from ascend_offload.testing.generated import generated_dir
+from ascend_offload.harness.generated import generated_dir
 
 SPEC = {"layers": 2}
 
@@ -54,7 +54,7 @@ def test_a_changed_generator_rewrites_the_directory(tmp_path: Path) -> None:
     assert (d / "weights").read_text() == "v1"
     assert (generated_dir(tmp_path / "m", ".spec.json", SPEC, write_v1) / "weights").read_text() == "v1"
     # same spec, another generator (here: one whose code differs while the file is the same)
-    import ascend_offload.testing.generated as g
+    import ascend_offload.harness.generated as g
 
     digest = g.generator_digest
     try:

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from ascend_offload import device
-from ascend_offload.testing.fake_device import (
+from ascend_offload.transfer.base import LoopbackEngine, ReadOp, TransferError
+from ascend_offload.transfer.staged import StagedEngine
+from tests.support.fake_device import (
     FakeDevice,
     FakeDeviceAccess,
     GuardedEngine,
     installed,
 )
-from ascend_offload.transfer.base import LoopbackEngine, ReadOp, TransferError
-from ascend_offload.transfer.staged import StagedEngine
 
 
 def test_memory_model_is_installed_and_restored() -> None:

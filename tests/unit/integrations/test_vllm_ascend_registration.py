@@ -27,9 +27,9 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.sparse_decode import AscendSparseDecodeConnector
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.connectors.sparse_decode.settings import PagedMainKV, mark_paged_main_kv
+from ascend_offload.harness.servers import free_port
 from ascend_offload.integrations.vllm_ascend import registration
 from ascend_offload.sparse.adapter import SparseDecodeAdapter
-from ascend_offload.testing.servers import free_port
 from tests.unit.integrations.conftest import FAKE, _drop_fake_modules
 from tests.unit.integrations.test_vllm_ascend import (
     DI,

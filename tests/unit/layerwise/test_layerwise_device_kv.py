@@ -11,7 +11,7 @@ import torch
 from ascend_offload.layerwise.layer_io import JobLayerIO
 from ascend_offload.layerwise.plan import plan_uniform
 from ascend_offload.store.local import LocalStore
-from ascend_offload.testing.fake_device import installed
+from tests.support.fake_device import installed
 from tests.unit.layerwise.dict_store import DictStore
 from tests.unit.layerwise.test_pipeline import PAGE_BYTES, Sim, chunked_prefill
 

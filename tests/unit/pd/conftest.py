@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ascend_offload.harness.servers import free_port, free_port_range
 from ascend_offload.pd.layout import layer_desc
-from ascend_offload.testing.servers import free_port, free_port_range
 
 
 def make_kv(num_layers: int, num_blocks: int, *, main_shape: tuple[int, ...] = (4, 8),

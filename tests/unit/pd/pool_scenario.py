@@ -21,7 +21,8 @@ from ascend_offload.pd.producer import DecodeTarget, Producer
 from ascend_offload.pd.topology import Topology
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool
-from ascend_offload.testing.sparse_reference import (
+from ascend_offload.transfer.base import TransferEngine
+from tests.support.sparse_reference import (
     FullKV,
     PulledKV,
     RefConfig,
@@ -29,7 +30,6 @@ from ascend_offload.testing.sparse_reference import (
     RefWeights,
     prefill_kv,
 )
-from ascend_offload.transfer.base import TransferEngine
 
 BLOCK = 16
 CFG = RefConfig(num_layers=3, latent=16, topk=32, seed=3)

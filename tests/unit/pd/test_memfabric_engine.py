@@ -14,7 +14,6 @@ import torch
 from ascend_offload.config import RemoteD2HConfig
 from ascend_offload.pd.prefill_requests import PrefillRequests
 from ascend_offload.pd.registration import DecodeRegistration, ProtocolGuard
-from ascend_offload.testing import fake_ascend as fa
 from ascend_offload.transfer.base import (
     ReadOp,
     TransferError,
@@ -23,6 +22,7 @@ from ascend_offload.transfer.base import (
     transfer_protocol,
 )
 from ascend_offload.transfer.memfabric import PROTOCOLS, MemFabricEngine, data_op_type
+from tests.support import fake_ascend as fa
 
 
 def engine(role: str, protocol: str = "sdma", **kw: Any) -> MemFabricEngine:

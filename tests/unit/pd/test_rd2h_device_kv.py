@@ -25,16 +25,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from ascend_offload import device
 from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector, kv_region
 from ascend_offload.connectors.remote_d2h.metadata import RecvJob, RemoteD2HMetadata, SendJob
+from ascend_offload.harness.servers import free_port
 from ascend_offload.pd.layout import extents, layer_desc
-from ascend_offload.testing.fake_device import (
+from ascend_offload.transfer.base import TransferError
+from ascend_offload.transfer.staged import StagedEngine
+from tests.support.fake_device import (
     FakeDevice,
     FakeDeviceAccess,
     GuardedEngine,
     installed,
 )
-from ascend_offload.testing.servers import free_port
-from ascend_offload.transfer.base import TransferError
-from ascend_offload.transfer.staged import StagedEngine
 
 LAYERS, P_BLOCKS, D_BLOCKS = 3, 10, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

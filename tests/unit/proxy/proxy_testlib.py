@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ascend_offload.testing.fake_backends import FakeBackend
+from ascend_offload.harness.fake_backends import FakeBackend
 from proxy.config import ProxyConfig
 from proxy.server import ProxyServer, bound_port
 

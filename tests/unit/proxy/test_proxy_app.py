@@ -8,7 +8,7 @@ from typing import Any
 
 from proxy_testlib import dead_port, run, stack, until
 
-from ascend_offload.testing.fake_backends import expected_texts
+from ascend_offload.harness.fake_backends import expected_texts
 from proxy.bodies import COMPLETIONS, SharedBody
 from proxy.metaserver import Pending
 

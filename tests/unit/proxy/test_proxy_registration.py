@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 from proxy_testlib import proxy_for, run, serve_app, stack, until
 
-from ascend_offload.testing.fake_backends import FakeBackend
+from ascend_offload.harness.fake_backends import FakeBackend
 
 CMPL = "/v1/completions"
 

@@ -15,7 +15,7 @@ from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import HostKVPool
 from ascend_offload.sparse.residency import ResidencyError, make_residency
-from ascend_offload.testing.sparse_reference import FullKV, OffloadKV, RefConfig
+from tests.support.sparse_reference import FullKV, OffloadKV, RefConfig
 from tests.unit.sparse.test_reference_parity import (
     BLOCK,
     SCHEDULE,

@@ -11,7 +11,7 @@ from ascend_offload import native
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.residency import make_residency
-from ascend_offload.testing.sparse_reference import (
+from tests.support.sparse_reference import (
     FullKV,
     OffloadKV,
     RefConfig,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ascend_offload.store import memcache as mc_backend
-from ascend_offload.testing import fake_ascend as fa
+from tests.support import fake_ascend as fa
 
 MEMCACHE_METHODS = ["setup", "init", "close", "register_buffer", "unregister_buffer", "batch_is_exist",
                     "batch_get_key_info", "remove_batch", "batch_put_from", "batch_get_into",

@@ -14,7 +14,7 @@ from ascend_offload.config import ConfigError, MemcacheStoreConfig, StoreConnect
 from ascend_offload.store.backends import shared_store_from_config
 from ascend_offload.store.base import StoreError
 from ascend_offload.store.memcache import MemcacheStore, memcache_store_from_config
-from ascend_offload.testing.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
+from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
 
 PAGE = 256
 

@@ -20,7 +20,7 @@ from ascend_offload.store.memcache import MAX_BATCH
 from ascend_offload.store.memcache_tier import RemoteIndex, RemotePages
 from ascend_offload.store.prefix_jobs import PrefixJobs
 from ascend_offload.store.remote_fetch import RemoteFetches
-from ascend_offload.testing.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
+from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
 
 PAGES = 8
 ROWS = (48, 80)  # bytes of one block's row in each layer plane

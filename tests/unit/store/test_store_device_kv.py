@@ -12,8 +12,8 @@ import torch
 from ascend_offload import device, native
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.worker_pool import WorkerPagePool
-from ascend_offload.testing.fake_device import FakeDeviceAccess, installed
 from ascend_offload.transfer.copy_queue import NativeRowQueue
+from tests.support.fake_device import FakeDeviceAccess, installed
 
 NUM_BLOCKS, NUM_PAGES = 10, 6
 

@@ -10,7 +10,7 @@ running inside the library and keep reading (put) or writing (get) the rank's pa
 * a get past its deadline quarantines its pages only until it really ended: then they
   return to the pool (repeated outages must not shrink it for good).
 
-Driven with the Memcache fakes (ascend_offload/testing/fake_ascend.py, the real
+Driven with the Memcache fakes (tests/support/fake_ascend.py, the real
 ``memcache_hybrid`` signatures), the connector's ``PrefixWorker`` and ``PrefixScheduler``."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.memcache_tier import RemotePages
 from ascend_offload.store.remote_fetch import RemoteFetches
-from ascend_offload.testing.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
+from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
 
 BS = 4
 LAYER_SHAPE = (2, BS, 8)  # per block of one layer: (kv, tokens, dims), float32

@@ -20,7 +20,7 @@ Output text is a pure function of (prompt, seed, chunk index) — see
 ``expected_texts`` — so tests can check that fanned-out answers were merged
 into the right choice indices.
 
-Run one as a process: ``python -m ascend_offload.testing.fake_backends
+Run one as a process: ``python -m ascend_offload.harness.fake_backends
 --role decode --port 8200``.
 """
 

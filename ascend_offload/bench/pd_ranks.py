@@ -1,11 +1,16 @@
-"""Prefill / decode rank *processes* for multi-process P/D tests and the pd bench.
+"""Prefill / decode rank *processes* for ``bench pd`` (and, extended, the P/D integration tests).
 
 Each rank is a real spawned process with its own transfer engine (Mooncake
 over TCP on 127.0.0.1 by default), KV buffers (numpy, so a rank starts in
 ~0.5 s without importing torch) and producer or consumer. The parent drives it
 with small RPCs over multiprocessing queues; every RPC has a deadline that
 becomes :class:`RankError`, and :meth:`RankProcess.close` always reaps the
-process (kill as the last resort), so a failing test never leaks ranks.
+process (kill as the last resort), so a failed run never leaks ranks.
+
+What a rank process runs is :meth:`RankConfig.build`: the tests subclass the
+config (``tests/support/pd_ranks.py``: a manual clock, authentication, RPCs that
+inspect state) and the spawned process builds their ranks, so nothing test-only
+ships here.
 
 KV contents are a deterministic function of ``(seed, layer)``, identical on
 every prefill rank (main KV and indexer are replicated across TP), so the
@@ -17,15 +22,21 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
-import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ascend_offload.pd.auth import ControlKeys
+    from ascend_offload.pd.producer import SlotListener
+
 log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
 
 
 class RankError(RuntimeError):
@@ -74,32 +85,10 @@ class RankConfig:
     request_timeout_s: float = 20.0
     read_retries: int = 1
     engine_id: str = ""
-    # deadlines move only on ``advance`` RPCs, so a test decides when they pass
-    manual_clock: bool = False
-    secret_path: str = ""  # the control plane's CURVE secret file ("" = no authentication)
-    extra: dict[str, Any] = field(default_factory=dict)
 
-
-class _RankClock:
-    """A rank's clock: ``time.monotonic`` or, with ``manual_clock``, moved by ``advance``."""
-
-    def __init__(self, manual: bool) -> None:
-        self.manual = manual
-        self._offset = 0.0
-        self._frozen = time.monotonic()
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        if not self.manual:
-            return time.monotonic()
-        with self._lock:
-            return self._frozen + self._offset
-
-    def advance(self, seconds: float) -> None:
-        if not self.manual:
-            raise RankError("advance needs RankConfig(manual_clock=True)")
-        with self._lock:
-            self._offset += seconds
+    def build(self) -> PrefillRank | DecodeRank:
+        """The rank object the spawned process serves RPCs from (a subclass may extend it)."""
+        return PrefillRank(self) if self.role == "prefill" else DecodeRank(self)
 
 
 def _layers(arrays: list[tuple[np.ndarray, np.ndarray | None]]) -> list[Any]:
@@ -108,9 +97,11 @@ def _layers(arrays: list[tuple[np.ndarray, np.ndarray | None]]) -> list[Any]:
     return [layer_desc([kv[0], kv[1]], idx) for kv, idx in arrays]
 
 
-class _PrefillRank:
-    def __init__(self, cfg: RankConfig) -> None:
-        from ascend_offload.pd.auth import load_keys
+class PrefillRank:
+    """A prefill rank's producer over its numpy KV; its public methods are the RPCs."""
+
+    def __init__(self, cfg: RankConfig, *, clock: Clock = time.monotonic, keys: ControlKeys | None = None,
+                 listener: SlotListener | None = None) -> None:
         from ascend_offload.pd.producer import Producer
         from ascend_offload.pd.topology import Topology
         from ascend_offload.transfer.base import create_engine
@@ -118,13 +109,10 @@ class _PrefillRank:
         self.cfg = cfg
         self.engine = create_engine(cfg.backend, host=cfg.host)
         self.arrays = cfg.shape.arrays(cfg.seed)
-        self.releases: list[Any] = []
-        self.clock = _RankClock(cfg.manual_clock)
         self.producer = Producer(
             engine_id=cfg.engine_id or "prefill", p_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), ack_timeout_s=cfg.ack_timeout_s,
-            listener=self.releases.append, request_timeout_s=cfg.request_timeout_s, clock=self.clock,
-            keys=load_keys(cfg.secret_path),
+            listener=listener, request_timeout_s=cfg.request_timeout_s, clock=clock, keys=keys,
         )
         self.outcomes: list[Any] = []
 
@@ -136,9 +124,6 @@ class _PrefillRank:
         from ascend_offload.pd.producer import DecodeTarget
 
         self.producer.add_request(rid, src_blocks, DecodeTarget(host, kv_port, d_tp, dp_rank), num_layers)
-
-    def publish(self, layer: int, rids: list[str] | None = None) -> int:
-        return self.producer.publish_layer(layer, request_ids=rids)
 
     def run(self, layers: list[int], layer_delay_s: float = 0.0) -> float:
         """Publish ``layers`` in order, sleeping ``layer_delay_s`` before each (simulated compute)."""
@@ -159,16 +144,6 @@ class _PrefillRank:
         out, self.outcomes = self.outcomes, []
         return [(o.request_id, o.ok, o.failed_layers) for o in out]
 
-    def drain_releases(self) -> list[tuple[int, int, bool, tuple[tuple[str, str], ...]]]:
-        out, self.releases[:] = list(self.releases), []
-        return [(r.slot, r.generation, r.ok, r.failures) for r in out]
-
-    def pending_slots(self) -> dict[int, int]:
-        return self.producer.pending_slots()
-
-    def advance(self, seconds: float) -> None:
-        self.clock.advance(seconds)
-
     def meta(self) -> bytes:
         """This rank's encoded ``mf_meta`` (endpoint + layout), for raw-read baselines."""
         return self.producer._meta
@@ -181,9 +156,11 @@ class _PrefillRank:
         self.engine.close()
 
 
-class _DecodeRank:
-    def __init__(self, cfg: RankConfig) -> None:
-        from ascend_offload.pd.auth import load_keys
+class DecodeRank:
+    """A decode rank's consumer over its numpy KV; its public methods are the RPCs."""
+
+    def __init__(self, cfg: RankConfig, *, clock: Clock = time.monotonic,
+                 keys: ControlKeys | None = None) -> None:
         from ascend_offload.pd.consumer import Consumer
         from ascend_offload.pd.topology import Topology, decode_port
         from ascend_offload.transfer.base import create_engine
@@ -192,12 +169,11 @@ class _DecodeRank:
         self.engine = create_engine(cfg.backend, host=cfg.host, timeout_s=cfg.read_timeout_s)
         self.arrays = cfg.shape.arrays(None)
         self.port = decode_port(cfg.kv_port, dp_rank=cfg.dp_rank, d_tp=cfg.d_tp, tp_rank=cfg.rank)
-        self.clock = _RankClock(cfg.manual_clock)
         self.consumer = Consumer(
             engine_id=cfg.engine_id or "decode", d_rank=cfg.rank, topology=Topology(cfg.p_tp, cfg.d_tp),
             transfer=self.engine, layers=_layers(self.arrays), host=cfg.host, port=self.port,
             read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
-            read_retries=cfg.read_retries, clock=self.clock, keys=load_keys(cfg.secret_path),
+            read_retries=cfg.read_retries, clock=clock, keys=keys,
         )
         self.t_expect: dict[str, float] = {}
 
@@ -217,10 +193,6 @@ class _DecodeRank:
         return [(o.request_id, o.ok, o.failed_blocks, o.reasons, now - self.t_expect.get(o.request_id, now))
                 for o in outs]
 
-    def blocks(self, dst_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        return [(kv[:, dst_blocks].copy(), idx[dst_blocks].copy() if idx is not None else None)
-                for kv, idx in self.arrays]
-
     def raw_pull(self, meta: bytes, src_blocks: list[int], dst_blocks: list[int], iters: int) -> list[float]:
         """Baseline: the same per-layer reads straight through the engine, no protocol."""
         from ascend_offload.pd import protocol as P
@@ -238,18 +210,6 @@ class _DecodeRank:
             times.append(time.perf_counter() - t0)
         return times
 
-    def zero(self) -> None:
-        for kv, idx in self.arrays:
-            kv[...] = 0
-            if idx is not None:
-                idx[...] = 0
-
-    def active(self) -> list[str]:
-        return self.consumer.active()
-
-    def advance(self, seconds: float) -> None:
-        self.clock.advance(seconds)
-
     def stats(self) -> dict[str, int]:
         return asdict(self.consumer.stats)
 
@@ -261,7 +221,7 @@ class _DecodeRank:
 def _rank_main(cfg: RankConfig, cmd_q: Any, rep_q: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[{cfg.role}{cfg.rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        obj: Any = _PrefillRank(cfg) if cfg.role == "prefill" else _DecodeRank(cfg)
+        obj: Any = cfg.build()
         rep_q.put(("ok", obj.info()))
     except BaseException:
         rep_q.put(("err", traceback.format_exc()))
@@ -357,9 +317,3 @@ def start_ranks(cfgs: list[RankConfig], *, start_timeout_s: float = 60.0) -> lis
             p.close()
         raise
     return procs
-
-
-def expected_blocks(shape: KVShape, seed: int, src_blocks: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """What decode blocks filled from prefill blocks ``src_blocks`` must hold, per layer."""
-    return [(kv[:, src_blocks].copy(), idx[src_blocks].copy() if idx is not None else None)
-            for kv, idx in shape.arrays(seed)]

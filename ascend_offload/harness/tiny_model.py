@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from ascend_offload.testing.generated import generated_dir
+from ascend_offload.harness.generated import generated_dir
 
 VOCAB = 512
 

@@ -1,7 +1,7 @@
 """A tiny random-weight sparse-MLA checkpoint (our DeepSeek-V3.2-style model),
 generated locally for tests, demo and benches; see docs/models.md.
 
-Same conventions as :mod:`ascend_offload.testing.tiny_model`: float32 weights,
+Same conventions as :mod:`ascend_offload.harness.tiny_model`: float32 weights,
 ``initializer_range=0.2`` (varied greedy output), a WordLevel tokenizer over
 ``t<i>`` tokens. Weights are drawn in a fixed order from one seeded generator,
 so a directory is reproducible from its spec alone.
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ascend_offload.testing.generated import generated_dir
-from ascend_offload.testing.tiny_model import VOCAB, _write_tokenizer
+from ascend_offload.harness.generated import generated_dir
+from ascend_offload.harness.tiny_model import VOCAB, _write_tokenizer
 
 DEFAULTS: dict[str, Any] = dict(
     vocab_size=VOCAB,
