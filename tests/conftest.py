@@ -39,7 +39,7 @@ def _vllm() -> str | None:
 
 
 def _mooncake_master() -> str | None:
-    from ascend_offload.store.mooncake_master import master_binary
+    from ascend_offload.store.services.mooncake_master import master_binary
 
     return None if master_binary() is not None else "the mooncake_master binary is not installed"
 

@@ -32,7 +32,7 @@ import torch
 
 from ascend_offload.bench import store_policy
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.worker_pool import WorkerPagePool
+from ascend_offload.store.pages.worker_pool import WorkerPagePool
 
 
 def _paired(fn: Callable[[], Any], baseline: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
@@ -132,7 +132,7 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
       then a copy into the destination) — what a caller without our backend writes;
     * ``zero_copy``: ``batch_put_from``/``batch_get_into`` between buffers registered
       with the client — the transfer itself, the floor no wrapper can beat."""
-    from ascend_offload.store.mooncake import MooncakeStore
+    from ascend_offload.bench.stores.mooncake import MooncakeStore
 
     total = object_bytes * num_objects
     store = MooncakeStore(master_address=master_address, page_bytes=object_bytes,
@@ -238,7 +238,7 @@ def _mooncake_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str 
         import mooncake.store  # noqa: F401
     except ImportError as exc:
         return [], f"mooncake package not importable ({exc})"
-    from ascend_offload.store.mooncake_master import MooncakeMaster, master_binary
+    from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
 
     total = args.mooncake_mib << 20
     sizes = (64 << 10, 256 << 10, 1 << 20)

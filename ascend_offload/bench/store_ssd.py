@@ -153,8 +153,8 @@ def bench_tier_load(directory: str, *, layer_bytes: int, layers: int, slots: int
     ``local.ssd``."""
     import torch
 
-    from ascend_offload.store import ssd_format as fmt
-    from ascend_offload.store.ssd_file import CHUNK_BYTES, RankTier, SlotFile, _Staging
+    from ascend_offload.store.ssd import format as fmt
+    from ascend_offload.store.ssd.file import CHUNK_BYTES, RankTier, SlotFile, _Staging
 
     page = layer_bytes * layers
     sb = fmt.slot_bytes(page)

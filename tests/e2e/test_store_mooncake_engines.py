@@ -29,8 +29,8 @@ pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine-non
 import torch
 
 from ascend_offload.harness.tiny_model import random_prompts
-from ascend_offload.store.mooncake_master import MooncakeMaster, master_binary
-from ascend_offload.store.mooncake_tier import RemotePages
+from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
+from ascend_offload.store.shared.mooncake import RemotePages
 from tests.e2e.harness import BLOCK_SIZE, generate, make_engine, store_transfer_config, tokens
 
 pytestmark = [

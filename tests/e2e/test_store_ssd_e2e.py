@@ -19,7 +19,7 @@ from ascend_offload.bench.store_ssd import (
     summarize,
 )
 from ascend_offload.harness.engines import tiny_llm
-from ascend_offload.store import ssd_format as fmt
+from ascend_offload.store.ssd import format as fmt
 from tests.e2e.harness import BLOCK_SIZE, tiny_model
 
 OBJECT_BYTES = 4 * 2 * BLOCK_SIZE * 64 * 4  # one block of the 4-layer tiny model on one rank

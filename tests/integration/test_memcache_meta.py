@@ -1,7 +1,7 @@
 """The real Memcache metadata path on loopback: a ``memcache_hybrid`` meta service on
 127.0.0.1 and a metadata-only client (``init_bm=False``, no Ascend driver needed)
 answering existence lookups, directly, through ``MemcacheStore`` and through the
-connector's shared tier (``memcache_tier.RemoteIndex``); the meta service
+connector's shared tier (``store/shared/memcache.py: RemoteIndex``); the meta service
 killed mid-run turns lookups into misses (one log line), and they answer again when it
 is back. The data path (puts, gets) needs the driver: tests/npu covers it.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_offload.store.memcache_meta import MemcacheMeta, available
+from ascend_offload.store.services.memcache_meta import MemcacheMeta, available
 
 pytestmark = [
     pytest.mark.integration,
@@ -35,8 +35,8 @@ pytestmark = [
 
 CHILD = textwrap.dedent("""
     import json, logging, os, sys, time
-    from ascend_offload.store.memcache import MemcacheStore
-    from ascend_offload.store.memcache_meta import metadata_client
+    from ascend_offload.bench.stores.memcache import MemcacheStore
+    from ascend_offload.store.shared.memcache import metadata_client
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
 
@@ -146,8 +146,7 @@ def test_metadata_client_answers_existence_and_survives_a_meta_restart(meta: Mem
 TIER_CHILD = textwrap.dedent("""
     import json, logging, os, sys, threading, time
     from types import SimpleNamespace
-    from ascend_offload.store.memcache_meta import metadata_client
-    from ascend_offload.store.memcache_tier import RemoteIndex
+    from ascend_offload.store.shared.memcache import RemoteIndex, metadata_client
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
 
@@ -193,7 +192,7 @@ TIER_CHILD = textwrap.dedent("""
 
 
 def test_scheduler_tier_lookups_on_the_real_meta_service(meta: MemcacheMeta) -> None:
-    """The connector's scheduler-side shared tier (``memcache_tier.RemoteIndex``) on the
+    """The connector's scheduler-side shared tier (``store/shared/memcache.py: RemoteIndex``) on the
     real metadata path: real answers (absent, not error codes), a killed meta service is
     an outage logged once during which the scheduler's lookups miss without asking it,
     and the background probe brings it back after a restart."""
@@ -229,7 +228,7 @@ def test_shipped_memcache_confs_start_the_real_service_and_client(tmp_path: Path
     """configs/ascend/mmc-meta.conf starts the real meta service, and mmc-local.conf sets up
     a real (metadata-only) client against it: Memcache's own parsers accept both files.
     Only the ports (and the log directory) are moved, so the test can run beside others."""
-    from ascend_offload.store.service_proc import free_port as _free_port
+    from ascend_offload.store.services.loopback import free_port as _free_port
 
     ports = {":5000": f":{_free_port()}", ":6000": f":{_free_port()}", ":8000": f":{_free_port()}"}
 
@@ -281,7 +280,7 @@ def test_data_path_without_the_driver_fails_at_start_naming_the_service(meta: Me
     script = textwrap.dedent("""
         import os, sys
         from ascend_offload.config import StoreConnectorConfig, parse
-        from ascend_offload.store.backends import shared_store_from_config
+        from ascend_offload.bench.stores import shared_store_from_config
         from ascend_offload.store.base import StoreError
         cfg = parse(StoreConnectorConfig, {"backend": "memcache", "memcache": {
             "meta_service_url": sys.argv[1], "config_store_url": sys.argv[2], "protocol": "host_tcp"}}, where="x")

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from ascend_offload.store import ssd_format as fmt
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.ssd_file import RankTier, SlotFile
-from ascend_offload.store.ssd_index import SsdIndex, read_index_file, write_index_file
-from ascend_offload.store.ssd_jobs import SsdJobs
+from ascend_offload.store.ssd import format as fmt
+from ascend_offload.store.ssd.file import RankTier, SlotFile
+from ascend_offload.store.ssd.index import SsdIndex, read_index_file, write_index_file
+from ascend_offload.store.ssd.jobs import SsdJobs
 
 PAGE = (1 << 20) - fmt.HEADER_BYTES  # one slot of exactly 1 MiB
 SLOTS = 6

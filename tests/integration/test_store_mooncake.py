@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine-non-cuda and libibverbs")
 
+from ascend_offload.bench.stores.mooncake import MooncakeStore
 from ascend_offload.store.base import StoreError
-from ascend_offload.store.mooncake import MooncakeStore
-from ascend_offload.store.mooncake_master import MooncakeMaster, master_binary
+from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
 
 pytestmark = [
     pytest.mark.integration,
@@ -296,7 +296,7 @@ def test_master_outage_is_misses_logged_once_then_resumes(
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from ascend_offload.store.mooncake import MooncakeStore
+    from ascend_offload.bench.stores.mooncake import MooncakeStore
     s = MooncakeStore(master_address=sys.argv[1], page_bytes=65536, staging_bytes=16 * 65536,
                       global_segment_bytes=64 << 20, local_buffer_bytes=16 << 20)
     data = torch.arange(8 * 65536, dtype=torch.int64).remainder(251).to(torch.uint8).view(8, 65536)
@@ -340,8 +340,8 @@ def test_second_process_reads_what_the_first_committed(master: MooncakeMaster) -
 
 
 def test_built_from_config(master: MooncakeMaster) -> None:
+    from ascend_offload.bench.stores.mooncake import mooncake_store_from_config
     from ascend_offload.config import StoreConnectorConfig, parse
-    from ascend_offload.store.mooncake import mooncake_store_from_config
 
     cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
         "master_address": master.address, "global_segment_bytes": SEG, "local_buffer_bytes": SEG,

@@ -1,4 +1,4 @@
-"""The store connector's shared tier (store/mooncake_tier.py) against a real
+"""The store connector's shared tier (store/shared/mooncake.py) against a real
 ``mooncake_master`` on 127.0.0.1: one engine's rank publishes blocks from its page
 planes, another engine's scheduler finds them and its rank fetches them into its own
 pages; a master outage is misses and skipped publishes, logged once per client."""
@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine-non-cuda and libibverbs")
 
-from ascend_offload.store.mooncake_master import MooncakeMaster, master_binary
-from ascend_offload.store.mooncake_tier import RemoteIndex, RemotePages
+from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
+from ascend_offload.store.shared.mooncake import RemoteIndex, RemotePages
 
 pytestmark = [
     pytest.mark.integration,
@@ -102,7 +102,7 @@ def test_outage_is_misses_logged_once_per_client_then_resumes(
     master: MooncakeMaster, tier, caplog: pytest.LogCaptureFixture
 ) -> None:
     index, a, b, _, _ = tier
-    caplog.set_level(logging.WARNING, logger="ascend_offload.store.mooncake_tier")
+    caplog.set_level(logging.WARNING, logger="ascend_offload.store.shared.mooncake")
     a.publish(["o0"], [0])
     master.stop()
     for _ in range(20):  # many calls, nothing blocks past the first failure, one line each
@@ -138,7 +138,7 @@ def test_outage_is_misses_logged_once_per_client_then_resumes(
 _CLIENT = """
 import sys, torch
 from types import SimpleNamespace
-from ascend_offload.store.mooncake_tier import RemotePages
+from ascend_offload.store.shared.mooncake import RemotePages
 cfg = SimpleNamespace(master_address=sys.argv[1], local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE",
                       protocol="tcp", device_name="", global_segment_bytes=int(sys.argv[2]), retry_interval_s=0.5)
 """

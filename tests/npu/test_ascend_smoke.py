@@ -71,9 +71,9 @@ def test_device_copies_round_trip() -> None:
 
 
 def test_memcache_round_trip(tmp_path: Path) -> None:
+    from ascend_offload.bench.stores.memcache import memcache_store_from_config
     from ascend_offload.config import MemcacheStoreConfig
-    from ascend_offload.store.memcache import memcache_store_from_config
-    from ascend_offload.store.memcache_meta import MemcacheMeta, available
+    from ascend_offload.store.services.memcache_meta import MemcacheMeta, available
 
     if not available():
         pytest.skip("memcache_hybrid not installed (pip install 'ascend-offload[ascend]')")
@@ -196,7 +196,7 @@ def test_prefill_decode_pair_through_the_proxy(tmp_path: Path) -> None:
 
     from ascend_offload.harness.servers import Server, free_port, wait_health
     from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
-    from ascend_offload.store.memcache_meta import MemcacheMeta
+    from ascend_offload.store.services.memcache_meta import MemcacheMeta
 
     model = str(make_tiny_sparse_model(tmp_path / "tiny-sparse"))
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()

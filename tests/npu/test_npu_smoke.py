@@ -8,7 +8,7 @@ import torch
 torch_npu = pytest.importorskip("torch_npu")
 
 from ascend_offload import device  # noqa: E402
-from ascend_offload.store.worker_pool import WorkerPagePool  # noqa: E402
+from ascend_offload.store.pages.worker_pool import WorkerPagePool  # noqa: E402
 
 pytestmark = pytest.mark.npu
 

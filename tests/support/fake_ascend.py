@@ -3,7 +3,7 @@
 Why fakes: ``memcache_hybrid`` and ``memfabric_hybrid`` install and import on any
 x86 host, but every data path (``DistributedObjectStore.init(init_bm=True)``,
 ``TransferEngine.initialize``) needs the Ascend driver. The backends in
-``store/memcache.py`` and ``transfer/memfabric.py`` are written against the real
+``store/shared/memcache.py`` and ``transfer/memfabric.py`` are written against the real
 classes; these fakes have the same method names, parameter names, defaults and
 return kinds, which ``tests/unit/store/test_memcache_fake_api.py`` asserts against
 the installed wheels (a changed API fails there, not on an Ascend host).

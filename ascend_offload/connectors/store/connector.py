@@ -22,7 +22,7 @@ is a facade that hands each vLLM call to one object per role,
 Backend ``mooncake`` keeps this split and adds the shared Mooncake Store behind the
 local pages: the scheduler asks the master for prefixes the local index lacks and
 has the ranks fetch them into local pages first; the ranks publish saved blocks
-from their pages (``store/mooncake_tier.py``, ``store/remote_fetch.py``).
+from their pages (``store/shared/mooncake.py``, ``store/shared/remote_fetch.py``).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_offload.layerwise.steps import StepIO
-from ascend_offload.store.prefix_jobs import CopyJob
-from ascend_offload.store.remote_fetch import FetchJob
-from ascend_offload.store.ssd_jobs import PromoteJob, SpillJob
+from ascend_offload.store.book.prefix_jobs import CopyJob
+from ascend_offload.store.shared.remote_fetch import FetchJob
+from ascend_offload.store.ssd.jobs import PromoteJob, SpillJob
 
 __all__ = ["CopyJob", "FetchJob", "LayerwiseMetadata", "StoreConnectorMetadata", "StoreWorkerMetadata"]
 

@@ -5,8 +5,8 @@ placement, commit/abort, pins and eviction are decided in one process, single
 threaded, so they never race. With backend ``mooncake`` or ``memcache`` the store's
 service (master / meta service) is the index of the shared tier behind the local pages: a prefix the local index lacks is looked
 up there and fetched into local pages before it is offered
-(``store/remote_fetch.py``); saved blocks are published by the workers. The rules themselves are vLLM-free
-(``store/prefix_jobs.py``, ``store/layerwise_saves.py``); this module only reads
+(``store/shared/remote_fetch.py``); saved blocks are published by the workers. The rules themselves are vLLM-free
+(``store/book/prefix_jobs.py``, ``store/book/layerwise_saves.py``); this module only reads
 vLLM's request and scheduler-output fields and turns the answers into the
 messages of ``metadata.py``. One class per mode:
 
@@ -31,13 +31,13 @@ from ascend_offload.connectors.store.metadata import (
 )
 from ascend_offload.connectors.store.settings import NAME, StoreSettings
 from ascend_offload.layerwise.steps import StepBuilder, StepIO
+from ascend_offload.store.book.layerwise_saves import LayerwiseSaves
+from ascend_offload.store.book.preemption import ResidencyTracker, State
+from ascend_offload.store.book.prefix_jobs import PrefixJobs
+from ascend_offload.store.book.request_book import RequestBook
 from ascend_offload.store.keys import block_keys
-from ascend_offload.store.layerwise_saves import LayerwiseSaves
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.prefix_jobs import PrefixJobs
-from ascend_offload.store.remote_fetch import RemoteFetches
-from ascend_offload.store.request_book import RequestBook
-from ascend_offload.store.residency import ResidencyTracker, State
+from ascend_offload.store.shared.remote_fetch import RemoteFetches
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from ascend_offload.connectors.store.ssd import SsdScheduler
-    from ascend_offload.store.shared_tier import RemoteIndex
+    from ascend_offload.store.shared.tier import RemoteIndex
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class StoreScheduler(abc.ABC):
         self.remote_index: RemoteIndex | None = None
         self.fetches: RemoteFetches | None = None
         if s.shared_tier:
-            from ascend_offload.store.backends import shared_tier_index
+            from ascend_offload.store.shared.backends import shared_tier_index
 
             self.remote_index = shared_tier_index(s.cfg, s.world_size)
             self.fetches = RemoteFetches(self.index, self.remote_index, page_bytes=s.page_bytes,
@@ -289,7 +289,7 @@ class StoreScheduler(abc.ABC):
 
 
 class PrefixScheduler(StoreScheduler):
-    """Whole-prefix mode: copy jobs (see ``store/prefix_jobs.py``)."""
+    """Whole-prefix mode: copy jobs (see ``store/book/prefix_jobs.py``)."""
 
     def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
         super().__init__(settings, block_ids_of)
@@ -335,7 +335,7 @@ class PrefixScheduler(StoreScheduler):
 
 class LayerwiseScheduler(StoreScheduler):
     """Layerwise mode: per-step block keys (``StepBuilder``) and their save placement
-    (see ``store/layerwise_saves.py``)."""
+    (see ``store/book/layerwise_saves.py``)."""
 
     def __init__(self, settings: StoreSettings, block_ids_of: BlockIdsOf) -> None:
         super().__init__(settings, block_ids_of)

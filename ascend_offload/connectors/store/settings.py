@@ -17,8 +17,8 @@ from ascend_offload.config import (
     check_store_backend,
     parse_extra_config,
 )
-from ascend_offload.store.backends import SHARED_BACKENDS
 from ascend_offload.store.keys import layout_fingerprint
+from ascend_offload.store.shared.backends import SHARED_BACKENDS
 from ascend_offload.store.weights_id import weights_identity
 
 if TYPE_CHECKING:

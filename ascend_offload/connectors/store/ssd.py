@@ -25,18 +25,18 @@ import torch
 
 from ascend_offload.config import ConfigError, SsdTierConfig
 from ascend_offload.connectors.store.settings import NAME, StoreSettings
-from ascend_offload.store import ssd_format as fmt
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.private_files import PrivatePathError, open_private, private_dir
-from ascend_offload.store.ssd_file import RankTier, SlotFile, SsdError
-from ascend_offload.store.ssd_index import (
+from ascend_offload.store.ssd import format as fmt
+from ascend_offload.store.ssd.file import RankTier, SlotFile, SsdError
+from ascend_offload.store.ssd.index import (
     SsdIndex,
     max_index_bytes,
     read_index_file,
     remove_index_file,
     write_index_file,
 )
-from ascend_offload.store.ssd_jobs import PromoteJob, SpillJob, SsdJobs
+from ascend_offload.store.ssd.jobs import PromoteJob, SpillJob, SsdJobs
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ One class per mode:
   around its attention, on layer buffers that several layers may share.
 
 With backend ``mooncake`` or ``memcache`` both modes register their page planes with
-a client of that store (``RemotePages``, store/shared_tier.py): before the step's
+a client of that store (``RemotePages``, store/shared/tier.py): before the step's
 loads a rank fetches the blocks the scheduler asked for into the pages it reserved,
 and after a block's pages are written the rank publishes them, when the scheduler
 saw the service up.
@@ -38,8 +38,8 @@ from ascend_offload.connectors.store.metadata import (
 from ascend_offload.connectors.store.settings import NAME, StoreSettings
 from ascend_offload.kv_layout import block_dim
 from ascend_offload.layerwise.pipeline import LayerwisePipeline
-from ascend_offload.store.scheduled import ScheduledPageStore
-from ascend_offload.store.worker_pool import WorkerPagePool
+from ascend_offload.store.pages.scheduled_store import ScheduledPageStore
+from ascend_offload.store.pages.worker_pool import WorkerPagePool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from ascend_offload.connectors.store.ssd import SsdWorker
-    from ascend_offload.store.shared_tier import RemotePages
+    from ascend_offload.store.shared.tier import RemotePages
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class StoreWorker(abc.ABC):
         client of the shared store."""
         if not self.settings.shared_tier:
             return
-        from ascend_offload.store.backends import shared_tier_pages
+        from ascend_offload.store.shared.backends import shared_tier_pages
 
         self.remote = shared_tier_pages(self.settings.cfg, planes, _worker_rank(),
                                         device_id=_device_id() if self.settings.cfg.backend == "memcache" else 0)

@@ -11,9 +11,9 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
-from ascend_offload.store.layerwise_saves import LayerwiseSaves
+from ascend_offload.store.book.layerwise_saves import LayerwiseSaves
+from ascend_offload.store.book.prefix_jobs import PrefixJobs
 from ascend_offload.store.local import LocalStore
-from ascend_offload.store.prefix_jobs import PrefixJobs
 from tests.support.scheduler_inputs import request as _new_request
 from tests.support.scheduler_inputs import step as _step
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_offload.store import memcache as mc_backend
+from ascend_offload.store.shared import memcache as mc_backend
 from tests.support import fake_ascend as fa
 
 MEMCACHE_METHODS = ["setup", "init", "close", "register_buffer", "unregister_buffer", "batch_is_exist",

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from ascend_offload.bench.stores import shared_store_from_config
+from ascend_offload.bench.stores.memcache import MemcacheStore, memcache_store_from_config
 from ascend_offload.config import ConfigError, MemcacheStoreConfig, StoreConnectorConfig, parse
-from ascend_offload.store.backends import shared_store_from_config
 from ascend_offload.store.base import StoreError
-from ascend_offload.store.memcache import MemcacheStore, memcache_store_from_config
 from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
 
 PAGE = 256
@@ -149,7 +149,7 @@ def test_outage_is_misses_and_skipped_saves_logged_once(cluster: FakeMemcacheClu
     a = make(cluster, retry_interval_s=0.0)
     put(a, ["o"], payload(8, 1))
     cluster.down = True
-    with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
+    with caplog.at_level(logging.WARNING, logger="ascend_offload.bench.stores.memcache"):
         assert a.lookup_prefix(["o"]) == 0
         assert a.pin(["o"]) is None
         assert a.allocate(["n"], [PAGE]) is None
@@ -201,7 +201,7 @@ def test_a_service_that_stops_answering_is_bounded(cluster: FakeMemcacheCluster,
     a._calls.timeout_s = 0.05
     cluster.hang()
     try:
-        with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
+        with caplog.at_level(logging.WARNING, logger="ascend_offload.bench.stores.memcache"):
             a.commit(h1)  # type: ignore[arg-type]
             assert a.stats().skipped_stores == 1 and a.quarantined_pages == 1
             # the only call thread is held: calls fail at once, not after a deadline
@@ -251,7 +251,7 @@ def test_config_section_and_factory(cluster: FakeMemcacheCluster) -> None:
 
 
 def test_large_batches_are_split(cluster: FakeMemcacheCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ascend_offload.store.memcache as mc
+    import ascend_offload.bench.stores.memcache as mc
 
     monkeypatch.setattr(mc, "MAX_BATCH", 2)
     a, b = make(cluster), make(cluster)
@@ -283,7 +283,7 @@ def test_a_refused_batch_is_an_error_for_its_keys(cluster: FakeMemcacheCluster,
     client = Refusing(cluster)
     client.init(0, True)
     s = MemcacheStore(client, page_bytes=PAGE, staging_bytes=8 * PAGE)
-    with caplog.at_level(logging.WARNING, logger="ascend_offload.store.memcache"):
+    with caplog.at_level(logging.WARNING, logger="ascend_offload.bench.stores.memcache"):
         assert s.lookup_prefix(["a", "b"]) == 0
     assert "answered 1 codes for 2 keys" in caplog.text
     assert s.pin(["a"]) is None

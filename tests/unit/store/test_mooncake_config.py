@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from ascend_offload.bench.stores.mooncake import MooncakeStore
 from ascend_offload.config import ConfigError, MooncakeStoreConfig, StoreConnectorConfig, parse
 from ascend_offload.store.base import StoreError
-from ascend_offload.store.mooncake import MooncakeStore
 
 
 def test_mooncake_section_parses() -> None:

@@ -1,0 +1,385 @@
+"""The store connector's shared tier, whatever store holds it: block objects published
+by every instance that points at the same service (a ``mooncake_master`` or a
+Memcache meta service).
+
+How it sits behind the connector (connectors/store/): the scheduler keeps its local
+index and every worker rank its host pages, exactly as with the local backend; those
+pages are also the only memory the store moves bytes from and to (registered once,
+zero-copy). Two clients, both over a :class:`TierClient` (the backend-specific part,
+store/shared/mooncake.py and store/shared/memcache.py):
+
+* :class:`RemoteIndex` (scheduler process, no memory): the service is the index of
+  the shared tier, so a prefix the local pages lack is looked up there; a block counts
+  only when the object of every worker rank is present (each rank publishes its own
+  shard).
+* :class:`RemotePages` (each worker rank): publishes a block once all its layers are
+  in a page (one buffer per layer row) and fetches a block into a page the scheduler
+  reserved.
+
+Object of one block on one rank: the block's rows of every layer, concatenated in
+model layer order (``kv_layout.layer_order``), so whole-prefix and layerwise engines
+of the same model and layout share objects, then a 16-byte trailer: the xxh3_64 of
+the object's key (seeded with the trailer version) and the xxh3_64 of the rows; key
+``<block key>@r<rank>``. A fetch verifies both before the block counts as arrived: an
+object whose bytes are not its block's (a put that read pages reused under it, a
+transfer gone wrong, an object of another format) is a miss, never an answer, and is
+removed from the service where the client can (``TierClient.remove``).
+
+A put or get that outlives the client's deadline (``IN_FLIGHT``, Memcache) may still
+read or write the rank's pages inside the library: nothing is copied to protect
+them; the pages stay out of use until the call really ended. ``publish`` / ``fetch``
+take a caller's token and :meth:`RemotePages.take_ended` returns it once such a call
+ended (the connector holds the pages in the scheduler's index until then).
+
+A service that stops answering is a miss, never an error: the first failed call
+logs one warning per client and marks it down; while down nothing on the data path
+calls the service (a call then blocks in the library's reconnect), and a background
+thread probes it every ``retry_interval_s``; its first answer logs that service
+resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
+never waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+import xxhash
+
+from ascend_offload.kv_layout import layer_order
+from ascend_offload.store.base import StoreError
+
+log = logging.getLogger(__name__)
+
+PROBE_KEY = "ascend-offload:probe"
+#: A put / get whose call outlived its deadline: a transfer may still read / write the pages.
+IN_FLIGHT = -(1 << 30)
+#: bytes after an object's rows: xxh3_64 of its key (seeded with the version), of its rows
+TRAILER_BYTES = 16
+TRAILER_VERSION = 1
+
+
+def trailer_key(shard: str) -> int:
+    """The key half of an object's trailer (a version change makes every old object a miss)."""
+    return xxhash.xxh3_64_intdigest(shard.encode(), seed=TRAILER_VERSION)
+
+
+class TierClient(Protocol):
+    """What the shared tier needs of a store client; per-object codes, never raising
+    for a service that is gone (an adapter turns that into an unreachable code)."""
+
+    #: names the service in log lines ("Mooncake master 10.0.0.1:50051")
+    service: str
+    #: a put's code for an object the service holds already
+    duplicate: int
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """1 present, 0 absent, negative: an error code."""
+
+    def unreachable(self, code: int) -> bool:
+        """The code says the service did not answer (an outage, not a per-object error)."""
+
+    def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        """Object ``keys[i]`` from the concatenated spans ``ptrs[i]``/``lens[i]``: 0 stored;
+        :data:`IN_FLIGHT` past the client's deadline (the spans may still be read), and then
+        ``on_late`` is called once, from any thread, when that call really ended."""
+
+    def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
+            on_late: Callable[[], None] | None = None) -> list[int]:
+        """Object ``keys[i]`` into the spans: 0 arrived whole, negative an error code;
+        :data:`IN_FLIGHT` and ``on_late`` as for :meth:`put` (the spans may still be written)."""
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Drop objects (a fetch found them corrupt); best effort, never raising."""
+
+    def safe_failure(self, code: int) -> bool:
+        """After a get failed with ``code`` no transfer can still write its pages."""
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        """Register host memory the transfers read from / write into (0 ok)."""
+
+    def unregister(self, ptr: int, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def shard_key(block_key: str, rank: int) -> str:
+    """The object of ``block_key`` holding worker rank ``rank``'s shard."""
+    return f"{block_key}@r{rank}"
+
+
+class ServiceHealth:
+    """Whether this client's service answers; one warning per outage, probed back by a
+    daemon thread (see module doc)."""
+
+    def __init__(self, client: TierClient, who: str, retry_interval_s: float) -> None:
+        self._client = client
+        self.who = who
+        self.retry_interval_s = retry_interval_s
+        self._lock = threading.Lock()
+        self._down = False
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
+        self.outages = 0
+
+    def up(self) -> bool:
+        with self._lock:
+            return not self._down
+
+    def check(self, op: str, codes: Sequence[int]) -> bool:
+        """True when the service answered the call (per-object codes may be errors)."""
+        bad = next((c for c in codes if self._client.unreachable(c)), None)
+        if bad is None:
+            return True
+        with self._lock:
+            if self._down or self._stop.is_set():
+                return False
+            self._down = True
+            self.outages += 1
+            self._prober = threading.Thread(target=self._probe, name="shared-tier-probe", daemon=True)
+            self._prober.start()
+        log.warning("%s unreachable from %s (%s returned %d): lookups miss and publishes are "
+                    "skipped until it answers again", self._client.service, self.who, op, bad)
+        return False
+
+    def _probe(self) -> None:
+        while not self._stop.wait(self.retry_interval_s):
+            codes = self._client.exists([PROBE_KEY])
+            if not any(self._client.unreachable(c) for c in codes):
+                # logged before the flip: whoever sees the tier up sees the line too
+                log.warning("%s answers %s again: store service resumed", self._client.service, self.who)
+                with self._lock:
+                    self._down = False
+                return
+
+    def close(self) -> None:
+        """Stop probing; bounded (a probe in flight returns within the client's RPC timeout)."""
+        self._stop.set()
+        with self._lock:
+            prober = self._prober
+        if prober is not None:
+            prober.join(timeout=15.0)
+
+
+class RemoteIndex:
+    """The scheduler's view of the shared tier: which leading blocks every rank published."""
+
+    def __init__(self, client: TierClient, world_size: int, retry_interval_s: float) -> None:
+        self.world_size = world_size
+        self._client = client
+        self.health = ServiceHealth(client, "the scheduler", retry_interval_s)
+        self.lookups = 0
+        self.hit_blocks = 0
+
+    @property
+    def service(self) -> str:
+        return self._client.service
+
+    def available(self) -> bool:
+        return self.health.up()
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` whose shards of every rank the service has (0 while it is down)."""
+        if not keys or not self.health.up():
+            return 0
+        w = self.world_size
+        shards = [shard_key(k, r) for k in keys for r in range(w)]
+        codes = self._client.exists(shards)
+        self.lookups += 1
+        if len(codes) != len(shards) or not self.health.check("exists", codes):
+            return 0
+        n = 0
+        for i in range(len(keys)):
+            if any(c != 1 for c in codes[i * w:(i + 1) * w]):
+                break
+            n += 1
+        self.hit_blocks += n
+        return n
+
+    def counters(self) -> dict[str, int]:
+        return {"remote_lookups": self.lookups, "remote_hit_blocks": self.hit_blocks,
+                "remote_outages": self.health.outages}
+
+    def close(self) -> None:
+        self.health.close()
+        self._client.close()
+
+
+@dataclasses.dataclass
+class TierCounts:
+    """A worker rank's publish / fetch totals (monotonic)."""
+
+    published_blocks: int = 0
+    publish_duplicates: int = 0  # the service had the object already
+    publish_skipped: int = 0  # no space, service down or refused
+    fetched_blocks: int = 0
+    fetch_failed_blocks: int = 0
+    fetch_corrupt_blocks: int = 0  # arrived, but failed verification (a miss)
+    late_calls: int = 0  # puts / gets that outlived the client's deadline (pages held)
+
+
+class RemotePages:
+    """A worker rank's client: moves whole blocks between its page planes and the service.
+
+    ``planes``: layer name -> ``[num_pages, layer_block_bytes]`` host tensor (the rank's
+    pages); they are registered with the client here (with a plane of per-page trailers)
+    and must outlive this object. On a failed registration the client is closed and
+    ``StoreError`` raised."""
+
+    def __init__(self, client: TierClient, planes: Mapping[str, torch.Tensor], rank: int,
+                 retry_interval_s: float) -> None:
+        self._client = client
+        self._registered: list[tuple[int, int]] = []
+        self.health = ServiceHealth(client, f"worker rank {rank}", retry_interval_s)
+        if not planes:
+            self.close()
+            raise StoreError("RemotePages needs at least one page plane")
+        self.rank = rank
+        self._planes = [planes[name] for name in layer_order(planes)]
+        for p in self._planes:
+            if p.dim() != 2 or not p.is_contiguous() or p.device.type != "cpu":
+                self.close()
+                raise StoreError("page planes must be contiguous 2-D host tensors")
+        self._rows = [p.shape[1] * p.element_size() for p in self._planes]
+        self.object_bytes = sum(self._rows)
+        self._bytes = [p.view(torch.uint8).numpy() for p in self._planes]  # rows as bytes, no copy
+        # one trailer per page (key hash, payload hash): the last span of every object
+        self._trailers = torch.zeros((self._planes[0].shape[0], TRAILER_BYTES), dtype=torch.uint8)
+        self._trailer_words = self._trailers.numpy().view(np.uint64)
+        for p in (*self._planes, self._trailers):
+            nbytes = p.numel() * p.element_size()
+            rc = client.register(p.data_ptr(), nbytes)
+            if rc != 0:
+                self.close()
+                raise StoreError(f"{client.service}: registering a {nbytes}-byte page plane failed ({rc})")
+            self._registered.append((p.data_ptr(), nbytes))
+        self.counts = TierCounts()
+        self._ended_lock = threading.Lock()
+        self._ended: list[Hashable] = []  # tokens of late calls that ended (any thread)
+
+    @property
+    def service(self) -> str:
+        return self._client.service
+
+    def _spans(self, pages: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        tail = self._trailers.data_ptr()
+        ptrs = [[*(p.data_ptr() + page * n for p, n in zip(self._planes, self._rows, strict=True)),
+                 tail + page * TRAILER_BYTES] for page in pages]
+        return ptrs, [[*self._rows, TRAILER_BYTES] for _ in pages]
+
+    def _payload_hash(self, page: int) -> int:
+        h = xxhash.xxh3_64()
+        for rows in self._bytes:
+            h.update(rows[page])
+        return h.intdigest()
+
+    def _late(self, token: Hashable) -> Callable[[], None]:
+        def ended() -> None:
+            with self._ended_lock:
+                self._ended.append(token)
+        return ended
+
+    def take_ended(self) -> list[Hashable]:
+        """Tokens of puts / gets that outlived their deadline and have ended since the last
+        call: the pages they named are free to reuse now."""
+        with self._ended_lock:
+            out, self._ended = self._ended, []
+        return out
+
+    def publish(self, keys: Sequence[str], pages: Sequence[int], token: Hashable = None) -> bool:
+        """Put block ``keys[i]`` from page ``pages[i]`` (all layers written). A refused put is
+        a skipped publish, never an error. False: a put outlived its deadline and may still
+        read the pages; they must not be reused until :meth:`take_ended` returns ``token``."""
+        if not keys:
+            return True
+        c = self.counts
+        if not self.health.up():
+            c.publish_skipped += len(keys)
+            return True
+        shards = [shard_key(k, self.rank) for k in keys]
+        for shard, page in zip(shards, pages, strict=True):
+            self._trailer_words[page] = (trailer_key(shard), self._payload_hash(page))
+        ptrs, lens = self._spans(pages)
+        codes = self._client.put(shards, ptrs, lens, on_late=self._late(token))
+        self.health.check("put", codes)
+        late = IN_FLIGHT in codes
+        if late:
+            c.late_calls += 1
+            log.warning("%s: a put of %d blocks outlived its deadline on worker rank %d; their pages "
+                        "stay out of use until it ends", self._client.service, len(keys), self.rank)
+        if len(codes) != len(keys):
+            c.publish_skipped += len(keys)
+            return not late
+        for code in codes:
+            if code == 0:
+                c.published_blocks += 1
+            elif code == self._client.duplicate:
+                c.publish_duplicates += 1
+            else:
+                c.publish_skipped += 1
+        return not late
+
+    def fetch(self, keys: Sequence[str], pages: Sequence[int], token: Hashable = None) -> tuple[bool, bool]:
+        """Get block ``keys[i]`` into page ``pages[i]``: ``(ok, reusable)``. ``ok`` only
+        when every block arrived whole and verified; ``reusable`` False when a transfer may
+        still be writing the pages (they must not be handed out again; if it is a get past
+        its deadline, :meth:`take_ended` returns ``token`` once it ended)."""
+        if not keys:
+            return True, True
+        if not self.health.up():
+            self.counts.fetch_failed_blocks += len(keys)
+            return False, True
+        shards = [shard_key(k, self.rank) for k in keys]
+        ptrs, lens = self._spans(pages)
+        try:
+            got = list(self._client.get(shards, ptrs, lens, on_late=self._late(token)))
+        except Exception:  # unknown whether a transfer still runs: the pages stay out of use
+            log.exception("%s: get raised on worker rank %d", self._client.service, self.rank)
+            self.counts.fetch_failed_blocks += len(keys)
+            return False, False
+        self.health.check("get", got)
+        if IN_FLIGHT in got:
+            self.counts.late_calls += 1
+        if len(got) != len(keys):
+            log.warning("%s: get answered %d codes for %d blocks on worker rank %d; its pages are "
+                        "not reused", self._client.service, len(got), len(keys), self.rank)
+            self.counts.fetch_failed_blocks += len(keys)
+            return False, False
+        bad = [g for g in got if g != 0]
+        unsafe = [g for g in bad if not self._client.safe_failure(g)]
+        if unsafe:
+            log.warning("%s: get failed with %d on worker rank %d; %d pages are not reused",
+                        self._client.service, unsafe[0], self.rank, len(keys))
+        corrupt = [] if bad else self._corrupt(shards, pages)
+        self.counts.fetched_blocks += len(got) - len(bad) - len(corrupt)
+        self.counts.fetch_failed_blocks += len(bad) + len(corrupt)
+        return not bad and not corrupt, not unsafe
+
+    def _corrupt(self, shards: Sequence[str], pages: Sequence[int]) -> list[str]:
+        """The fetched objects whose trailer does not match their key and rows (misses;
+        removed from the service so no engine keeps fetching them)."""
+        bad = [s for s, page in zip(shards, pages, strict=True)
+               if tuple(int(w) for w in self._trailer_words[page]) != (trailer_key(s), self._payload_hash(page))]
+        if bad:
+            self.counts.fetch_corrupt_blocks += len(bad)
+            log.warning("%s: %d fetched objects failed verification on worker rank %d (first %s); "
+                        "a miss, recomputed; removed from the service", self._client.service,
+                        len(bad), self.rank, bad[0])
+            try:
+                self._client.remove(bad)
+            except Exception:
+                log.exception("%s: removing corrupt objects failed", self._client.service)
+        return bad
+
+    def close(self) -> None:
+        self.health.close()
+        for ptr, nbytes in self._registered:
+            self._client.unregister(ptr, nbytes)
+        self._registered = []
+        self._client.close()

@@ -1,0 +1,359 @@
+"""A worker rank's SSD-tier file: fixed-size slots, written behind, read with verification.
+
+One preallocated file per rank (``posix_fallocate`` to the configured capacity, so
+a full disk fails at start, not mid-write). O_DIRECT where the file system allows
+it (decided by probing an aligned read at open, logged): the tier's bytes then do
+not evict the host's page cache, and the cost of a read is the device's. Buffered
+otherwise (tmpfs and some overlay file systems refuse O_DIRECT).
+
+:class:`RankTier` moves whole slots between the rank's host page planes and the
+file: spills (page -> slot) run on one writer thread per rank and never block the
+model thread (the caller only enqueues); promotes (slot -> page) run in the
+caller's thread, verify every slot's header and checksum (``store/ssd/format.py``) and
+copy only verified payloads into pages. The scheduler decides every slot and page
+(``store/ssd/index.py``, ``store/ssd/jobs.py``); a rank knows nothing of requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ascend_offload import device
+from ascend_offload.store.private_files import (
+    PrivatePathError,
+    open_private,
+    private_dir,
+    same_file,
+)
+from ascend_offload.store.ssd import format as fmt
+
+log = logging.getLogger(__name__)
+
+DirectIO = Literal["auto", "on", "off"]
+#: bytes moved per system call batch (staging buffer of each direction)
+CHUNK_BYTES = 4 << 20
+#: chunks a promote reads ahead of the one it verifies
+READ_AHEAD = 2
+
+
+class SsdError(RuntimeError):
+    """The SSD tier cannot be used as configured (the message names the key)."""
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, count) of each run of consecutive slot numbers."""
+    out: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == s and out[-1][0] + out[-1][2] == i:
+            a, b, n = out[-1]
+            out[-1] = (a, b, n + 1)
+        else:
+            out.append((i, s, 1))
+    return out
+
+
+class SlotFile:
+    """``num_slots`` slots of ``slot_bytes`` in one file, held under an exclusive lock."""
+
+    def __init__(self, path: Path, num_slots: int, slot_bytes: int, *, direct_io: DirectIO = "auto",
+                 keep: bool = False) -> None:
+        if slot_bytes % fmt.ALIGN:
+            raise ValueError(f"slot_bytes {slot_bytes} is not a multiple of {fmt.ALIGN}")
+        self.path = path
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.size = num_slots * slot_bytes
+        self._fd = self._io_fd = -1
+        try:
+            private_dir(path.parent, "local.ssd.path")
+            self._fd = open_private(path, os.O_RDWR | os.O_CREAT, "local.ssd.path")
+        except PrivatePathError as exc:
+            raise SsdError(str(exc)) from None
+        self._io_fd = self._fd
+        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SsdError(f"key 'local.ssd.path': {path} is in use by another process "
+                               "(give every engine its own directory)") from None
+            #: whether the file kept its slots from an earlier run
+            self.kept = keep and os.fstat(self._fd).st_size == self.size
+            if not self.kept:
+                os.ftruncate(self._fd, 0)
+                try:
+                    os.posix_fallocate(self._fd, 0, self.size)
+                except OSError as exc:
+                    raise SsdError(f"key 'local.ssd.capacity_bytes'={self.size}: cannot allocate "
+                                   f"{path}: {exc}") from None
+            self.direct = self._open_direct(direct_io)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_direct(self, mode: DirectIO) -> bool:
+        if mode == "off" or not hasattr(os, "O_DIRECT"):
+            if mode == "on":
+                raise SsdError("key 'local.ssd.direct_io'='on': this platform has no O_DIRECT")
+            return False
+        why = ""
+        fd = -1
+        try:
+            # by name again (O_DIRECT cannot be set on the open descriptor): never through a
+            # link, and it must reach the file already held under the lock
+            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+            if not same_file(fd, self._fd):
+                os.close(fd)
+                raise SsdError(f"key 'local.ssd.path': {self.path} was replaced while it was opened")
+            probe = mmap.mmap(-1, fmt.ALIGN)
+            try:
+                os.preadv(fd, [probe], 0)
+            finally:
+                probe.close()
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if fd >= 0:
+                os.close(fd)
+            if mode == "on":
+                raise SsdError(f"key 'local.ssd.direct_io'='on': O_DIRECT refused on {self.path}: "
+                               f"{why}") from None
+            log.info("SSD tier: %s uses buffered I/O (O_DIRECT refused: %s)", self.path, why)
+            return False
+        self._io_fd = fd
+        return True
+
+    def _check(self, slots: Sequence[int], buf: memoryview) -> None:
+        if len(buf) < len(slots) * self.slot_bytes:
+            raise ValueError(f"buffer of {len(buf)} bytes for {len(slots)} slots")
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise ValueError(f"slot {s} outside [0, {self.num_slots})")
+
+    def write(self, slots: Sequence[int], buf: memoryview) -> None:
+        """Slot ``slots[i]`` <- ``buf[i * slot_bytes : (i + 1) * slot_bytes]``."""
+        self._io(os.pwritev, "write", slots, buf)
+
+    def read(self, slots: Sequence[int], buf: memoryview) -> None:
+        """``buf[i * slot_bytes : ...]`` <- slot ``slots[i]``."""
+        self._io(os.preadv, "read", slots, buf)
+
+    def _io(self, call: Callable[[int, list[memoryview], int], int], what: str, slots: Sequence[int],
+            buf: memoryview) -> None:
+        """One ``call`` (pwritev / preadv) per run of consecutive slots; a short one is EIO."""
+        self._check(slots, buf)
+        sb = self.slot_bytes
+        for i, s, n in _runs(slots):
+            part = buf[i * sb:(i + n) * sb]
+            done = call(self._io_fd, [part], s * sb)
+            if done != len(part):
+                raise OSError(errno.EIO, f"short {what} of slots {s}..{s + n - 1}: {done} of {len(part)} bytes")
+
+    def close(self) -> None:
+        for fd in {getattr(self, "_io_fd", -1), getattr(self, "_fd", -1)}:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._io_fd = -1
+
+
+class _Staging:
+    """An aligned host buffer of whole slots (anonymous mmap: page-aligned for O_DIRECT)."""
+
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        self.slots = slots
+        self.map = mmap.mmap(-1, slot_bytes * slots)
+        self.view = memoryview(self.map)
+        self.rows = np.frombuffer(self.map, dtype=np.uint8).reshape(slots, slot_bytes)
+
+    def close(self) -> None:
+        del self.rows
+        # a view still exported (e.g. held by a logged traceback) keeps the mapping alive
+        # until it is collected; closing then is the garbage collector's job
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.map.close()
+
+
+class RankTier:
+    """One rank's slots: spills behind on a writer thread, verified promotes (module doc)."""
+
+    def __init__(self, planes: Mapping[str, torch.Tensor], file: SlotFile, rank: int) -> None:
+        self.file = file
+        self.rank = rank
+        self._planes = list(planes.values())
+        offsets, off = [], fmt.HEADER_BYTES
+        for p in self._planes:
+            if p.dtype != torch.uint8 or p.dim() != 2 or not p.is_contiguous() or not device.is_host(p):
+                raise ValueError("page planes must be contiguous 2-D uint8 host tensors")
+            offsets.append((off, off + p.shape[1]))
+            off += p.shape[1]
+        self._cols = offsets
+        self.payload_bytes = off - fmt.HEADER_BYTES
+        if fmt.slot_bytes(self.payload_bytes) != file.slot_bytes:
+            raise ValueError(f"pages of {self.payload_bytes} bytes do not fit slots of {file.slot_bytes}")
+        # numpy views: fancy-index row copies between strided views ran at ~5 GB/s here,
+        # torch's index_copy_ / index_put_ on uint8 at ~0.3 GB/s
+        self._np_planes = [p.numpy() for p in self._planes]
+        per_chunk = max(1, CHUNK_BYTES // file.slot_bytes)
+        self._write_buf = _Staging(file.slot_bytes, per_chunk)
+        # READ_AHEAD chunks are read (GIL released) while one is verified and copied: on a
+        # busy host a reader thread's wake-up can take a time slice, which a queue of reads absorbs
+        self._read_bufs = tuple(_Staging(file.slot_bytes, per_chunk) for _ in range(READ_AHEAD + 1))
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ssd-reader-r{rank}")
+        self._lock = threading.Lock()
+        self._spilled: Counter[int] = Counter()
+        self._spill_failed: Counter[int] = Counter()
+        self._queue: queue.SimpleQueue[tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]] | None] = (
+            queue.SimpleQueue())
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self.written_slots = 0
+        self.failed_writes = 0
+        self._thread = threading.Thread(target=self._writer, name=f"ssd-writer-r{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ spills
+
+    def submit_spill(self, job_id: int, keys: Sequence[str], pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Queue ``slot[i] <- page[i]`` (returns at once; reported by :meth:`take_spill_report`).
+        The scheduler keeps the pages pinned until every rank reported the job."""
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put((job_id, tuple(keys), tuple(pages), tuple(slots)))
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job_id, keys, pages, slots = item
+            ok = True
+            try:
+                self._write_job(keys, pages, slots)
+            except Exception:
+                ok = False
+                log.exception("SSD tier: rank %d could not write spill job %d (%d blocks)",
+                              self.rank, job_id, len(keys))
+            with self._lock:
+                (self._spilled if ok else self._spill_failed)[job_id] += 1
+                if ok:
+                    self.written_slots += len(keys)
+                else:
+                    self.failed_writes += 1
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
+
+    def _write_job(self, keys: Sequence[str], pages: Sequence[int], slots: Sequence[int]) -> None:
+        buf, payload = self._write_buf, self.payload_bytes
+        for start in range(0, len(keys), buf.slots):
+            n = min(buf.slots, len(keys) - start)
+            rows = buf.rows[:n]
+            idx = np.asarray(pages[start:start + n], dtype=np.int64)
+            for plane, (a, b) in zip(self._np_planes, self._cols, strict=True):
+                rows[:, a:b] = plane[idx]
+            fmt.pack_rows(rows, rank=self.rank, slots=slots[start:start + n],
+                          key_hashes_=fmt.key_hashes(keys[start:start + n]), payload_len=payload)
+            sb = self.file.slot_bytes
+            self.file.write(slots[start:start + n], buf.view[:n * sb])
+
+    def take_spill_report(self) -> tuple[Counter[int], Counter[int]]:
+        """(spill jobs written, spill jobs failed) since the last call: job id -> 1."""
+        with self._lock:
+            done, failed = self._spilled, self._spill_failed
+            self._spilled, self._spill_failed = Counter(), Counter()
+        return done, failed
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once every queued spill ran (tests, shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    # ------------------------------------------------------------------ promotes
+
+    def promote(self, keys: Sequence[str], slots: Sequence[int], pages: Sequence[int]) -> tuple[int, list[str]]:
+        """``page[i] <- slot[i]`` for the leading slots that verify. Returns (how many
+        leading blocks arrived whole, keys whose slot failed verification). A read error
+        stops at the blocks before it (raised errors are the caller's to log). Chunks are
+        read READ_AHEAD ahead on the reader thread, so verifying and copying overlap the I/O."""
+        per = self._read_bufs[0].slots
+        chunks = [(start, min(per, len(keys) - start)) for start in range(0, len(keys), per)]
+        if not chunks:
+            return 0, []
+        sb = self.file.slot_bytes
+
+        nbuf = len(self._read_bufs)
+
+        def read(k: int) -> Future[None]:
+            start, n = chunks[k]
+            return self._reader.submit(self.file.read, slots[start:start + n],
+                                       self._read_bufs[k % nbuf].view[:n * sb])
+
+        good = 0
+        pending = collections.deque(read(k) for k in range(min(nbuf - 1, len(chunks))))
+        try:
+            for k, (start, n) in enumerate(chunks):
+                pending.popleft().result()
+                if k + nbuf - 1 < len(chunks):
+                    pending.append(read(k + nbuf - 1))
+                buf = self._read_bufs[k % nbuf]
+                ok, bad = self._verify_chunk(buf, keys[start:start + n], slots[start:start + n])
+                self._scatter(buf, ok, pages[start:start + ok])
+                good += ok
+                if bad is not None:
+                    return good, [bad]
+            return good, []
+        finally:
+            for fut in pending:  # reads ahead of a miss must land before their buffers are reused
+                with contextlib.suppress(Exception):
+                    fut.result()
+
+    def _verify_chunk(self, buf: _Staging, keys: Sequence[str], slots: Sequence[int]) -> tuple[int, str | None]:
+        """(leading slots of the chunk that verify, the key of the first that does not)."""
+        ok, why = fmt.verify_rows(buf.rows, rank=self.rank, slots=slots, key_hashes_=fmt.key_hashes(keys),
+                                  payload_len=self.payload_bytes)
+        if why is None:
+            return ok, None
+        log.warning("SSD tier: rank %d slot %d of block %s failed verification (%s); "
+                    "it is a miss and is recomputed", self.rank, slots[ok], keys[ok], why)
+        return ok, keys[ok]
+
+    def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
+        if n == 0:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        rows = buf.rows[:n]
+        for plane, (a, b) in zip(self._np_planes, self._cols, strict=True):
+            plane[idx] = rows[:, a:b]
+
+    # ------------------------------------------------------------------ end
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the queued spills (at most ``timeout_s``), stop the writer, close the file."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("SSD tier: rank %d writer still busy after %.0f s at close", self.rank, timeout_s)
+            return
+        self._reader.shutdown(wait=True)
+        self._write_buf.close()
+        for buf in self._read_bufs:
+            buf.close()
+        self.file.close()

@@ -1,0 +1,70 @@
+"""The shared tier's master-health rules without a master (store/shared/mooncake.py): a
+client that fails or raises is an outage logged once, the data path stops calling
+it, and the background probe brings it back. The real-master tests are in
+tests/integration/test_store_mooncake_tier.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_offload.store.shared.mooncake import RPC_LAST, RemoteIndex
+
+CFG = SimpleNamespace(master_address="127.0.0.1:1", retry_interval_s=0.01)
+
+
+class Client:
+    """Answers ``batch_is_exist`` like MooncakeDistributedStore (1 present, 0 absent), or
+    fails the way a gone master does (an RPC code, or raising)."""
+
+    def __init__(self, present: set[str]) -> None:
+        self.present = present
+        self.mode = "up"
+        self.data_path_calls = 0  # from the test's (the scheduler's) thread, not the prober
+        self.answered = threading.Event()
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        if threading.current_thread() is threading.main_thread():
+            self.data_path_calls += 1
+        if self.mode == "raise":
+            raise RuntimeError("client broken")
+        if self.mode == "down":
+            return [RPC_LAST] * len(keys)
+        self.answered.set()
+        return [1 if k in self.present else 0 for k in keys]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("failure", ["down", "raise"])
+def test_outage_is_a_miss_logged_once_then_probed_back(failure: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="ascend_offload.store.shared.mooncake")
+    client = Client({"a@r0", "a@r1", "b@r0"})
+    index = RemoteIndex(CFG, world_size=2, client=client)
+    try:
+        assert index.lookup_prefix(["a", "b"]) == 1  # b lacks rank 1's shard
+        client.mode = failure
+        assert index.lookup_prefix(["a"]) == 0
+        calls = client.data_path_calls
+        for _ in range(10):
+            assert index.lookup_prefix(["a"]) == 0
+        assert client.data_path_calls == calls  # while down only the prober asks the master
+        lines = [r for r in caplog.records if "unreachable from the scheduler" in r.getMessage()]
+        assert len(lines) == 1 and index.health.outages == 1
+        client.answered.clear()
+        client.mode = "up"
+        assert client.answered.wait(10), "the prober never asked again"
+        for _ in range(1000):  # the prober flips the state right after its answer
+            if index.available():
+                break
+            threading.Event().wait(0.01)
+        assert index.available()
+        assert index.lookup_prefix(["a"]) == 1
+        assert [r for r in caplog.records if "store service resumed" in r.getMessage()]
+    finally:
+        index.close()
