@@ -43,6 +43,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _nested_schema(annotation: Any) -> type[BaseModel] | None:
+    """The schema a field holds (``X`` or ``X | None``), or None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def _innermost(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[type[BaseModel], str]:
+    """The schema and key an error location ends in (``debug.fail_loads`` -> the debug block's
+    schema and ``fail_loads``), so the message lists what that block accepts."""
+    key = str(loc[0]) if loc else ""
+    for part in loc[1:]:
+        field = model.model_fields.get(key)
+        nested = _nested_schema(field.annotation) if field is not None else None
+        if nested is None:
+            break
+        model, key = nested, str(part)
+    return model, key
+
+
 def _accepted(model: type[BaseModel], key: str) -> str:
     """Human description of what ``key`` accepts, from the field annotation."""
     field = model.model_fields.get(key)
@@ -75,10 +96,9 @@ def parse(model: type[_Strict], raw: Mapping[str, Any] | None, *, where: str) ->
         problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            top = str(err["loc"][0]) if err["loc"] else ""
             value = err.get("input")
             problems.append(
-                f"key '{loc}'={value!r}: {err['msg']} (accepted: {_accepted(model, top)})"
+                f"key '{loc}'={value!r}: {err['msg']} (accepted: {_accepted(*_innermost(model, err['loc']))})"
             )
         raise ConfigError(f"invalid {where}: " + "; ".join(problems)) from None
 
@@ -178,6 +198,19 @@ class MemcacheStoreConfig(_Strict):
     retry_interval_s: float = Field(1.0, gt=0)
 
 
+class StoreDebugConfig(_Strict):
+    """``debug:`` of ``AscendStoreConnector``: test and fault hooks, off by default. One block
+    so the deployment keys stand apart, and in the extra config because that is what reaches
+    vLLM's worker processes (the connector hands each value to the class it configures)."""
+
+    # Each layerwise layer save waits this long first: a slow store, to prove the reuse gate
+    # holds a slot's next writer until the save read it.
+    save_delay_s: float = Field(0.0, ge=0, le=MAX_TIMEOUT_S)
+    # The first N layerwise layer loads of each worker fail like a broken store read (their
+    # blocks become load errors), to prove a failed read ends cleanly.
+    fail_layer_loads: int = Field(0, ge=0)
+
+
 class StoreConnectorConfig(_Strict):
     """``AscendStoreConnector`` extra config (whole-prefix and layerwise modes)."""
 
@@ -198,11 +231,8 @@ class StoreConnectorConfig(_Strict):
     min_load_blocks: int = Field(1, ge=1)
     # Shared between instances that may exchange store objects: part of every key.
     model_tag: str = ""
-    # Test hook: artificial delay per layer save, to prove the reuse gate holds.
-    debug_save_delay_s: float = Field(0.0, ge=0, le=MAX_TIMEOUT_S)
-    # Test hook: the first N layerwise layer loads of each worker fail like a broken
-    # store read (their blocks become load errors), to prove a failed read ends cleanly.
-    debug_fail_layer_loads: int = Field(0, ge=0)
+    # Test and fault hooks; all off unless a test sets them.
+    debug: StoreDebugConfig = StoreDebugConfig()
 
     @field_validator("layerwise_independent_layers")
     @classmethod
@@ -284,6 +314,51 @@ class SparseDecodeConfig(_Strict):
 # --------------------------------------------------------------------------- P/D
 
 
+# An injected P/D fault: (kind, layer, only for requests of exactly this many blocks).
+Fault = tuple[str, int, "int | None"]
+
+
+def parse_faults(spec: str) -> list[Fault | None]:
+    """Parse a fault-injection spec such as ``"none,invalid:1,drop:2@7"`` (``debug.pd_faults``).
+
+    ``drop:L`` never sends layer L's readiness (decode and producer deadlines
+    must end the request); ``invalid:L`` sends it with a wrong main-KV flag
+    (decode must answer ``read_failed``); ``none`` leaves a request alone.
+    ``@N`` restricts an entry to requests of exactly N blocks; entries without
+    it are taken round-robin by the other requests.
+    """
+    out: list[Fault | None] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part == "none":
+            out.append(None)
+            continue
+        body, _, blocks = part.partition("@")
+        kind, _, layer = body.partition(":")
+        if kind not in ("drop", "invalid") or not layer.isdigit() or (blocks and not blocks.isdigit()):
+            raise ValueError(
+                f"fault spec {part!r} in {spec!r} (accepted: none, drop:<layer>[@<blocks>], "
+                "invalid:<layer>[@<blocks>])"
+            )
+        out.append((kind, int(layer), int(blocks) if blocks else None))
+    return out
+
+
+class RemoteD2HDebugConfig(_Strict):
+    """``debug:`` of ``SfaRemoteD2HConnector``: fault hooks, off by default; in the extra config
+    because that is what reaches vLLM's worker processes."""
+
+    # Prefill only: P/D protocol faults its producers inject (:func:`parse_faults`), e.g.
+    # "drop:2@7" (layer 2 of a 7-block request never announced). None: no faults.
+    pd_faults: str | None = None
+
+    @field_validator("pd_faults")
+    @classmethod
+    def _faults_parse(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_faults(v)
+        return v
+
+
 class RemoteD2HConfig(_Strict):
     """``SfaRemoteD2HConnector`` extra config (prefill producer / decode consumer)."""
 
@@ -316,6 +391,8 @@ class RemoteD2HConfig(_Strict):
     # Unequal TP: the prefill TP size as seen by decode (None = same as decode).
     prefill_tp_size: int | None = Field(None, ge=1)
     sparse_offload: SparseOffloadConfig = SparseOffloadConfig()
+    # Fault hooks; all off unless a test sets them.
+    debug: RemoteD2HDebugConfig = RemoteD2HDebugConfig()
 
 
 # --------------------------------------------------------------------------- multi

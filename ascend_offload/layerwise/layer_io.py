@@ -118,7 +118,7 @@ class LayerIO(abc.ABC):
         # Layers whose load failed in the current step (added when counted; the pipeline
         # clears it at each step start): saves from the first of them on are dropped.
         self.step_failed_layers: set[str] = set()
-        # Test hook (the store's ``debug_fail_layer_loads``): this many next layer loads
+        # Test hook (the store's ``debug.fail_layer_loads``): this many next layer loads
         # fail as a broken store read would; 0 in production.
         self.fail_loads = 0
         self._jobs: collections.deque[LoadJob | SaveJob] = collections.deque()  # ticket order
@@ -169,7 +169,7 @@ class LayerIO(abc.ABC):
         if self.fail_loads <= 0 or not refs:
             return False
         self.fail_loads -= 1
-        log.warning("layerwise: load of layer %s failed: injected (debug_fail_layer_loads)", layer)
+        log.warning("layerwise: load of layer %s failed: injected (debug.fail_layer_loads)", layer)
         self._count_load(layer, 0, [r.block_id for r in refs])
         return True
 

@@ -153,9 +153,9 @@ class LayerwisePipeline:
         layer_io: LayerIOFactory = open_layer_io,
     ) -> None:
         """``save_delay_s`` delays each unit's store save by that long (the connector's
-        ``debug_save_delay_s``: a slow store, to prove writers wait for the gate).
+        ``debug.save_delay_s``: a slow store, to prove writers wait for the gate).
         ``fail_loads``: the first that many layer loads fail as a broken store read
-        (the connector's ``debug_fail_layer_loads``, for fault tests).
+        (the connector's ``debug.fail_layer_loads``, for fault tests).
         ``layer_io`` makes the copy path at the first step from the arguments of
         :class:`~ascend_offload.layerwise.layer_io.LayerIO` (default: the one that fits
         the tensors and the store)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ascend_offload.config import Fault, parse_faults
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.auth import ControlKeys, secure_client
@@ -82,10 +83,6 @@ class ProducerStats:
     rejected: int = 0
     send_errors: int = 0
     sockets_closed: int = 0
-
-
-# Test-only fault injection: (kind, layer, only for requests of this many blocks).
-Fault = tuple[str, int, "int | None"]
 
 
 @dataclass
@@ -147,7 +144,8 @@ class Producer:
         self.listener = listener
         # Layers never published (prefill failed mid-request) must not pin the request forever.
         self.request_timeout_s = request_timeout_s
-        # Test-only fault injection (see parse_faults); requests take the specs round-robin.
+        # Fault injection for tests (the connector's ``debug.pd_faults``, parsed by
+        # config.parse_faults); requests take the specs round-robin.
         self._faults = parse_faults(faults) if faults else []
         self._fault_seq = 0
         self.stats = ProducerStats()
@@ -531,31 +529,6 @@ class Producer:
                     req.deadline = float("inf")
                     self._maybe_finish(req)
         self._deliver()
-
-
-def parse_faults(spec: str) -> list[Fault | None]:
-    """Parse a fault-injection spec such as ``"none,invalid:1,drop:2@7"`` (tests only).
-
-    ``drop:L`` never sends layer L's readiness (decode and producer deadlines
-    must end the request); ``invalid:L`` sends it with a wrong main-KV flag
-    (decode must answer ``read_failed``); ``none`` leaves a request alone.
-    ``@N`` restricts an entry to requests of exactly N blocks; entries without
-    it are taken round-robin by the other requests.
-    """
-    out: list[Fault | None] = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        if part == "none":
-            out.append(None)
-            continue
-        body, _, blocks = part.partition("@")
-        kind, _, layer = body.partition(":")
-        if kind not in ("drop", "invalid") or not layer.isdigit() or (blocks and not blocks.isdigit()):
-            raise ValueError(
-                f"fault spec {part!r} in {spec!r} (accepted: none, drop:<layer>[@<blocks>], "
-                "invalid:<layer>[@<blocks>])"
-            )
-        out.append((kind, int(layer), int(blocks) if blocks else None))
-    return out
 
 
 def _pick_fault(faults: list[Fault | None], seq: int, num_blocks: int) -> tuple[Fault | None, bool]:

@@ -55,7 +55,7 @@ def test_layerwise_parity_prefix_and_capacity(baseline: dict[str, Any], b: int) 
         # B = 3: two layers ahead in flight (the default); B = 1: the single-prefetch path
         "layerwise_prefetch_layers": 2 if b == 3 else 1,
         "local": {"capacity_bytes": 256 << 20},
-        "debug_save_delay_s": 0.005 if slow else 0.0,
+        "debug": {"save_delay_s": 0.005 if slow else 0.0},
         "save_timeout_s": 60.0,
     }
     cfg = store_transfer_config(extra)

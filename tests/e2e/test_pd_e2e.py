@@ -10,7 +10,7 @@ and pulls only the remainder, from ``remote_block_offset``). The decode log
 must show no KV load failure: parity after a silent fallback to recompute would
 prove nothing about the transfer.
 
-Faults use the prefill's test-only injection (``ASCEND_OFFLOAD_PD_FAULTS``):
+Faults use the prefill's fault hook (``debug: {pd_faults: ...}`` in its extra config):
 requests of 6 blocks get an invalid layer-1 readiness (decode answers
 ``read_failed`` at once), requests of 7 blocks lose layer 2's readiness (decode's
 request deadline). Both must end as load errors that vLLM recomputes, with
@@ -55,9 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     # Prefill (also the colocated baseline) without prefix caching; decode with it,
     # so repeated prompts pull only the blocks decode does not hold yet.
     with pd_cluster(tiny_model(4), tmp_path_factory.mktemp("pd-e2e"),
-                    lambda port: rd2h_config("kv_producer", port, extra),
+                    lambda port: rd2h_config("kv_producer", port, {**extra, "debug": {"pd_faults": FAULTS}}),
                     lambda port: rd2h_config("kv_consumer", port, extra),
-                    prefill_env={"ASCEND_OFFLOAD_PD_FAULTS": FAULTS},
                     worker_in_core=False) as c:  # RD2H metadata crosses vLLM's worker boundary
         yield c
 

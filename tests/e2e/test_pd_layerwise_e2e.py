@@ -68,10 +68,9 @@ def prefill_config(kv_port: int, rd2h_extra: dict[str, Any]) -> dict[str, Any]:
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     extra = {"ack_timeout_s": 20, "request_timeout_s": 20, "registration_timeout_s": 20}
     with pd_cluster(tiny_model(8), tmp_path_factory.mktemp("pd-layerwise-e2e"),
-                    lambda port: prefill_config(port, extra),
+                    lambda port: prefill_config(port, {**extra, "debug": {"pd_faults": FAULTS}}),
                     lambda port: rd2h_config("kv_consumer", port, extra),
-                    prefill_args=("--disable-hybrid-kv-cache-manager",),
-                    prefill_env={"ASCEND_OFFLOAD_PD_FAULTS": FAULTS}) as c:
+                    prefill_args=("--disable-hybrid-kv-cache-manager",)) as c:
         yield c
 
 

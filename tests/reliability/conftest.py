@@ -32,7 +32,8 @@ REGISTRATION_MAX_BYTES = registration_max_bytes(MAX_MODEL_LEN, BLOCK_SIZE)
 # well inside it, also behind an ack_timeout_s stall on a loaded 2-core box, so it has
 # headroom. registration_timeout_s is no fault's: only a bound.
 RD2H = {"ack_timeout_s": 8, "request_timeout_s": 30, "registration_timeout_s": 60}
-# The prefill's test-only protocol fault: drop layer 2's readiness for 7-block pulls.
+# The prefill's protocol fault (its RD2H ``debug.pd_faults``): drop layer 2's readiness
+# for 7-block pulls.
 PD_FAULTS = "drop:2@7"
 
 
@@ -42,27 +43,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.reliability)
 
 
-def rd2h_config(role: str, port: int) -> dict[str, Any]:
+def rd2h_config(role: str, port: int, **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "SfaRemoteD2HConnector", "kv_role": role, "kv_port": port,
             "kv_load_failure_policy": "recompute", "kv_connector_module_path": RD2H_MODULE,
-            "kv_connector_extra_config": dict(RD2H)}
+            "kv_connector_extra_config": {**RD2H, **extra}}
 
 
 def prefill_config(port: int) -> dict[str, Any]:
     """Layer sharing (8 layers on 2 buffers) + store reads + the RD2H producer.
 
-    ``debug_fail_layer_loads: 1``: the first layerwise store read fails; the layers
-    computed after it are neither saved nor published (docs/reliability.md)."""
+    ``debug: {fail_layer_loads: 1}``: the first layerwise store read fails; the layers
+    computed after it are neither saved nor published (docs/reliability.md). The RD2H
+    producer injects :data:`PD_FAULTS`."""
     store = {"use_layerwise": True, "layerwise_num_shared_buffers": 1, "layerwise_independent_layers": [0],
              "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 5.0,
-             "load_timeout_s": 30.0, "debug_fail_layer_loads": 1}
+             "load_timeout_s": 30.0, "debug": {"fail_layer_loads": 1}}
     return {
         "kv_connector": "AscendMultiConnector", "kv_role": "kv_producer", "kv_port": port,
         "kv_load_failure_policy": "recompute", "kv_connector_module_path": "ascend_offload.connectors.multi",
         "kv_connector_extra_config": {"connectors": [
             {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
              "kv_connector_module_path": "ascend_offload.connectors.store", "kv_connector_extra_config": store},
-            rd2h_config("kv_producer", port),
+            rd2h_config("kv_producer", port, debug={"pd_faults": PD_FAULTS}),
         ]},
     }
 
@@ -95,7 +97,7 @@ class Cluster:
             "prefill", [*common, "--no-enable-prefix-caching", "--port", str(p_port),
                         "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
                         json.dumps(prefill_config(p_kv))],
-            dict(env, VLLM_CPU_OMP_THREADS_BIND="0", ASCEND_OFFLOAD_PD_FAULTS=PD_FAULTS), log_dir)
+            dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir)
         self._start_decode()
         self.servers["proxy"] = Server(
             "proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(proxy_port),

@@ -5,10 +5,10 @@ hanging up mid-stream -- while faults hit:
 
 * phase "faults": repeated prompts make the prefill read the store, one prompt
   makes the prefill stall past decode's request deadline
-  (``ASCEND_OFFLOAD_PD_FAULTS=drop:2@7``: layer 2 never announced, the prefill holds
+  (``debug: {pd_faults: "drop:2@7"}``: layer 2 never announced, the prefill holds
   the buffer until its ack deadline, decode recomputes), and the proxy's metaserver
   gets a garbled registration and a hijack attempt (a live request id, wrong token);
-  and the prefill's first layerwise store read fails (``debug_fail_layer_loads``);
+  and the prefill's first layerwise store read fails (``debug.fail_layer_loads``);
 * phase "kill": decode is SIGKILLed mid-load and restarted;
 * phase "recovered": the same mix again, after the decode is back, while a flood of
   registrations (unknown ids, garbled, above the proxy's registration cap) hits the
@@ -313,7 +313,7 @@ def test_soak_with_faults(soak_cluster: Cluster) -> None:
     store = snap["prefill"]
     assert store["store_layerwise_blocks_loaded"] > 0, store
     assert store["store_layerwise_load_errors"] >= 1, store
-    assert prefill_log.count("failed: injected (debug_fail_layer_loads)") == 1
+    assert prefill_log.count("failed: injected (debug.fail_layer_loads)") == 1
     recoveries = prefill_log.count("Recovered from KV load failure")
     assert recoveries >= 1
     assert recoveries == 1 or store["store_layerwise_saves_dropped"] > 0, (recoveries, store)

@@ -1,7 +1,7 @@
 """One failing store read on a layer-sharing engine must not change the answer.
 
 The colocated engine runs the layerwise store with layer sharing (8 layers on 2
-buffers) and ``kv_load_failure_policy: recompute``; ``debug_fail_layer_loads: 1``
+buffers) and ``kv_load_failure_policy: recompute``; ``debug: {fail_layer_loads: 1}``
 fails the first layer load of the worker, as a missing or broken store object
 would. vLLM reports "Recovered from KV load failure ... rescheduled" and recomputes;
 the greedy tokens must equal those of the same engine without the fault.
@@ -30,7 +30,7 @@ PROMPT = random_prompts(1, [97], seed=41)
 def layer_sharing_store(fail_loads: int) -> dict[str, Any]:
     store = {"use_layerwise": True, "layerwise_num_shared_buffers": 1, "layerwise_independent_layers": [0],
              "layerwise_prefetch_layers": 1, "local": {"capacity_bytes": 256 << 20}, "save_timeout_s": 5.0,
-             "load_timeout_s": 30.0, "debug_fail_layer_loads": fail_loads}
+             "load_timeout_s": 30.0, "debug": {"fail_layer_loads": fail_loads}}
     return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_module_path": "ascend_offload.connectors.store", "kv_connector_extra_config": store}
 

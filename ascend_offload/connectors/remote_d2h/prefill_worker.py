@@ -14,7 +14,6 @@ reused within the forward, so decode's reads hold the buffer's reuse-gate slot
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,10 +30,6 @@ if TYPE_CHECKING:
     from ascend_offload.pd.producer import Producer, SlotRelease
 
 log = logging.getLogger(__name__)
-
-# Test-only fault injection on the prefill side, e.g. "none,invalid:1,drop:2"
-# (see ascend_offload.pd.producer.parse_faults). Unset in production.
-FAULTS_ENV = "ASCEND_OFFLOAD_PD_FAULTS"
 
 
 class PrefillWorker:
@@ -79,8 +74,7 @@ class PrefillWorker:
                             topology=Topology(self.settings.tp_size, d_tp), transfer=self._region.engine,
                             layers=self._region.layers, ack_timeout_s=cfg.ack_timeout_s,
                             request_timeout_s=cfg.request_timeout_s, register_memory=False,
-                            keys=self.settings.keys,
-                            faults=os.environ.get(FAULTS_ENV) or None,
+                            keys=self.settings.keys, faults=cfg.debug.pd_faults,
                             listener=self._gate_listener() if self._gate is not None else None)
             self._producers[d_tp] = prod
         return prod

@@ -61,6 +61,14 @@ def check_sparse_role(cfg: RemoteD2HConfig, *, is_producer: bool, is_consumer: b
         raise ConfigError("key 'sparse_offload.enabled'=True needs kv_role 'kv_consumer' (accepted: False)")
 
 
+def check_debug_role(cfg: RemoteD2HConfig, *, is_producer: bool) -> None:
+    """``debug.pd_faults`` is injected by the prefill's producers; refuse it where nothing
+    would inject it, so a fault test cannot pass without its faults (I7)."""
+    if cfg.debug.pd_faults is not None and not is_producer:
+        raise ConfigError(f"key 'debug.pd_faults'={cfg.debug.pd_faults!r} needs kv_role 'kv_producer' "
+                          "(the prefill injects the faults; accepted here: None)")
+
+
 def _host_ip(configured: str = "") -> str:
     """The advertised endpoint IP: the ``host`` key when set, else vLLM's choice."""
     if configured:
@@ -84,6 +92,7 @@ def parse_config(vllm_config: VllmConfig) -> RemoteD2HConfig:
     tc = vllm_config.kv_transfer_config
     cfg: RemoteD2HConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
     check_sparse_role(cfg, is_producer=bool(tc.is_kv_producer), is_consumer=bool(tc.is_kv_consumer))
+    check_debug_role(cfg, is_producer=bool(tc.is_kv_producer))
     return cfg
 
 

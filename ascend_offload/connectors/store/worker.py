@@ -345,8 +345,8 @@ class LayerwiseWorker(StoreWorker):
             prefetch_layers=cfg.layerwise_prefetch_layers,
             load_timeout_s=cfg.load_timeout_s,
             save_timeout_s=cfg.save_timeout_s,
-            save_delay_s=cfg.debug_save_delay_s,
-            fail_loads=cfg.debug_fail_layer_loads,
+            save_delay_s=cfg.debug.save_delay_s,
+            fail_loads=cfg.debug.fail_layer_loads,
             block_dim=block_dim(kv_caches[plan.layers[0]], num_blocks),
         )
         self.pipeline.register_kv_caches(kv_caches)

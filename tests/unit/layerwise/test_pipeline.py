@@ -201,7 +201,7 @@ def test_missing_object_is_load_error_for_exactly_its_blocks(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", STORES)
 def test_injected_load_failure_fails_exactly_one_layer_load(kind: str) -> None:
-    """``fail_loads`` (the store's ``debug_fail_layer_loads`` test hook): the first layer
+    """``fail_loads`` (the store's ``debug.fail_layer_loads`` test hook): the first layer
     load fails whole, its blocks become load errors; later loads read exact KV."""
     store = make_store(kind)
     sim = Sim(plan_uniform(3, 1, [0]), store, fail_loads=1)

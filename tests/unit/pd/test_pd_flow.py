@@ -333,7 +333,7 @@ def test_abort_waits_for_published_layers(pair_factory):
 
 
 def test_parse_faults():
-    from ascend_offload.pd.producer import parse_faults
+    from ascend_offload.config import parse_faults
 
     assert parse_faults("none, invalid:1,drop:12@7") == [None, ("invalid", 1, None), ("drop", 12, 7)]
     with pytest.raises(ValueError, match="'boom:1'"):
