@@ -153,11 +153,6 @@ class MooncakeStoreConfig(_Strict):
     # segment and leave with it). 0: none (the objects live in other clients' segments,
     # e.g. a mooncake_client store service); Mooncake refuses segments under 16 MiB.
     global_segment_bytes: int = Field(1 << 30, ge=0)
-    local_buffer_bytes: int = Field(64 << 20, ge=16 << 20)
-    # Registered host pages that puts read from and gets write into (zero-copy).
-    staging_bytes: int = Field(256 << 20, gt=0)
-    # None: one page per stored object (the connector knows the object size).
-    page_bytes: int | None = Field(None, gt=0)
     replica_num: int = Field(1, ge=1)
     # While the master is unreachable, calls miss/skip and a background thread probes it
     # this often.
@@ -187,10 +182,6 @@ class MemcacheStoreConfig(_Strict):
     dram_size: str = Field("1GB", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
     hbm_size: str = Field("0", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
     world_size: int = Field(256, ge=1)
-    # Registered host pages that puts read from and gets write into.
-    staging_bytes: int = Field(256 << 20, gt=0)
-    # None: one page per stored object (the connector knows the object size).
-    page_bytes: int | None = Field(None, gt=0)
     replica_num: int = Field(1, ge=1, le=8)
     # A backend call waited for longer is an outage (the client's own wait was 60 s).
     call_timeout_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S)

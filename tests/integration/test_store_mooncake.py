@@ -344,9 +344,8 @@ def test_built_from_config(master: MooncakeMaster) -> None:
     from ascend_offload.config import StoreConnectorConfig, parse
 
     cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
-        "master_address": master.address, "global_segment_bytes": SEG, "local_buffer_bytes": SEG,
-        "staging_bytes": 8 * PAGE}}, where="store config")
-    s = mooncake_store_from_config(cfg.mooncake, object_bytes=PAGE)
+        "master_address": master.address, "global_segment_bytes": SEG}}, where="store config")
+    s = mooncake_store_from_config(cfg.mooncake, object_bytes=PAGE, staging_bytes=8 * PAGE, local_buffer_bytes=SEG)
     try:
         assert s.page_bytes == PAGE and s.stats().total_pages == 8
         data = payload(8, 2)

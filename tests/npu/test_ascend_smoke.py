@@ -83,8 +83,9 @@ def test_memcache_round_trip(tmp_path: Path) -> None:
     keys = [f"smoke-{i}" for i in ids]
     with MemcacheMeta(tmp_path / "meta") as meta:
         cfg = MemcacheStoreConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
-                                  protocol=MMC_PROTOCOL, dram_size="1GB", staging_bytes=64 * block_bytes)
-        store = memcache_store_from_config(cfg, block_bytes, device_id=torch.npu.current_device())
+                                  protocol=MMC_PROTOCOL, dram_size="1GB")
+        store = memcache_store_from_config(cfg, block_bytes, staging_bytes=64 * block_bytes,
+                                           device_id=torch.npu.current_device())
         try:
             stream = device.new_stream()
             rows = device.blocks_to_host(kv, 0, ids, stream).view(len(ids), -1).view(torch.uint8)
@@ -179,7 +180,7 @@ def _moved(name: str, ports: dict[str, int], meta: object) -> dict:
         if extra.get("backend") == "memcache":
             extra["memcache"].update(meta_service_url=meta.meta_service_url,  # type: ignore[attr-defined]
                                      config_store_url=meta.config_store_url,  # type: ignore[attr-defined]
-                                     protocol=MMC_PROTOCOL, dram_size="4GB", staging_bytes=256 << 20)
+                                     protocol=MMC_PROTOCOL, dram_size="4GB")
         if extra.get("transfer_backend") == "memfabric":
             extra["memfabric_transfer_protocol"] = MF_PROTOCOL
     extra = cfg["kv_connector_extra_config"]

@@ -19,8 +19,8 @@ from ascend_offload.store.shared.backends import SHARED_BACKENDS
 
 def shared_store_from_config(cfg: Any, object_bytes: int, *, device_id: int = 0) -> KVStore:
     """The ``mooncake`` or ``memcache`` backend of ``cfg`` (a ``StoreConnectorConfig``);
-    ``object_bytes``: the size of one stored object (one page each when ``page_bytes``
-    is unset); ``device_id``: the rank's accelerator (Memcache contributes its HBM)."""
+    ``object_bytes``: the size of one stored object (one staging page each, default
+    staging sizes); ``device_id``: the rank's accelerator (Memcache contributes its HBM)."""
     if cfg.backend == "mooncake":
         from ascend_offload.bench.stores.mooncake import mooncake_store_from_config
 

@@ -293,10 +293,12 @@ class MemcacheStore(StagedStore):
             self._client.close()
 
 
-def memcache_store_from_config(cfg: Any, object_bytes: int, *, device_id: int = 0,
-                               client: Any = None) -> MemcacheStore:
-    """Build the backend from a ``MemcacheStoreConfig`` (``page_bytes`` None: one page per
-    object of ``object_bytes``). ``client`` replaces the real client (tests)."""
+def memcache_store_from_config(cfg: Any, object_bytes: int, *, staging_bytes: int = 256 << 20,
+                               device_id: int = 0, client: Any = None) -> MemcacheStore:
+    """Build the backend from a ``MemcacheStoreConfig``: one staging page per object of
+    ``object_bytes``, ``staging_bytes`` of them (this store's own pages; the connector's tier
+    moves bytes from its local pages, so its config has no key for them). ``client``
+    replaces the real client (tests)."""
     if client is None:
         if not cfg.meta_service_url:
             raise StoreError("the Memcache backend needs 'memcache.meta_service_url' "
@@ -305,6 +307,6 @@ def memcache_store_from_config(cfg: Any, object_bytes: int, *, device_id: int = 
                              protocol=cfg.protocol, dram_size=cfg.dram_size, hbm_size=cfg.hbm_size,
                              device_id=device_id, world_size=cfg.world_size,
                              client_timeout_s=max(1, round(cfg.call_timeout_s)))
-    return MemcacheStore(client, page_bytes=cfg.page_bytes or object_bytes, staging_bytes=cfg.staging_bytes,
+    return MemcacheStore(client, page_bytes=object_bytes, staging_bytes=staging_bytes,
                          replica_num=cfg.replica_num, retry_interval_s=cfg.retry_interval_s,
                          call_timeout_s=cfg.call_timeout_s)

@@ -249,19 +249,22 @@ class MooncakeStore(StagedStore):
             self._client.close()
 
 
-def mooncake_store_from_config(cfg: Any, object_bytes: int) -> MooncakeStore:
-    """Build the backend from a ``MooncakeStoreConfig`` (``page_bytes`` None: one page
-    per object of ``object_bytes``)."""
+def mooncake_store_from_config(cfg: Any, object_bytes: int, *, staging_bytes: int = 256 << 20,
+                               local_buffer_bytes: int = 64 << 20) -> MooncakeStore:
+    """Build the backend from a ``MooncakeStoreConfig``: one staging page per object of
+    ``object_bytes``. The staging and transfer-buffer sizes are arguments: they size this
+    store's own buffers, which the connector (its tier moves bytes from its local pages)
+    has none of, so its config has no keys for them."""
     return MooncakeStore(
         master_address=cfg.master_address,
-        page_bytes=cfg.page_bytes or object_bytes,
-        staging_bytes=cfg.staging_bytes,
+        page_bytes=object_bytes,
+        staging_bytes=staging_bytes,
         local_hostname=cfg.local_hostname,
         metadata_server=cfg.metadata_server,
         protocol=cfg.protocol,
         device_name=cfg.device_name,
         global_segment_bytes=cfg.global_segment_bytes,
-        local_buffer_bytes=cfg.local_buffer_bytes,
+        local_buffer_bytes=local_buffer_bytes,
         replica_num=cfg.replica_num,
         retry_interval_s=cfg.retry_interval_s,
     )

@@ -64,3 +64,14 @@ def test_timeouts_are_capped(connector: str, key: str, value: float) -> None:
     with pytest.raises(ConfigError, match=rf"'{key}'.*less than or equal to 86400"):
         parse_extra_config(connector, {key: value})
     assert getattr(parse_extra_config(connector, {key: 86400}), key) == 86400
+
+
+@pytest.mark.parametrize(("block", "key"), [
+    ("mooncake", "staging_bytes"), ("mooncake", "page_bytes"), ("mooncake", "local_buffer_bytes"),
+    ("memcache", "staging_bytes"), ("memcache", "page_bytes"),
+])
+def test_shared_tier_blocks_have_no_staging_keys(block: str, key: str) -> None:
+    """The connector's shared tier moves bytes from its local pages: it has no staging buffer,
+    so a key sizing one would do nothing and is refused like any unknown key."""
+    with pytest.raises(ConfigError, match=rf"key '{block}\.{key}'=4096: Extra inputs are not permitted"):
+        parse_extra_config("AscendStoreConnector", {"backend": block, block: {key: 4096}})

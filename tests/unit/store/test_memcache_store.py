@@ -233,11 +233,12 @@ def test_read_without_pin_is_refused(cluster: FakeMemcacheCluster) -> None:
 
 def test_config_section_and_factory(cluster: FakeMemcacheCluster) -> None:
     cfg = parse(StoreConnectorConfig, {"backend": "memcache", "memcache": {
-        "meta_service_url": "tcp://10.0.0.1:5000", "protocol": "device_rdma", "dram_size": "2GB",
-        "page_bytes": PAGE, "staging_bytes": 16 * PAGE}}, where="store config")
+        "meta_service_url": "tcp://10.0.0.1:5000", "protocol": "device_rdma", "dram_size": "2GB"}},
+        where="store config")
     assert cfg.memcache.protocol == "device_rdma" and cfg.memcache.hbm_size == "0"
-    store = memcache_store_from_config(cfg.memcache, 4 * PAGE, client=FakeDistributedObjectStore(cluster))
-    assert store.page_bytes == PAGE
+    store = memcache_store_from_config(cfg.memcache, PAGE, staging_bytes=16 * PAGE,
+                                       client=FakeDistributedObjectStore(cluster))
+    assert store.page_bytes == PAGE and store.stats().total_pages == 16
     with pytest.raises(ConfigError, match=r"key 'memcache\.dram_size'"):
         parse(StoreConnectorConfig, {"backend": "memcache", "memcache": {"dram_size": "lots"}}, where="x")
     with pytest.raises(ConfigError, match=r"key 'memcache\.protocol'"):

@@ -13,10 +13,10 @@ from ascend_offload.store.base import StoreError
 def test_mooncake_section_parses() -> None:
     cfg = parse(StoreConnectorConfig, {"backend": "mooncake", "mooncake": {
         "master_address": "10.0.0.5:50051", "protocol": "rdma", "device_name": "mlx5_0",
-        "global_segment_bytes": 4 << 30, "page_bytes": 65536}}, where="store config")
+        "global_segment_bytes": 4 << 30}}, where="store config")
     assert cfg.backend == "mooncake"
     assert cfg.mooncake.master_address == "10.0.0.5:50051"
-    assert cfg.mooncake.protocol == "rdma" and cfg.mooncake.page_bytes == 65536
+    assert cfg.mooncake.protocol == "rdma" and cfg.mooncake.global_segment_bytes == 4 << 30
     assert cfg.mooncake.metadata_server == "P2PHANDSHAKE"
     assert parse(StoreConnectorConfig, {}, where="x").backend == "local"  # off by default
 
@@ -24,7 +24,6 @@ def test_mooncake_section_parses() -> None:
 @pytest.mark.parametrize("raw, key", [
     ({"protocol": "udp"}, "mooncake.protocol"),
     ({"global_segment_bytes": 1 << 20}, "mooncake.global_segment_bytes"),
-    ({"local_buffer_bytes": 0}, "mooncake.local_buffer_bytes"),
     ({"retry_interval_s": 0}, "mooncake.retry_interval_s"),
     ({"master": "x:1"}, "mooncake.master"),
 ])
