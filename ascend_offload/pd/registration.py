@@ -109,6 +109,9 @@ class ProtocolGuard:
         return why
 
 
+MIN_ATTEMPT_S = 0.05  # the shortest timeout an attempt is given
+
+
 def register(
     url: str,
     proxy_request_id: str,
@@ -121,7 +124,11 @@ def register(
     max_backoff_s: float = 2.0,
     client: httpx.Client | None = None,
 ) -> dict[str, Any]:
-    """POST one registration; return the metaserver's JSON answer (e.g. ``{"status": "dispatched"}``)."""
+    """POST one registration; return the metaserver's JSON answer (e.g. ``{"status": "dispatched"}``).
+
+    Retries transport errors and 5xx with backoff until ``retries`` or ``timeout_s``
+    (at least one attempt is made; an attempt is given at least ``MIN_ATTEMPT_S``, so the
+    deadline may be overrun by that much)."""
     if not url.startswith(("http://", "https://")):
         raise RegistrationError(f"metaserver={url!r}: must be an http(s) URL")
     if not proxy_request_id:
@@ -132,19 +139,21 @@ def register(
     if registration_token is not None:  # the proxy requires it: proof this decode got the request
         body["registration_token"] = registration_token
     body["kv_transfer_params"] = params
-    deadline = time.monotonic() + timeout_s
     own = client is None
     http = client or httpx.Client()
+    deadline = time.monotonic() + timeout_s
     last = "no attempt made"
     attempts = 0
     try:
         for attempt in range(retries + 1):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 and attempts:
                 break
             attempts += 1
             try:
-                resp = http.post(url, json=body, timeout=left)
+                # the first attempt is always made (a loaded host may use up a short
+                # deadline before it): its error, not "no attempt", is what the caller needs
+                resp = http.post(url, json=body, timeout=max(left, MIN_ATTEMPT_S))
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:

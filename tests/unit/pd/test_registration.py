@@ -158,3 +158,10 @@ def test_registration_struct_rejects_unknown_and_malformed_keys():
         DecodeRegistration.from_params({**ok, "metaserver": "http://x"})
     with pytest.raises(ParamsError, match=r"\$\.remote_block_offset"):
         DecodeRegistration.from_params({**ok, "remote_block_offset": -1})
+
+
+def test_a_deadline_already_past_still_makes_one_attempt(port):
+    """A loaded host may use up a short deadline before the first attempt: the error is then
+    that attempt's (a connect error naming the URL), never a bare 'no attempt made'."""
+    with pytest.raises(RegistrationError, match=r"after 1 attempt\(s\).*Connect(Error|Timeout)"):
+        register(f"http://127.0.0.1:{port}/v1/metaserver", "px-9", {}, timeout_s=0.0, retries=3)
