@@ -139,7 +139,7 @@ class SparseOffloadManager:
         self._device = self.residency.kind == "device"
         self._new_dst: tuple[list[int], torch.Tensor] | None = None  # this step's new-row rows
         self._new_dst_buf: torch.Tensor | None = None  # persistent: a captured graph reads it
-        self._hot_on_host = self.hot.device.type == "cpu"  # the resolver's slots are host tensors
+        self._hot_on_host = dev.is_host(self.hot.layer(0))  # the resolver's slots are host tensors
         self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()
         self._tag_counter = itertools.count(1)

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ascend_offload import device as dev
 from ascend_offload.kv_layout import layer_order
 from ascend_offload.store.base import StoreError
 
@@ -243,7 +244,7 @@ class RemotePages:
         self.rank = rank
         self._planes = [planes[name] for name in layer_order(planes)]
         for p in self._planes:
-            if p.dim() != 2 or not p.is_contiguous() or p.device.type != "cpu":
+            if p.dim() != 2 or not p.is_contiguous() or not dev.is_host(p):
                 self.close()
                 raise StoreError("page planes must be contiguous 2-D host tensors")
         self._rows = [p.shape[1] * p.element_size() for p in self._planes]
