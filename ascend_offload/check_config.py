@@ -32,6 +32,7 @@ from ascend_offload.config import (
     check_store_backend,
     parse_extra_config,
 )
+from ascend_offload.store.private_files import PrivatePathError, check_private_dir
 
 MULTI = ("AscendMultiConnector", "MultiConnector")
 
@@ -95,7 +96,8 @@ def check(raw: Any) -> dict[str, Any]:
 
 def check_ssd_path(path: str, capacity_bytes: int) -> None:
     """``local.ssd``: the directory exists and is writable, or can be created (its nearest
-    existing ancestor is a writable directory); the file system's free space (statvfs, as
+    existing ancestor is a writable directory), an existing one private to this user as the
+    engine requires (``store/private_files``); the file system's free space (statvfs, as
     an unprivileged process sees it) holds one rank file of ``capacity_bytes``, counting
     slot files already there (they are reused). Raises :class:`ConfigError` naming the key."""
     p = Path(path).expanduser()
@@ -109,6 +111,11 @@ def check_ssd_path(path: str, capacity_bytes: int) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == p else f"cannot be created ({probe} is not writable)"
         raise ConfigError(f"key 'local.ssd.path'={path!r}: {what}")
+    if p.is_dir():  # a missing one is created 0700 by the engine
+        try:
+            check_private_dir(p, "local.ssd.path")
+        except PrivatePathError as exc:
+            raise ConfigError(str(exc)) from None
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
     existing = sum(f.stat().st_size for f in p.glob("ssd-*.slots")) if p.is_dir() else 0

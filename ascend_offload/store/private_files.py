@@ -46,6 +46,14 @@ def private_dir(path: Path, key: str) -> Path:
             pass  # another process made it meanwhile: checked below like any existing one
         except OSError as exc:
             raise PrivatePathError(f"key {key!r}: cannot create {d}: {exc.strerror or exc}") from None
+    check_private_dir(path, key)
+    return path
+
+
+def check_private_dir(path: Path, key: str) -> None:
+    """An existing ``path`` is a directory owned by this user (or root) that neither its
+    group nor others can write (what :func:`private_dir` requires; ``check-config`` runs
+    it without creating anything)."""
     try:
         st = os.stat(path)  # the configured directory may itself be a link (to a mount)
     except OSError as exc:
@@ -59,7 +67,6 @@ def private_dir(path: Path, key: str) -> Path:
         raise PrivatePathError(f"key {key!r}: {path} is writable by other users (mode "
                                f"{stat.S_IMODE(st.st_mode):o}); use a directory only this user "
                                f"can write (chmod go-w, or a new one: created 0700)")
-    return path
 
 
 def open_private(path: Path, flags: int, key: str, *, exclusive: bool = False) -> int:

@@ -67,6 +67,17 @@ def test_check_config_refuses_an_unwritable_path(tmp_path: Path) -> None:
         check(cfg({"path": str(ro / "sub"), "capacity_bytes": 1}))
 
 
+def test_check_config_refuses_a_directory_others_can_write(tmp_path: Path) -> None:
+    """The engine refuses it at start (``store/private_files``); check-config says so first."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"key 'local\.ssd\.path'.*writable by other users"):
+        check(cfg({"path": str(shared), "capacity_bytes": 1 << 20}))
+    shared.chmod(0o755)
+    check(cfg({"path": str(shared), "capacity_bytes": 1 << 20}))
+
+
 def test_check_config_refuses_more_than_the_free_space(tmp_path: Path) -> None:
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
