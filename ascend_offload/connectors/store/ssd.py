@@ -1,5 +1,5 @@
 """The store connector's SSD tier (``local.ssd``): the hooks the scheduler and the
-workers call; the rules are vLLM-free in ``store/ssd_*.py`` (docs/store.md, "SSD tier").
+workers call; the rules are vLLM-free in ``store/ssd/`` (docs/store.md, "SSD tier").
 
 Files in ``local.ssd.path`` (one engine per directory; each file is held under an
 exclusive ``flock``): ``ssd-<fingerprint>-r<rank>.slots`` per worker rank, and with
