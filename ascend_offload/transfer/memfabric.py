@@ -57,6 +57,9 @@ class MemFabricEngine(LibraryEngine):
     not shipped)."""
 
     name = "memfabric"
+    # sdma / device_rdma / device_urma move HBM: device KV is registered in place; a
+    # refused registration falls back to staging (connectors/remote_d2h/kv_region.py).
+    device_memory = True
 
     def __init__(self, *, host: str = "127.0.0.1", protocol: str = "sdma", role: str = "Decode",
                  device_id: int = 0, nic: str = "", engine: Any = None, op_types: Any = None) -> None:

@@ -196,3 +196,10 @@ def test_settings_select_memfabric_and_advertise_its_protocol(monkeypatch: pytes
     monkeypatch.setattr(st.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="key 'transfer_backend'='memfabric'"):
         st.build_settings(vc, st.parse_config(vc))
+
+
+def test_memfabric_declares_device_memory() -> None:
+    """MemFabric moves HBM, so device-resident KV is registered in place, not staged
+    (docs/pd.md, "Device-resident KV"; a refused registration still falls back)."""
+    assert engine("Decode").device_memory
+    assert engine("Prefill", protocol="device_rdma").device_memory
