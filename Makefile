@@ -6,7 +6,7 @@ STAMP := $(VENV)/.bootstrap-stamp
 APT_PKGS := libibverbs1 librdmacm1 libnuma1
 # best effort: lets the native residency test build and run an aarch64 twin under qemu
 APT_OPTIONAL := g++-aarch64-linux-gnu qemu-user-static
-EXTRAS := cpu,proxy,mooncake,test
+EXTRAS := cpu,proxy,mooncake,test,lint
 # memcache_hybrid / memfabric_hybrid (wheels for some platforms only); without them make test
 # stops naming them, unless ASCEND_OFFLOAD_TEST_ALLOW_MISSING=memcache,memfabric (tests/conftest.py)
 OPTIONAL_EXTRAS := ascend
@@ -65,8 +65,10 @@ demo: bootstrap
 bench: bootstrap
 	$(PY) -m ascend_offload.cli bench all --out bench-results
 
+# ruff, then mypy over ascend_offload and proxy ([tool.mypy] in pyproject.toml)
 lint: bootstrap
 	$(PY) -m ruff check ascend_offload proxy tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results ascend_offload/_native

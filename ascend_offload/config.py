@@ -21,8 +21,10 @@ from pydantic import (
     field_validator,
 )
 
+from ascend_offload.errors import AscendOffloadError
 
-class ConfigError(ValueError):
+
+class ConfigError(AscendOffloadError, ValueError):
     """A configuration value is invalid; the message names key and accepted values."""
 
 

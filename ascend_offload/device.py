@@ -616,4 +616,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError(f"tensor_bytes needs a host tensor, got {t.device}")
     if not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous tensor")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only

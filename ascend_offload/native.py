@@ -238,7 +238,7 @@ def fastcall() -> Call3 | None:
     except (ImportError, OSError, AssertionError) as exc:
         logger.debug("ascend_offload.native: fast-call module unusable (%s); ctypes it is", exc)
         return None
-    return mod.call3  # type: ignore[no-any-return]
+    return mod.call3
 
 
 def address_of(lib: ctypes.CDLL, name: str) -> int:

@@ -540,7 +540,8 @@ class Proxy:
             return await respond(request, 200, merged, JSON_TYPE, wt)
 
         queue: asyncio.Queue[tuple[str, SubRequest, Any]] = asyncio.Queue(self.cfg.fanout_queue)
-        tasks = [loop.create_task(self._sub_stream(path, s, shared, auth, queue)) for s in subs]
+        stream_tasks = [loop.create_task(self._sub_stream(path, s, shared, auth, queue))
+                        for s in subs]
         max_event = self.cfg.max_answer_mb * MB
         splitters = {id(s): SSESplitter(max_event) for s in subs}
         merger = StreamMerger(rid)
@@ -594,9 +595,9 @@ class Proxy:
             await finish_within(request, out, wt)
             return out
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for st in stream_tasks:
+                st.cancel()
+            await asyncio.gather(*stream_tasks, return_exceptions=True)
 
     async def _fanout_failed(
         self, request: web.Request, out: web.StreamResponse | None, rid: str, err: ProxyError

@@ -189,7 +189,7 @@ class SharedBody:
 
     def decode_payload(self, sub: dict[str, Any], kv: dict[str, Any]) -> SegmentsPayload:
         """Step 2 of the contract: the sub-request as is, asking for a remote prefill (``kv``)."""
-        own = {k: sub[k] for k in ("n", "seed") if k in sub}
+        own: dict[str, Any] = {k: sub[k] for k in ("n", "seed") if k in sub}
         own["kv_transfer_params"] = kv
         return SegmentsPayload(self._segments(sub, own, self._decode_tail))
 

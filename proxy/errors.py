@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies and the one exception type the proxy raises.
+"""OpenAI-style error bodies, the one exception type the proxy raises, and the root of
+the proxy's exceptions.
 
 Every failure the client can see is a ``ProxyError`` carrying an HTTP status,
 so handlers turn any of them into the same JSON shape vLLM itself uses:
@@ -25,7 +26,12 @@ _TYPES: dict[int, str] = {
 }
 
 
-class ProxyError(Exception):
+class AscendOffloadProxyError(Exception):
+    """Root of every exception class defined in ``proxy`` (which imports nothing of the
+    library, so it does not share ``ascend_offload.errors.AscendOffloadError``)."""
+
+
+class ProxyError(AscendOffloadProxyError):
     """A failure with the HTTP status the client should receive."""
 
     def __init__(

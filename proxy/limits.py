@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import MB
-from proxy.errors import ProxyError
+from proxy.errors import AscendOffloadProxyError, ProxyError
 
 __all__ = ["MB", "Admission", "ClientStalled", "finish_within", "read_answer", "read_body", "respond",
            "write_within"]
@@ -27,7 +27,7 @@ def _size(n: int) -> str:
     return f"{n // MB} MiB" if n >= MB else f"{n} bytes"
 
 
-class ClientStalled(Exception):
+class ClientStalled(AscendOffloadProxyError):
     """A client did not take a write within the write deadline; its connection is closed."""
 
 

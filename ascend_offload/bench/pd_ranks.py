@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ascend_offload.errors import AscendOffloadError
+
 if TYPE_CHECKING:
     from ascend_offload.pd.auth import ControlKeys
+    from ascend_offload.pd.consumer_records import RecvOutcome
     from ascend_offload.pd.producer import SlotListener
 
 log = logging.getLogger(__name__)
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-class RankError(RuntimeError):
+class RankError(AscendOffloadError, RuntimeError):
     """A rank process failed a command, crashed, or did not answer before the deadline."""
 
 
@@ -185,7 +188,7 @@ class DecodeRank:
         self.consumer.expect(rid, dst_blocks, num_layers)
 
     def wait(self, count: int, timeout_s: float) -> list[tuple[str, bool, tuple[int, ...], tuple[str, ...], float]]:
-        outs = []
+        outs: list[RecvOutcome] = []
         end = time.monotonic() + timeout_s
         while len(outs) < count and time.monotonic() < end:
             outs += self.consumer.wait_finished(count - len(outs), max(0.0, end - time.monotonic()))

@@ -28,18 +28,20 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ascend_offload import device, native
 from ascend_offload.bench.sparse_traces import TRACE_KINDS, belady_hits, overlap_trace
+from ascend_offload.errors import AscendOffloadError
 from ascend_offload.sparse.residency import POLICIES, NativeResidency, TorchResidency
 
 BASELINE_SOURCE = "ref_lru_baseline.cpp"
 
 
-class BaselineUnavailable(RuntimeError):
+class BaselineUnavailable(AscendOffloadError, RuntimeError):
     """The reference baseline cannot be built here (says why)."""
 
 
@@ -212,6 +214,7 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
         lens = torch.full((batch,), args.ctx + t + 1, dtype=torch.int32)
         topk = torch.from_numpy(np.stack([traces[(0, b)][t] for b in range(batch)]))
         t0 = time.perf_counter_ns()
+        assert tw is not None  # the loop runs only with a twin
         tw.resolve(0, rows, tags, lens, lens, topk, bt, args.block)
         twin.append((time.perf_counter_ns() - t0) / 1e3 / batch)
     med = statistics.median
@@ -230,7 +233,7 @@ def bench_resolve(args: argparse.Namespace, batch: int, traces: dict[tuple[int, 
                           "cpu": med(acc["cpu"][name]) / med(acc["cpu"][impl])}
         return r
 
-    res = {"batch": batch, "samples": len(inter["wall"]["ours"])}
+    res: dict[str, Any] = {"batch": batch, "samples": len(inter["wall"]["ours"])}
     res.update(summary(inter))  # top level: the interleaved pass (as in earlier results)
     res["alone"] = summary(alone)
     res.update({
@@ -460,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         per_step = belady_hits(traces[key], args.hot)
         bel_h += sum(per_step[args.warmup:])  # same steps as the LRU hit rate
         bel_n += args.k * (args.steps - args.warmup)
-    results = {
+    results: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
                     "openmp": native.has_openmp(), "native_build": native.loaded_build()},

@@ -127,7 +127,7 @@ class WorkerProbe:
             finally:
                 totals["layer"] += time.perf_counter_ns() - t0
 
-        mod.SparseMLACache.run = timed_layer  # type: ignore[method-assign]
+        mod.SparseMLACache.run = timed_layer  # type: ignore[assignment]
         mod._bench_orig = orig  # type: ignore[attr-defined]
         mod._bench_layer_run = layer_run  # type: ignore[attr-defined]
 

@@ -147,7 +147,7 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
     sizes = [object_bytes] * num_objects
     src_ptrs = [src[i].data_ptr() for i in range(num_objects)]
     zc_ptrs = [zc_dst[i].data_ptr() for i in range(num_objects)]
-    src_views = [memoryview(src[i].numpy()) for i in range(num_objects)]
+    src_views = [memoryview(src[i].numpy()) for i in range(num_objects)]  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
     n = [0]
     keys: dict[str, list[str]] = {}
 
@@ -159,8 +159,9 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
     def save() -> None:
         hs = store.allocate(keys["ours"], sizes)
         assert hs is not None and all(h is not None for h in hs), "Mooncake save skipped"
-        store.write_batch(hs, src)
-        store.commit(hs)
+        ready = [h for h in hs if h is not None]
+        store.write_batch(ready, src)
+        store.commit(ready)
 
     def raw_put() -> None:
         assert client.put_batch(keys["raw"], src_views) == 0, "raw put_batch failed"

@@ -197,7 +197,7 @@ def rewrite_kv_cache_configs(
     """Rewrite every worker's config; all end with the smallest worker's ``num_blocks``."""
     n_hidden = _num_hidden_layers(vllm_config)
     out = []
-    plans = []
+    plans: list[LayerwisePlan | None] = []
     for config, mem in zip(configs, available_memory, strict=True):
         if not config.kv_cache_tensors:
             out.append(config)
@@ -213,12 +213,12 @@ def rewrite_kv_cache_configs(
             c if p is None else rewrite_kv_cache_config(vllm_config, orig, mem, p, num_blocks=low)
             for c, orig, mem, p in zip(out, configs, available_memory, plans, strict=True)
         ]
-    for before, after, plan in zip(configs, out, plans, strict=True):
-        if plan is not None:
+    for before, after, used in zip(configs, out, plans, strict=True):
+        if used is not None:
             log.info(
                 "ascend-offload layerwise: %d cache layers share %d physical buffers "
                 "(independent=%s, B=%d); KV blocks %d -> %d",
-                plan.num_logical, plan.num_physical, cfg.layerwise_independent_layers,
+                used.num_logical, used.num_physical, cfg.layerwise_independent_layers,
                 cfg.layerwise_num_shared_buffers, before.num_blocks, after.num_blocks,
             )
     return out

@@ -12,13 +12,16 @@ for the P/D pull (:class:`RD2HPromMetrics`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
 
 # counter name -> help text
 COUNTERS: dict[str, str] = {
@@ -169,17 +172,20 @@ class RD2HConnectorStats(CounterStats):
     GAUGES: ClassVar[frozenset[str]] = frozenset(RD2H_GAUGES)
 
 
-class CounterDeltas:
+S = TypeVar("S", bound=CounterStats)
+
+
+class CounterDeltas(Generic[S]):
     """Turns monotonically growing totals into per-report deltas, plus gauges: all of
     them whenever a counter moved or a gauge changed since the last report (so a
     gauge's return to 0 is reported too)."""
 
-    def __init__(self, stats_cls: type[CounterStats] = StoreConnectorStats) -> None:
+    def __init__(self, stats_cls: type[S]) -> None:
         self._last: dict[str, int] = {}
         self._last_gauges: dict[str, int] = {}
         self._cls = stats_cls
 
-    def take(self, totals: dict[str, int], gauges: dict[str, int] | None = None) -> CounterStats | None:
+    def take(self, totals: dict[str, int], gauges: dict[str, int] | None = None) -> S | None:
         delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = dict(totals)
         delta = {k: v for k, v in delta.items() if v}
@@ -207,20 +213,24 @@ class CounterPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(name=f"{self.PREFIX}{name}", documentation=doc,
-                                  labelnames=labelnames),
+        # vLLM types each class of metric_types as any metric class; these are its
+        # Counter and Gauge (or their multiprocess wrappers).
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        gauge_cls = cast("type[Gauge]", self._gauge_cls)
+        self._counters: dict[str, dict[int, Counter]] = {
+            name: cast("dict[int, Counter]", create_metric_per_engine(
+                counter_cls(name=f"{self.PREFIX}{name}", documentation=doc,
+                            labelnames=labelnames),
                 per_engine_labelvalues,
-            )
+            ))
             for name, doc in self.COUNTERS.items()
         }
-        self._gauges = {
-            name: create_metric_per_engine(
-                self._gauge_cls(name=f"{self.PREFIX}{name}", documentation=doc,
-                                labelnames=labelnames, multiprocess_mode="mostrecent"),
+        self._gauges: dict[str, dict[int, Gauge]] = {
+            name: cast("dict[int, Gauge]", create_metric_per_engine(
+                gauge_cls(name=f"{self.PREFIX}{name}", documentation=doc,
+                          labelnames=labelnames, multiprocess_mode="mostrecent"),
                 per_engine_labelvalues,
-            )
+            ))
             for name, doc in self.GAUGES.items()
         }
 

@@ -113,7 +113,8 @@ class AscendMultiConnector(MultiConnector):
                 f"{NAME}: its child connectors do not support the hybrid KV cache manager; start "
                 "vLLM with --disable-hybrid-kv-cache-manager (key 'disable_hybrid_kv_cache_manager'"
                 "=True)")
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM types kv_cache_config as required but stores it as given (None: no cache yet)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         # Pairing on config indices (errors name connectors[i] as written), then the
         # canonical invocation order.
         stores = [i for i, c in enumerate(self._connectors)

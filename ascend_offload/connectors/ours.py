@@ -49,5 +49,5 @@ def our_connectors(vllm_config: Any) -> Iterator[tuple[str, str | None, Mapping[
                     child.get("kv_connector"), child.get("kv_connector_module_path")):
                 yield (child["kv_connector"], child.get("kv_role", role),
                        child.get("kv_connector_extra_config") or {})
-    elif connector_is_ours(name, getattr(kvt, "kv_connector_module_path", None)):
+    elif name is not None and connector_is_ours(name, getattr(kvt, "kv_connector_module_path", None)):
         yield name, role, extra

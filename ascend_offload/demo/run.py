@@ -181,8 +181,8 @@ def complete(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[list
         r = client.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-        ids = r.json()["choices"][0].get("token_ids") or []
-        return list(ids), time.perf_counter() - t0, None, None
+        got = r.json()["choices"][0].get("token_ids") or []
+        return list(got), time.perf_counter() - t0, None, None
     ids: list[int] = []
     stamps: list[float] = []
     with client.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r:

@@ -48,7 +48,7 @@ def owned_engine(factory: Callable[[], T], *, in_process: bool = False) -> Itera
     try:
         yield engine
     finally:
-        core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
+        core: Any = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
         with contextlib.suppress(Exception):
             core.shutdown()
         del engine, core

@@ -238,9 +238,9 @@ class FakeBackend:
         if self.role == "decode" and params.get("do_remote_prefill") and params.get("metaserver"):
             ev = self._kv_event(rid) if self.wait_kv else None
             try:
-                err = await self._register(params, rid)
-                if err is not None:
-                    return web.Response(status=500, body=_enc({"error": {"message": err, "code": 500}}),
+                reg_err = await self._register(params, rid)
+                if reg_err is not None:
+                    return web.Response(status=500, body=_enc({"error": {"message": reg_err, "code": 500}}),
                                         headers=_JSON)
                 if ev is not None:
                     try:

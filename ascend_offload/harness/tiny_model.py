@@ -56,11 +56,12 @@ def _write_llama(out: Path, spec: dict[str, int]) -> None:
         max_position_embeddings=spec["max_position"],
         initializer_range=0.2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # accepted alias transformers' types omit
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers' decorator on .to() types its first argument as the model
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out, spec["vocab_size"])
 

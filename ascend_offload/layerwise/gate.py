@@ -37,12 +37,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from ascend_offload.errors import AscendOffloadError
 
-class GateError(RuntimeError):
+
+class GateError(AscendOffloadError, RuntimeError):
     """The gate was used against its protocol (wrong slot, stale generation, double write)."""
 
 
-class GateTimeout(TimeoutError):
+class GateTimeout(AscendOffloadError, TimeoutError):
     """A writer waited past its deadline for a slot's consumers (or writer) to finish."""
 
     def __init__(self, slot: int, layer: str, waited_s: float, pending: list[str]) -> None:

@@ -138,7 +138,7 @@ class LayerwisePlan:
             "assignment": self.assignment(),
             "follower_assignment": [self.slot_of[n] for n in self.followers],
             "prefetch_from": [
-                None if self.prev_owner[n] is None else self.layers.index(self.prev_owner[n])  # type: ignore[arg-type]
+                None if self.prev_owner[n] is None else self.layers.index(self.prev_owner[n])
                 for n in self.layers
             ],
             "footprint_ratio": round(self.footprint_ratio(), 6),

@@ -11,12 +11,13 @@ import argparse
 import json
 import sys
 
+from ascend_offload.errors import AscendOffloadError
 from ascend_offload.layerwise.plan import KEY_B, KEY_I, Independent, PlanError, plan_uniform
 
 _OPTION_OF = {KEY_B: "--shared-buffers", KEY_I: "--independent"}
 
 
-class _UsageError(Exception):
+class _UsageError(AscendOffloadError):
     pass
 
 

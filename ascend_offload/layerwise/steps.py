@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from ascend_offload.errors import AscendOffloadError
+
 KeyFn = Callable[[str, str], str]
 
 
@@ -19,11 +21,11 @@ def default_key(block_key: str, layer: str) -> str:
     return f"{block_key}|{layer}"
 
 
-class PipelineError(RuntimeError):
+class PipelineError(AscendOffloadError, RuntimeError):
     """The pipeline was driven against its protocol (unknown layer, save before load...)."""
 
 
-class LoadTimeout(TimeoutError):
+class LoadTimeout(AscendOffloadError, TimeoutError):
     """A layer's store load did not finish within ``load_timeout_s``."""
 
 
@@ -33,6 +35,9 @@ class BlockRef:
 
     block_id: int
     key: str
+    # the request the block belongs to ("" unknown): a failed load then costs only its
+    # owner's saves of the step, not every request's (see LayerwisePipeline.save_layer)
+    owner: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +119,7 @@ class StepBuilder:
             )
         own_from = 0
         if st.first:
-            self._load += [BlockRef(ids[i], st.keys[i]) for i in range(st.hits)]
+            self._load += [BlockRef(ids[i], st.keys[i], req_id) for i in range(st.hits)]
             own_from = st.hits
             st.first = False
         for i in range(own_from, -(-num_computed // bs)):
@@ -122,12 +127,12 @@ class StepBuilder:
                 raise PipelineError(
                     f"StepBuilder: request {req_id!r} block {i} was computed but never saved"
                 )
-            self._shared.append(BlockRef(ids[i], st.keys[i]))
+            self._shared.append(BlockRef(ids[i], st.keys[i], req_id))
         for i in range(num_computed // bs, -(-end // bs)):
             fill = min(bs, end - i * bs)
             key = full_key(i) if fill == bs else None
             st.keys[i] = key or f"{self.partial_prefix}/{req_id}/{i}/{fill}"
-            self._save.append(BlockRef(ids[i], st.keys[i]))
+            self._save.append(BlockRef(ids[i], st.keys[i], req_id))
 
     def build(self) -> StepIO:
         io = StepIO(tuple(self._load), tuple(self._shared), tuple(self._save))

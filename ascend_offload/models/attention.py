@@ -21,7 +21,7 @@ CPU MLA kernel is dense, fixed to head 576 and block 16 (see docs/models.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -321,4 +321,5 @@ def sparse_mla_attention(q: torch.Tensor, new_kv: torch.Tensor, index_q: torch.T
     """One layer's cache writes, indexer top-k and attention, between the
     connector's ``wait_for_layer_load`` and ``save_kv_layer`` for ``layer_name``."""
     meta, layer, _, _ = get_attention_context(layer_name)
-    layer.run(meta, q, new_kv, index_q, index_k, index_w, output)
+    # vLLM types the registered layer as its own attention classes; ours is a SparseMLACache
+    cast("SparseMLACache", layer).run(meta, q, new_kv, index_q, index_k, index_w, output)

@@ -72,4 +72,5 @@ class SparseMLAConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         kwargs.setdefault("architectures", [ARCHITECTURE])
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # transformers types __init__ without the kwargs it still accepts
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)  # type: ignore[call-arg]

@@ -15,6 +15,7 @@ Weight names follow DeepSeek-V3.2 checkpoints where the module exists.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def _model_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    """The model's dtype: vLLM types the field as the requested name or dtype, and has
+    resolved it to a ``torch.dtype`` by the time a model is built."""
+    return cast(torch.dtype, vllm_config.model_config.dtype)
+
+
 def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
 
@@ -70,7 +77,7 @@ class Indexer(nn.Module):
         self.weights_proj = _linear(config.hidden_size, self.n_heads)
         self.gate_scale = self.n_heads**-0.5 * self.head_dim**-0.5
         self.k_cache = IndexerCache(f"{prefix}.k_cache", self.head_dim,
-                                    vllm_config.model_config.dtype, vllm_config.cache_config)
+                                    _model_dtype(vllm_config), vllm_config.cache_config)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +110,7 @@ class SparseMLAAttention(nn.Module):
         self.attn = SparseMLACache(
             f"{prefix}.attn", num_heads=self.n_heads, kv_lora_rank=self.rank, rope_dim=self.rope,
             scale=(self.nope + self.rope) ** -0.5, index_topk=topk, indexer=self.indexer.k_cache,
-            dtype=vllm_config.model_config.dtype, cache_config=vllm_config.cache_config)
+            dtype=_model_dtype(vllm_config), cache_config=vllm_config.cache_config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -173,7 +180,8 @@ class SparseMLAForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        config = vllm_config.model_config.hf_config
+        # the registered architecture's config class (models/config.py)
+        config = cast(SparseMLAConfig, vllm_config.model_config.hf_config)
         # Tensor parallelism: every rank holds all weights and computes the whole model
         # (no collective, so no all-reduce at the end). MLA's latent KV is one row per
         # token shared by all heads, so it is replicated across TP ranks in real

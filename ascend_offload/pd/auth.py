@@ -31,6 +31,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from ascend_offload.errors import AscendOffloadError
+
 log = logging.getLogger(__name__)
 
 # Read at most this much of a secret file: a secret, not a data set.
@@ -38,7 +40,7 @@ MAX_SECRET_BYTES = 4096
 MIN_SECRET_BYTES = 16
 
 
-class AuthError(ValueError):
+class AuthError(AscendOffloadError, ValueError):
     """The shared secret is missing, unreadable or too short."""
 
 
@@ -133,6 +135,7 @@ class ServerAuth:
         self._owned = keys is not None
         self._auth: ThreadAuthenticator | None = None
         self.check: _ClientKey | None = None
+        self.context: zmq.Context
         if keys is None:
             self.context = zmq.Context.instance()
             return

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ascend_offload.config import Fault, parse_faults
+from ascend_offload.errors import AscendOffloadError
 from ascend_offload.pd import protocol as P
 from ascend_offload.pd._loop import IoLoop
 from ascend_offload.pd.auth import ControlKeys, secure_client
@@ -169,7 +170,7 @@ class Producer:
         self._finished: list[SendOutcome] = []
         self._releases: list[SlotRelease] = []
         self._need_meta: set[tuple[str, int]] = set()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
         self._sock_ep: dict[zmq.Socket, tuple[str, int]] = {}
         self._sock_used: dict[tuple[str, int], float] = {}
@@ -364,7 +365,7 @@ class Producer:
             return
         use.pending.discard(msg.request_id)
         ok = isinstance(msg, P.ReadDone)
-        if ok:
+        if isinstance(msg, P.ReadDone):
             self.stats.acked += 1
         else:
             self.stats.failed += 1
@@ -544,7 +545,7 @@ def stats_dict(stats: ProducerStats) -> dict[str, int]:
     return dataclasses.asdict(stats)
 
 
-class ReadFailedError(RuntimeError):
+class ReadFailedError(AscendOffloadError, RuntimeError):
     """Decode did not (provably) read a slot's contents; carried to the reuse gate."""
 
 

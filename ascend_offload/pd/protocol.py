@@ -18,6 +18,8 @@ from typing import Annotated, Union
 
 import msgspec
 
+from ascend_offload.errors import AscendOffloadError
+
 PROTOCOL_VERSION = 1
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -27,7 +29,7 @@ MAX_NAME = 512
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 
-class ProtocolError(ValueError):
+class ProtocolError(AscendOffloadError, ValueError):
     """A message could not be decoded or is inconsistent; it is dropped (and logged)."""
 
 

@@ -28,14 +28,16 @@ from typing import Annotated, Any
 import httpx
 import msgspec
 
+from ascend_offload.errors import AscendOffloadError
+
 log = logging.getLogger(__name__)
 
 
-class RegistrationError(RuntimeError):
+class RegistrationError(AscendOffloadError, RuntimeError):
     """The metaserver refused the registration or did not accept it before the deadline."""
 
 
-class ParamsError(ValueError):
+class ParamsError(AscendOffloadError, ValueError):
     """A request's ``kv_transfer_params`` are not a valid decode registration."""
 
 

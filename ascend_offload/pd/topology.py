@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ascend_offload.errors import AscendOffloadError
 
-class TopologyError(ValueError):
+
+class TopologyError(AscendOffloadError, ValueError):
     """Prefill/decode sizes that cannot be paired; raised at startup."""
 
 

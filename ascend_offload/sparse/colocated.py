@@ -161,7 +161,10 @@ class ColocatedSparseDecode:
                 raise ValueError("plan_step: a layer of this step saw another batch "
                                  f"({len(rows)} rows, {len(self._plan_rows)} planned)")
             return self._plan
-        index, start, decode, entries = [], [], [], []
+        index: list[int] = []
+        start: list[int] = []
+        decode: list[bool] = []
+        entries: list[StepEntry] = []
         for row in rows:
             req = self._keys.get(row.key)
             if req is None or req not in self._pooled:

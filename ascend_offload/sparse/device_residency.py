@@ -71,6 +71,10 @@ def state_bytes_per_row(hot_size: int, max_positions: int) -> int:
     return map_elem * (max_positions + 1) + (4 + 8) * (hot_size + 1) + 16
 
 
+# six tensors: a layer's state, or a step's arguments (what :func:`resolve_lru` takes)
+_Six = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def resolve_lru(pos_slot: torch.Tensor, slot_pos: torch.Tensor, stamp: torch.Tensor,
                 tag: torch.Tensor, clock: torch.Tensor, report: torch.Tensor,
                 rows: torch.Tensor, tags: torch.Tensor, stable: torch.Tensor, lens: torch.Tensor,
@@ -245,7 +249,7 @@ class BoundStep:
     def padded(self) -> int:
         return self.meta.shape[0]
 
-    def args(self) -> tuple[torch.Tensor, ...]:
+    def args(self) -> _Six:
         """``rows, tags, stable, lens, real, block_table`` for :func:`resolve_lru`."""
         m = self.meta
         return m[:, 0], m[:, 1], m[:, 2], m[:, 3], m[:, 4] != 0, self.block_table
@@ -278,13 +282,13 @@ class DeviceResidency:
         if self.batch_sizes and self.batch_sizes[0] <= 0:
             raise ResidencyError(f"batch_sizes={batch_sizes}: must be > 0")
         L, R1, H1, C1 = num_layers, num_rows + 1, hot_size + 1, max_positions + 1
-        kw = {"device": self.device}
-        self.pos_slot = torch.full((L, R1, C1), -1, dtype=_map_dtype(hot_size), **kw)
-        self.slot_pos = torch.full((L, R1, H1), -1, dtype=torch.int32, **kw)
-        self.stamp = torch.zeros((L, R1, H1), dtype=torch.int64, **kw)
-        self.tag = torch.full((L, R1), -1, dtype=torch.int64, **kw)
-        self.clock = torch.zeros((L, R1), dtype=torch.int64, **kw)
-        self.report = torch.zeros((L, _REPORT), dtype=torch.int64, **kw)
+        dev = self.device
+        self.pos_slot = torch.full((L, R1, C1), -1, dtype=_map_dtype(hot_size), device=dev)
+        self.slot_pos = torch.full((L, R1, H1), -1, dtype=torch.int32, device=dev)
+        self.stamp = torch.zeros((L, R1, H1), dtype=torch.int64, device=dev)
+        self.tag = torch.full((L, R1), -1, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((L, R1), dtype=torch.int64, device=dev)
+        self.report = torch.zeros((L, _REPORT), dtype=torch.int64, device=dev)
         self._steps: dict[tuple[int, int], BoundStep] = {}
         self.step: BoundStep | None = None
 
@@ -294,7 +298,7 @@ class DeviceResidency:
         return sum(t.numel() * t.element_size() for t in (
             self.pos_slot, self.slot_pos, self.stamp, self.tag, self.clock, self.report))
 
-    def layer_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+    def layer_state(self, layer: int) -> _Six:
         """``pos_slot, slot_pos, stamp, tag, clock, report`` of one layer (views) for
         :func:`resolve_lru`."""
         return (self.pos_slot[layer], self.slot_pos[layer], self.stamp[layer], self.tag[layer],

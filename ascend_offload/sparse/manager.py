@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -297,7 +298,7 @@ class SparseOffloadManager:
         Device resolver: its per-layer reports are read here, once (input errors raise
         :class:`~ascend_offload.sparse.residency.ResidencyError`; the totals feed the stats)."""
         if self._device:
-            valid, misses = self.residency.check()  # type: ignore[union-attr]
+            valid, misses = cast(DeviceResidency, self.residency).check()
             self.stats.resolved_positions += valid
             self.stats.miss_rows += misses
             self.stats.onload_bytes += misses * self.pool.row_bytes
@@ -353,7 +354,9 @@ class SparseOffloadManager:
         if self._device:
             return self._onload_device(layer, topk)
         t0 = time.perf_counter_ns()
-        res = self.residency.resolve_layer(layer, dev.host_read(topk, reason=dev.TOPK_READ))
+        # not self._device: the table is a host one (the flag is set from its kind)
+        res = cast(Residency, self.residency).resolve_layer(
+            layer, dev.host_read(topk, reason=dev.TOPK_READ))
         t1 = time.perf_counter_ns()
         self.stats.resolve_ns += t1 - t0
         n = res.num_misses
@@ -381,7 +384,7 @@ class SparseOffloadManager:
         read back (the counts reach the stats at :meth:`end_step`)."""
         assert self._pool_dev is not None
         t0 = time.perf_counter_ns()
-        res = self.residency.resolve_layer(layer, topk)
+        res = cast(DeviceResidency, self.residency).resolve_layer(layer, topk)
         t1 = time.perf_counter_ns()
         gather_misses(self._pool_dev[layer], self.hot.layer(layer), res.copy_src, res.copy_dst)
         self.stats.resolve_ns += t1 - t0

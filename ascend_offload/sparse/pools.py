@@ -31,17 +31,18 @@ import torch
 
 from ascend_offload import device as dev
 from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.errors import AscendOffloadError
 
 GiB = 1 << 30
 _MAGIC = 0x414F_5350_4F4F_4C32  # "AOSPOOL2"
 MAX_TP = 16  # reader slots in the shared header (TP ranks 1..MAX_TP-1)
 
 
-class PoolCapacityError(RuntimeError):
+class PoolCapacityError(AscendOffloadError, RuntimeError):
     """Admission refused: the host pool or the hot-buffer rows are exhausted."""
 
 
-class PoolFenceTimeout(TimeoutError):
+class PoolFenceTimeout(AscendOffloadError, TimeoutError):
     """A reader waited past its deadline for rank 0 to publish a layer's new rows."""
 
 

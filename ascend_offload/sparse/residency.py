@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ascend_offload import native
+from ascend_offload.errors import AscendOffloadError
 from ascend_offload.native import (
     ARG_BLOCK_SIZE,
     ARG_BLOCK_TABLE,
@@ -51,7 +52,7 @@ POLICIES = ("lru", "arc")  # the native table's policy ids are the indices
 BACKENDS = ("host", "device")  # where a layer's resolve runs (docs/sparse.md "Device residency")
 
 
-class ResidencyError(ValueError):
+class ResidencyError(AscendOffloadError, ValueError):
     """A resolve call was given inconsistent input (names the request and value)."""
 
 

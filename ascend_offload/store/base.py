@@ -25,8 +25,10 @@ from typing import NamedTuple
 
 import torch
 
+from ascend_offload.errors import AscendOffloadError
 
-class StoreError(RuntimeError):
+
+class StoreError(AscendOffloadError, RuntimeError):
     """A store operation was used against its contract (e.g. reading unpinned data)."""
 
 

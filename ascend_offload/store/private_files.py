@@ -18,13 +18,15 @@ import os
 import stat
 from pathlib import Path
 
+from ascend_offload.errors import AscendOffloadError
+
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-class PrivatePathError(RuntimeError):
+class PrivatePathError(AscendOffloadError, RuntimeError):
     """A store path is unsafe or unusable (the message names the key and the path)."""
 
 

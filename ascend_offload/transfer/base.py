@@ -16,10 +16,15 @@ import itertools
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ascend_offload.errors import AscendOffloadError
+
+if TYPE_CHECKING:
+    from ascend_offload.config import RemoteD2HConfig
 
 
-class TransferError(RuntimeError):
+class TransferError(AscendOffloadError, RuntimeError):
     """A read failed (peer gone, address not registered, engine error)."""
 
 
@@ -255,7 +260,7 @@ def create_engine(backend: str, *, host: str = "127.0.0.1", protocol: str | None
     raise ValueError(f"transfer_backend={backend!r} (accepted: 'mooncake', 'memfabric', 'loopback')")
 
 
-def transfer_protocol(cfg: Any) -> str:
+def transfer_protocol(cfg: RemoteD2HConfig) -> str:
     """``backend/protocol`` of a ``RemoteD2HConfig``: what both ends of a P/D transfer must
     share (decode advertises it, prefill compares it with its own)."""
     if cfg.transfer_backend == "memfabric":
@@ -263,7 +268,7 @@ def transfer_protocol(cfg: Any) -> str:
     return f"{cfg.transfer_backend}/{cfg.mooncake_protocol}"
 
 
-def create_engine_for(cfg: Any, *, host: str, role: str, device_id: int = 0) -> TransferEngine:
+def create_engine_for(cfg: RemoteD2HConfig, *, host: str, role: str, device_id: int = 0) -> TransferEngine:
     """The engine a ``RemoteD2HConfig`` names, with its backend's own keys."""
     if cfg.transfer_backend == "memfabric":
         return create_engine("memfabric", host=host, protocol=cfg.memfabric_transfer_protocol,

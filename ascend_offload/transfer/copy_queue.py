@@ -39,12 +39,13 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import torch
 
 from ascend_offload import device, native
+from ascend_offload.errors import AscendOffloadError
 
 # The int32 index buffers NativeRowQueue.submit_rows takes (re-exported for callers).
 int32_array = native.int32_array
 
 
-class CopyQueueClosed(RuntimeError):
+class CopyQueueClosed(AscendOffloadError, RuntimeError):
     """A job was submitted to a closed queue."""
 
 
@@ -80,7 +81,7 @@ class CopyQueue(Protocol[JobT_contra]):
         ...
 
 
-class RowJob(ctypes.c_int64 * 9):
+class RowJob(ctypes.Array[ctypes.c_int64]):
     """One packed row copy for :meth:`NativeRowQueue.submit` (the C ABI's job struct:
     src, src rows, src index, dst, dst rows, dst index, count, row bytes, delay us).
 
@@ -88,6 +89,9 @@ class RowJob(ctypes.c_int64 * 9):
     set when it is submitted; the setter keeps the struct's layout in one place.
     """
 
+    # the same type as ``ctypes.c_int64 * 9``, spelled so a type checker sees the base
+    _type_ = ctypes.c_int64
+    _length_ = 9
     __slots__ = ()
 
     @property

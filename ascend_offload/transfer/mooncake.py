@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 from ascend_offload.transfer.base import LibraryEngine, ReadOp, TransferError
 
@@ -17,7 +17,7 @@ from ascend_offload.transfer.base import LibraryEngine, ReadOp, TransferError
 TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 
 
-def apply_read_deadline(timeout_s: float, env: dict[str, str] | None = None) -> dict[str, str]:
+def apply_read_deadline(timeout_s: float, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set Mooncake's transport deadlines (whole seconds) to ``timeout_s``; returns what was set.
 
     Ours wins over a looser (or unparsable) setting already in the environment;
@@ -26,7 +26,8 @@ def apply_read_deadline(timeout_s: float, env: dict[str, str] | None = None) -> 
     """
     if not 0 < timeout_s < math.inf:
         raise ValueError(f"timeout_s={timeout_s}: must be > 0 and finite")
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     ours = max(1, math.ceil(timeout_s))
     out = {}
     for key in TIMEOUT_ENV:

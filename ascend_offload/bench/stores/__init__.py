@@ -11,13 +11,16 @@ service health.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ascend_offload.store.base import KVStore, StoreError
 from ascend_offload.store.shared.backends import SHARED_BACKENDS
 
+if TYPE_CHECKING:
+    from ascend_offload.config import StoreConnectorConfig
 
-def shared_store_from_config(cfg: Any, object_bytes: int, *, device_id: int = 0) -> KVStore:
+
+def shared_store_from_config(cfg: StoreConnectorConfig, object_bytes: int, *, device_id: int = 0) -> KVStore:
     """The ``mooncake`` or ``memcache`` backend of ``cfg`` (a ``StoreConnectorConfig``);
     ``object_bytes``: the size of one stored object (one staging page each, default
     staging sizes); ``device_id``: the rank's accelerator (Memcache contributes its HBM)."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ascend_offload.bench.stores.staged import StagedStore
 from ascend_offload.store.base import Pin, StoreError, WriteHandle
@@ -62,6 +62,9 @@ from ascend_offload.store.shared.memcache import (
     real_client,
     replicate_config,
 )
+
+if TYPE_CHECKING:
+    from ascend_offload.config import MemcacheStoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +296,7 @@ class MemcacheStore(StagedStore):
             self._client.close()
 
 
-def memcache_store_from_config(cfg: Any, object_bytes: int, *, staging_bytes: int = 256 << 20,
+def memcache_store_from_config(cfg: MemcacheStoreConfig, object_bytes: int, *, staging_bytes: int = 256 << 20,
                                device_id: int = 0, client: Any = None) -> MemcacheStore:
     """Build the backend from a ``MemcacheStoreConfig``: one staging page per object of
     ``object_bytes``, ``staging_bytes`` of them (this store's own pages; the connector's tier

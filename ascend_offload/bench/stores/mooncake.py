@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ascend_offload.bench.stores.staged import StagedStore
 from ascend_offload.store.base import Pin, StoreError, WriteHandle
@@ -48,6 +48,9 @@ from ascend_offload.store.shared.mooncake import (
     MooncakeTierClient,
 )
 from ascend_offload.store.shared.tier import ServiceHealth
+
+if TYPE_CHECKING:
+    from ascend_offload.config import MooncakeStoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +252,7 @@ class MooncakeStore(StagedStore):
             self._client.close()
 
 
-def mooncake_store_from_config(cfg: Any, object_bytes: int, *, staging_bytes: int = 256 << 20,
+def mooncake_store_from_config(cfg: MooncakeStoreConfig, object_bytes: int, *, staging_bytes: int = 256 << 20,
                                local_buffer_bytes: int = 64 << 20) -> MooncakeStore:
     """Build the backend from a ``MooncakeStoreConfig``: one staging page per object of
     ``object_bytes``. The staging and transfer-buffer sizes are arguments: they size this

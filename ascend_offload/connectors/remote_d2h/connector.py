@@ -67,7 +67,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM types kv_cache_config as required but stores it as given; None where an
+        # engine builds no KV cache config (role checks, refused configs)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         wire_logging()
         self.cfg: RemoteD2HConfig = parse_config(vllm_config)
         self.settings = build_settings(vllm_config, self.cfg)
@@ -137,14 +139,15 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
             indexers = indexer_layers(self._kv_cache_config)
         pairs = pair_layers(list(kv_caches), indexers)
         first = next((t for t in kv_caches.values() if isinstance(t, torch.Tensor)), None)
-        where = {"is_producer": self.settings.is_producer,
-                 "device_id": (first.device.index or 0) if first is not None else 0}
+        is_producer = self.settings.is_producer
+        device_id = (first.device.index or 0) if first is not None else 0
         if self.decode is not None and self.sparse_settings is not None:
             layers = self.decode.pool_layers(kv_caches, pairs, num_blocks)
-            self._region = open_region(layers, self.cfg, self.settings.host, **where)
+            self._region = open_region(layers, self.cfg, self.settings.host,
+                                       is_producer=is_producer, device_id=device_id)
         else:  # vLLM's KV, in place or staged through host memory (kv_region)
             self._region = open_kv_region(kv_caches, pairs, num_blocks, self.cfg, self.settings.host,
-                                          **where)
+                                          is_producer=is_producer, device_id=device_id)
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:

@@ -90,6 +90,7 @@ def replicated_kv(vllm_config: VllmConfig) -> bool:
 def parse_config(vllm_config: VllmConfig) -> RemoteD2HConfig:
     """The connector's extra config, with its role checked against sparse offload."""
     tc = vllm_config.kv_transfer_config
+    assert tc is not None  # vLLM builds a connector only from a kv_transfer_config
     cfg: RemoteD2HConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
     check_sparse_role(cfg, is_producer=bool(tc.is_kv_producer), is_consumer=bool(tc.is_kv_consumer))
     check_debug_role(cfg, is_producer=bool(tc.is_kv_producer))
@@ -102,6 +103,7 @@ def build_settings(vllm_config: VllmConfig, cfg: RemoteD2HConfig) -> Settings:
         raise ConfigError("key 'transfer_backend'='memfabric': needs memfabric_hybrid "
                           "(pip install 'ascend-offload[ascend]') and the Ascend driver (accepted: 'mooncake')")
     tc = vllm_config.kv_transfer_config
+    assert tc is not None
     pc = vllm_config.parallel_config
     tp_size = pc.tensor_parallel_size
     topology = None

@@ -70,9 +70,12 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM types kv_cache_config as required but stores it as given; None where an
+        # engine builds no KV cache config (role checks, refused configs)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         wire_logging()
         tc = vllm_config.kv_transfer_config
+        assert tc is not None  # vLLM builds a connector only from a kv_transfer_config
         self.cfg: SparseDecodeConfig = parse_extra_config(NAME, tc.kv_connector_extra_config)
         self.enabled = self.cfg.sparse_offload.enabled
         self.settings: SparseDecodeSettings | None = None
@@ -128,7 +131,9 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         shared = None
         if get_tensor_model_parallel_world_size() > 1:  # one host pool for all ranks
             pc = self._vllm_config.parallel_config
-            shared = f"sd_{self._vllm_config.kv_transfer_config.engine_id}_dp{pc.data_parallel_rank or 0}"
+            tc = self._vllm_config.kv_transfer_config
+            assert tc is not None
+            shared = f"sd_{tc.engine_id}_dp{pc.data_parallel_rank or 0}"
         self.worker = SparseDecodeWorker(self.settings, kv_caches, shared_pool=shared,
                                          tp_rank=get_tensor_model_parallel_rank())
 

@@ -29,12 +29,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig, parse_extra_config
 from ascend_offload.connectors.ours import our_connectors
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +204,11 @@ class CutFacts:
 _FACTS = "ascend_offload_sparse_cut"
 
 
-def mark_cut(config: Any, facts: CutFacts) -> None:
+def mark_cut(config: KVCacheConfig, facts: CutFacts) -> None:
     object.__setattr__(config, _FACTS, facts)
 
 
-def cut_facts(config: Any) -> CutFacts | None:
+def cut_facts(config: KVCacheConfig) -> CutFacts | None:
     """The cut applied to ``config`` (``None``: vLLM's allocation, main KV on the device)."""
     return getattr(config, _FACTS, None)
 
@@ -257,7 +260,7 @@ def hot_buffer_view(kv_cache: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.as_strided(kv_cache, (rows, row), (row, 1), kv_cache.storage_offset())
 
 
-def device_kv_bytes(config: Any) -> dict[str, int]:
+def device_kv_bytes(config: KVCacheConfig) -> dict[str, int]:
     """Device KV bytes of a (cut or plain) config: ``total`` backing, ``main`` bytes of the
     main-KV layers (hot regions when cut), ``indexer`` the rest."""
     mains = main_kv_layers(config.kv_cache_groups)

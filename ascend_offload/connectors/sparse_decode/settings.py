@@ -54,11 +54,11 @@ def accept_paged_main_kv(on: bool) -> None:
     _PAGED_ACCEPTED["on"] = on
 
 
-def mark_paged_main_kv(config: Any, facts: PagedMainKV) -> None:
+def mark_paged_main_kv(config: KVCacheConfig, facts: PagedMainKV) -> None:
     object.__setattr__(config, _PAGED, facts)
 
 
-def paged_main_kv(config: Any) -> PagedMainKV | None:
+def paged_main_kv(config: KVCacheConfig) -> PagedMainKV | None:
     """The paged main-KV facts on ``config``, only while an integration accepts them."""
     return getattr(config, _PAGED, None) if _PAGED_ACCEPTED["on"] else None
 

@@ -100,15 +100,19 @@ def shared_tp_pool(settings: SparseDecodeSettings, *, num_layers: int, row: int,
     rank 0's per-layer publish fence. Ranks start concurrently, so a reader retries
     the attach until rank 0's file exists with its header written, or ``timeout_s``.
     """
-    kw = dict(num_layers=num_layers, num_rows=pool_rows_from_config(
-        settings.cfg, num_layers=num_layers, row_shape=(row,), dtype=dtype, block_size=settings.block_size),
-        row_shape=(row,), dtype=dtype, block_size=settings.block_size, shared_name=name)
+    num_rows = pool_rows_from_config(
+        settings.cfg, num_layers=num_layers, row_shape=(row,), dtype=dtype, block_size=settings.block_size)
+
+    def pool(create: bool) -> HostKVPool:
+        return HostKVPool(num_layers=num_layers, num_rows=num_rows, row_shape=(row,), dtype=dtype,
+                          block_size=settings.block_size, shared_name=name, create=create)
+
     if tp_rank == 0:
-        return HostKVPool(**kw, create=True)
+        return pool(create=True)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return HostKVPool(**kw, create=False)
+            return pool(create=False)
         except (FileNotFoundError, RuntimeError) as exc:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"TP rank {tp_rank}: could not attach the shared host pool "
@@ -251,7 +255,7 @@ class SparseDecodeWorker:
             return {"device_kv_bytes": main, "device_main_kv_bytes": main,
                     "device_indexer_kv_bytes": 0}
         backing = hot[0].untyped_storage().nbytes()
-        start = min(b.storage_offset() * b.element_size() for b in hot)
+        start = min(int(b.storage_offset()) * b.element_size() for b in hot)
         main = sum(-(-b.numel() * b.element_size() // HOT_ALIGN) * HOT_ALIGN for b in hot)
         return {"device_kv_bytes": backing, "device_main_kv_bytes": main,
                 "device_indexer_kv_bytes": start}

@@ -74,7 +74,9 @@ class AscendStoreConnector(ConnectorMetrics, KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM types kv_cache_config as required but stores it as given; None where an
+        # engine builds no KV cache config (role checks, refused configs)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         wire_logging()
         self.settings = StoreSettings.from_vllm(vllm_config, kv_cache_config)
         assert kv_cache_config is not None  # checked by from_vllm

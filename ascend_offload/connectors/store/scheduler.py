@@ -73,7 +73,7 @@ class StoreScheduler(abc.ABC):
                                 with_data=False)
         self._block_ids_of = block_ids_of
         self._requests: dict[str, Request] = {}  # every request the connector was asked about
-        self._deltas = CounterDeltas()
+        self._deltas = CounterDeltas(StoreConnectorStats)
         #: preempted requests: their stored blocks, the resumption wait, the counters
         self.residency = ResidencyTracker(s.cfg.save_timeout_s)
         self._computed_blocks: dict[str, int] = {}  # full blocks computed once the last scheduled step ran

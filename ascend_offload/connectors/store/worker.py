@@ -94,7 +94,7 @@ class StoreWorker(abc.ABC):
         self._late_ids = 0
         #: the shared tier's client (backend mooncake / memcache, after ``register_kv_caches``)
         self.remote: RemotePages | None = None
-        self._remote_deltas = CounterDeltas()
+        self._remote_deltas = CounterDeltas(StoreConnectorStats)
         #: the SSD tier's file and writer (local.ssd, whole-prefix mode, after ``register_kv_caches``)
         self.ssd: SsdWorker | None = None
         self._epoch = 0  # the store epoch of the step being run (echoed in the reports)

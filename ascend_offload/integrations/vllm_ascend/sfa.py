@@ -153,7 +153,7 @@ class SparseOffloadSFAMixin:
             if self._ao_offload is None:
                 log.info("ascend-offload: SFA layer %s is not offloaded (no sparse decode "
                          "adapter or not a registered layer): vllm-ascend's path runs", name)
-        return self._ao_offload  # type: ignore[return-value]
+        return self._ao_offload
 
     # ------------------------------------------------------------------ new rows
 

@@ -196,6 +196,10 @@ class RequestBook(Generic[E]):
     def _finished(self, e: E) -> None:
         """Mode-specific release of what a finished request still holds."""
 
+    def report(self, done: Mapping[Any, int], failed: Mapping[Any, int]) -> None:
+        """Ranks' completions (job id or block key -> ranks done / failed) in the
+        current epoch; implemented per mode."""
+
     def hold(self, counts: Mapping[Any, int]) -> None:
         """Ranks whose publish of a save (job id or block key -> ranks) outlived its
         deadline: the library may still read the saved pages, so the save's objects stay

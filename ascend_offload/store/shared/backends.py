@@ -8,19 +8,20 @@ scheduler and its bytes in the worker ranks (store/pages/scheduled_store.py, sto
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ascend_offload.store.base import StoreError
 
 if TYPE_CHECKING:
     import torch
 
+    from ascend_offload.config import StoreConnectorConfig
     from ascend_offload.store.shared.tier import RemoteIndex, RemotePages
 
 SHARED_BACKENDS = ("mooncake", "memcache")
 
 
-def shared_tier_index(cfg: Any, world_size: int) -> RemoteIndex:
+def shared_tier_index(cfg: StoreConnectorConfig, world_size: int) -> RemoteIndex:
     """The scheduler's client of the shared tier behind the connector's local pages
     (``cfg.backend`` ``mooncake`` or ``memcache``; store/shared/tier.py)."""
     if cfg.backend == "mooncake":
@@ -34,7 +35,7 @@ def shared_tier_index(cfg: Any, world_size: int) -> RemoteIndex:
     raise StoreError(f"backend={cfg.backend!r} has no shared tier (accepted: {', '.join(SHARED_BACKENDS)})")
 
 
-def shared_tier_pages(cfg: Any, planes: Mapping[str, torch.Tensor], rank: int, *, device_id: int = 0) -> RemotePages:
+def shared_tier_pages(cfg: StoreConnectorConfig, planes: Mapping[str, torch.Tensor], rank: int, *, device_id: int = 0) -> RemotePages:
     """A worker rank's client of the shared tier, its page ``planes`` registered.
     Transfers are bounded by the connector's load/save deadlines (Mooncake: its
     transport timeouts; Memcache: ``memcache.call_timeout_s``)."""

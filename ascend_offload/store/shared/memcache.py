@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from ascend_offload.store.base import StoreError
 from ascend_offload.store.shared import tier as shared_tier
 from ascend_offload.store.shared.deadline_calls import NOT_SENT, OVERRAN, DeadlineCalls
 from ascend_offload.store.shared.tier import IN_FLIGHT
+
+if TYPE_CHECKING:
+    from ascend_offload.config import MemcacheStoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +230,7 @@ class MemcacheTierClient:
         self.client.close()
 
 
-def _tier(cfg: Any, client: Any) -> MemcacheTierClient:
+def _tier(cfg: MemcacheStoreConfig, client: Any) -> MemcacheTierClient:
     return MemcacheTierClient(client, cfg.meta_service_url, call_timeout_s=cfg.call_timeout_s,
                               replicate=replicate_config(cfg.replica_num))
 
@@ -236,7 +239,7 @@ class RemoteIndex(shared_tier.RemoteIndex):
     """The shared tier's scheduler view on a Memcache meta service (``cfg``: a
     ``MemcacheStoreConfig``); its client is metadata-only unless ``client`` is given."""
 
-    def __init__(self, cfg: Any, world_size: int, *, client: Any = None) -> None:
+    def __init__(self, cfg: MemcacheStoreConfig, world_size: int, *, client: Any = None) -> None:
         if client is None:
             client = _metadata_client(cfg)
         super().__init__(_tier(cfg, client), world_size, cfg.retry_interval_s)
@@ -246,7 +249,7 @@ class RemotePages(shared_tier.RemotePages):
     """A worker rank's shared-tier client on Memcache (data path: needs the Ascend
     driver; ``device_id``: the rank's accelerator, whose HBM ``hbm_size`` contributes)."""
 
-    def __init__(self, cfg: Any, planes: Mapping[str, torch.Tensor], rank: int, *,
+    def __init__(self, cfg: MemcacheStoreConfig, planes: Mapping[str, torch.Tensor], rank: int, *,
                  device_id: int = 0, client: Any = None) -> None:
         if client is None:
             client = real_client(meta_service_url=_url(cfg), config_store_url=cfg.config_store_url,
@@ -256,14 +259,14 @@ class RemotePages(shared_tier.RemotePages):
         super().__init__(_tier(cfg, client), planes, rank, cfg.retry_interval_s)
 
 
-def _url(cfg: Any) -> str:
+def _url(cfg: MemcacheStoreConfig) -> str:
     if not cfg.meta_service_url:
         raise StoreError("the Memcache backend needs 'memcache.meta_service_url' "
                          "(tcp://host:port of the meta service)")
     return str(cfg.meta_service_url)
 
 
-def _metadata_client(cfg: Any) -> Any:
+def _metadata_client(cfg: MemcacheStoreConfig) -> Any:
     try:
         return metadata_client(_url(cfg), cfg.config_store_url)
     except ImportError as exc:

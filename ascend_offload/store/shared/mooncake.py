@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ascend_offload.store.base import StoreError
 from ascend_offload.store.shared import tier as shared_tier
 from ascend_offload.store.shared.tier import TierCounts, shard_key
+
+if TYPE_CHECKING:
+    from ascend_offload.config import MooncakeStoreConfig
 
 __all__ = ["MooncakeTierClient", "RemoteIndex", "RemotePages", "TierCounts", "connect", "shard_key"]
 
@@ -60,7 +63,7 @@ def _call(fn: Any, *args: Any, n: int) -> list[int]:
         return [RPC_LAST] * n
 
 
-def connect(cfg: Any, *, global_segment_bytes: int, deadline_s: float | None = None) -> Any:
+def connect(cfg: MooncakeStoreConfig, *, global_segment_bytes: int, deadline_s: float | None = None) -> Any:
     """A ``MooncakeDistributedStore`` client set up from a ``MooncakeStoreConfig``.
     ``global_segment_bytes`` 0 contributes no memory to the pool. No local transfer
     buffer: every byte moves from or to registered pages. ``deadline_s`` bounds every
@@ -144,7 +147,7 @@ class RemoteIndex(shared_tier.RemoteIndex):
     """The shared tier's scheduler view on a Mooncake master (``cfg``: a
     ``MooncakeStoreConfig``; ``client`` replaces the real one, tests)."""
 
-    def __init__(self, cfg: Any, world_size: int, *, client: Any = None) -> None:
+    def __init__(self, cfg: MooncakeStoreConfig, world_size: int, *, client: Any = None) -> None:
         raw = client if client is not None else connect(cfg, global_segment_bytes=0)
         super().__init__(MooncakeTierClient(raw, cfg.master_address), world_size, cfg.retry_interval_s)
 
@@ -153,7 +156,7 @@ class RemotePages(shared_tier.RemotePages):
     """A worker rank's shared-tier client on a Mooncake master; ``deadline_s`` bounds
     every transfer of this process (see :func:`connect`)."""
 
-    def __init__(self, cfg: Any, planes: Mapping[str, torch.Tensor], rank: int, *,
+    def __init__(self, cfg: MooncakeStoreConfig, planes: Mapping[str, torch.Tensor], rank: int, *,
                  client: Any = None, deadline_s: float | None = None) -> None:
         if not planes:
             raise StoreError("RemotePages needs at least one page plane")

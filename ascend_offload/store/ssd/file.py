@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ascend_offload import device
+from ascend_offload.errors import AscendOffloadError
 from ascend_offload.store.private_files import (
     PrivatePathError,
     open_private,
@@ -52,7 +53,7 @@ CHUNK_BYTES = 4 << 20
 READ_AHEAD = 2
 
 
-class SsdError(RuntimeError):
+class SsdError(AscendOffloadError, RuntimeError):
     """The SSD tier cannot be used as configured (the message names the key)."""
 
 

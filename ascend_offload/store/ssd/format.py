@@ -68,7 +68,7 @@ _hash = xxhash.xxh3_64_intdigest
 
 def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     """xxh3_64 of ``data`` (C, no copy of a contiguous buffer, GIL released)."""
-    return _hash(data)
+    return _hash(data)  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
 
 
 def checksum_implementation() -> str:
@@ -102,7 +102,9 @@ def _heads(rows: np.ndarray) -> np.ndarray:
 
 def _payload_sums(rows: np.ndarray, n: int, payload_len: int) -> np.ndarray:
     end = HEADER_BYTES + payload_len
-    return np.fromiter((_hash(rows[i, HEADER_BYTES:end]) for i in range(n)), dtype=np.uint64, count=n)
+    # numpy declares ndarray.__buffer__ for Python >= 3.12 only
+    return np.fromiter((_hash(rows[i, HEADER_BYTES:end]) for i in range(n)),  # type: ignore[arg-type]
+                       dtype=np.uint64, count=n)
 
 
 def pack_rows(rows: np.ndarray, *, rank: int, slots: Sequence[int] | np.ndarray,

@@ -252,8 +252,8 @@ class SsdJobs(TierWaits):
         self._spill_queue.clear()
         for spill in self._spills.values():
             spill.cancelled = True
-        for job in self._promote_queue:  # planned but not sent
-            promote = self._promotes.pop(job.job_id)
+        for pjob in self._promote_queue:  # planned but not sent
+            promote = self._promotes.pop(pjob.job_id)
             self.index.abort(promote.handles)
         self._promote_queue.clear()
         for promote in self._promotes.values():

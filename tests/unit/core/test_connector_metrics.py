@@ -8,7 +8,7 @@ from ascend_offload.connectors.metrics import CounterDeltas, StoreConnectorStats
 
 
 def test_deltas_and_aggregate() -> None:
-    d = CounterDeltas()
+    d = CounterDeltas(StoreConnectorStats)
     first = d.take({"saved_blocks": 3, "loaded_blocks": 0})
     assert first is not None and first.data == {"saved_blocks": 3}
     assert d.take({"saved_blocks": 3, "loaded_blocks": 0}) is None
