@@ -249,6 +249,7 @@ class LayerwisePipeline:
         self._drain_or_abandon("at the next step's start")
         lio.end_plan()
         lio.step_failed_layers.clear()
+        lio.step_failed_blocks.clear()
         self._step = io
         with self._lock:
             self._stats.steps += 1
@@ -293,10 +294,11 @@ class LayerwisePipeline:
         for listener in self._save_listeners:
             listener(layer, unit.gate_slot, st.lease.generation)
         if self._step.save:
-            if self._failed_at_or_before(unit):
-                self._drop_unit_save(unit, self._step.save)
-            else:
-                self._queue_unit_save(unit, self._step.save, st.lease.generation)
+            dropped, kept = self._split_failed(unit, self._step.save)
+            if dropped:
+                self._drop_unit_save(unit, dropped)
+            if kept:
+                self._queue_unit_save(unit, kept, st.lease.generation)
         st.released = True
         self.gate.release_write(st.lease)
         self._lio.reap()  # type: ignore[union-attr]  # made by start_step
@@ -525,12 +527,32 @@ class LayerwisePipeline:
         lio.reap()
         return any(self._unit_of[name].index <= unit.index for name in lio.step_failed_layers)
 
+    def _split_failed(self, unit: _Unit, refs: Sequence[BlockRef]
+                      ) -> tuple[Sequence[BlockRef], Sequence[BlockRef]]:
+        """``refs`` split into (not to save, to save) for ``unit``: after a load of this
+        step failed at or before it, the saves of every request that owns a failed block
+        are dropped; the other requests' attention read only their own, complete blocks,
+        so their KV is right and is saved (dropping it too would make such a request miss
+        its own blocks in its next chunk and be recomputed as well). A failed block whose
+        owner is unknown drops every save of the step."""
+        if not self._failed_at_or_before(unit):
+            return (), refs
+        lio = self._lio
+        assert lio is not None and self._step is not None  # made by start_step
+        failed = {b for layer, blocks in lio.step_failed_blocks.items()
+                  if self._unit_of[layer].index <= unit.index for b in blocks}
+        owners = {r.owner for r in (*self._step.load, *self._step.load_shared) if r.block_id in failed}
+        if not owners or "" in owners:
+            return refs, ()
+        return ([r for r in refs if r.owner in owners], [r for r in refs if r.owner not in owners])
+
     def _drop_unit_save(self, unit: _Unit, refs: Sequence[BlockRef]) -> None:
-        """Save nothing of ``unit`` in this step: a load earlier in the step failed, so this
-        layer's attention (or an earlier one's) read a buffer the load never filled and the
-        KV it handed on is wrong. vLLM recomputes the affected requests; committing these
-        objects would make the recompute's saves duplicates and serve the wrong KV to every
-        later load (planned objects are released at the next step start)."""
+        """Save none of ``refs`` (the blocks of requests whose load failed) for ``unit``: a
+        load earlier in the step failed for them, so this layer's attention (or an earlier
+        one's) read a buffer the load never filled and the KV it handed on is wrong. vLLM
+        recomputes those requests; committing these objects would make the recompute's
+        saves duplicates and serve the wrong KV to every later load (planned objects are
+        released at the next step start)."""
         n = len(refs) * len(unit.members)
         with self._lock:
             first = self._stats.save_dropped == 0

@@ -49,6 +49,7 @@ class _StepPlan:
     pin: Pin | None = None  # every planned load object, held until the step ends
     loads: dict[str, _RowCopy] = dataclasses.field(default_factory=dict)
     saves: dict[str, _RowCopy] = dataclasses.field(default_factory=dict)
+    save_refs: dict[str, Sequence[BlockRef]] = dataclasses.field(default_factory=dict)  # planned from
     nothing_to_save: set[str] = dataclasses.field(default_factory=set)  # all duplicates
 
 
@@ -103,6 +104,11 @@ class RowLayerIO(LayerIO):
             if planned is None and layer in plan.nothing_to_save:
                 plan.nothing_to_save.discard(layer)
                 return 0
+            if planned is not None and refs is not plan.save_refs.get(layer):
+                # a part of the step's saves (a failed load dropped its owners'): the plan
+                # packed them all, so its objects go back and this part takes the layer path
+                self.store.abort(planned.handles)
+                planned = None
             if planned is not None:
                 if delay_s:  # packed with none
                     planned.job.delay_s = delay_s
@@ -200,6 +206,7 @@ class RowLayerIO(LayerIO):
                 self.store.abort(handles)  # allocated again on the per-layer path
                 continue
             plan.saves[layer] = rc
+            plan.save_refs[layer] = refs
         with self._lock:
             self._stats.save_duplicates += dups
         return plan

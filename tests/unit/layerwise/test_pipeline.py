@@ -246,6 +246,33 @@ def test_a_failed_load_drops_the_rest_of_its_steps_saves(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", STORES)
+def test_a_failed_load_drops_only_its_owners_saves(kind: str) -> None:
+    """Two requests in one step: A reloads its earlier chunk and that load fails; B (a
+    first chunk) read only its own blocks, so its KV is right: B's saves are committed at
+    every layer, A's from the failed layer on are not, and B's next chunk reads its own
+    blocks back with no load error (it is not recomputed)."""
+    store = make_store(kind)
+    plan = plan_uniform(4, 1, [0])  # layer 0 independent, layers 1-3 share one buffer
+    sim = Sim(plan, store, fail_loads=1)  # the first layer load with blocks fails whole
+    a0, a1 = BlockRef(0, "a0", "A"), BlockRef(1, "a1", "A")
+    b0, b1 = BlockRef(2, "b0", "B"), BlockRef(3, "b1", "B")
+    sim.step(StepIO(save=(a0,)), [], [a0])  # A's first chunk
+    sim.pipe.drain()
+    sim.step(StepIO(load_shared=(a0,), save=(a1, b0)), [a0], [a1, b0])  # A's load of layer 1 fails
+    sim.pipe.drain()
+    first, *shared = plan.layers
+    assert sim.pipe.take_load_errors() == {0}  # A's block only: vLLM recomputes A
+    assert all(store.contains(f"b0|{layer}") for layer in plan.layers)
+    assert store.contains(f"a1|{first}") and not any(store.contains(f"a1|{layer}") for layer in shared)
+    assert sim.pipe.stats().save_dropped == len(shared)  # A's one block, from the failed layer on
+    sim.mismatches.clear()  # A's later layers read garbage in that step, as vLLM is told
+    sim.step(StepIO(load_shared=(b0,), save=(b1,)), [b0], [b1])  # B's next chunk
+    sim.pipe.drain()
+    assert sim.pipe.take_load_errors() == set() and sim.mismatches == []
+    sim.pipe.close()
+
+
+@pytest.mark.parametrize("kind", STORES)
 def test_store_full_is_counted_not_fatal(kind: str) -> None:
     store = (DictStore(capacity_objects=3) if kind == "dict"
              else LocalStore(capacity_bytes=3 * PAGE_BYTES, page_bytes=PAGE_BYTES))

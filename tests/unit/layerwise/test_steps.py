@@ -37,6 +37,9 @@ def test_step_builder_chunked_prefill_decode_and_hits() -> None:
     assert io.load == (BlockRef(20, "h0"), BlockRef(21, "h1"))
     assert BlockRef(22, "p/B/2/3") in io.save and BlockRef(9, "h2") in io.save
     assert BlockRef(9, "p/A/2/3") in io.load_shared
+    # every ref names its request (a failed load then drops only its owner's saves)
+    owners = {r.block_id: r.owner for r in (*io.load, *io.load_shared, *io.save)}
+    assert owners == {20: "B", 21: "B", 22: "B", 7: "A", 8: "A", 9: "A"}
     sb.schedule("B", 11, 1, _full("g", 3))
     io = sb.build()
     assert io.load == () and BlockRef(20, "h0") in io.load_shared  # hits reload like own blocks
