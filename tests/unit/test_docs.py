@@ -26,7 +26,7 @@ def _prose(path: Path) -> str:
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
