@@ -8,6 +8,7 @@ where a key exists there, so configs can move between the two.
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -32,6 +33,12 @@ class ConfigError(AscendOffloadError, ValueError):
 # ``1e300`` would pass ``gt=0`` and then overflow in the first contended wait
 # (``threading`` turns the timeout into a C ``timespec``).
 MAX_TIMEOUT_S = 86400.0
+
+# The largest sparse hot buffer (topk_buffer_size) a residency table holds: the native
+# host table packs a slot into 16 bits of an entry; the device table keeps the same limit.
+# sparse.residency.MAX_HOT_SIZE at run time (that module imports no pydantic, so the value
+# is spelled twice; tests/unit/core/test_config.py checks they agree).
+MAX_TOPK_BUFFER_SIZE = 65534
 
 
 def _timeout(default: float) -> Any:
@@ -168,6 +175,11 @@ class MooncakeStoreConfig(_Strict):
         return v
 
 
+# tcp://host:port as the memcache client and meta service take it (store/shared/memcache.py,
+# store/services/memcache_meta.py): host name, IPv4 or bracketed IPv6, decimal port.
+_TCP_URL = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}")
+
+
 class MemcacheStoreConfig(_Strict):
     """The Ascend pooled store (``backend: memcache``, ``memcache_hybrid``): a Memcache meta
     service holds the index, every client contributes ``dram_size`` / ``hbm_size`` of
@@ -189,6 +201,18 @@ class MemcacheStoreConfig(_Strict):
     call_timeout_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S)
     # While the meta service is unreachable, calls miss/skip without asking for this long.
     retry_interval_s: float = Field(1.0, gt=0)
+
+    @field_validator("meta_service_url", "config_store_url")
+    @classmethod
+    def _tcp_url(cls, v: str, info: ValidationInfo) -> str:
+        # Why here: memcache only parses the URL when the client starts, and then fails
+        # with a bare return code; "" is the unset meta service (refused when used).
+        if v == "" and info.field_name == "meta_service_url":
+            return v
+        if not _TCP_URL.fullmatch(v) or not 0 < int(v.rsplit(":", 1)[1]) < 65536:
+            raise ValueError("must be tcp://host:port (a host name, IPv4 address or "
+                             "[IPv6] address, and a port 1-65535)")
+        return v
 
 
 class StoreDebugConfig(_Strict):
@@ -260,6 +284,7 @@ class SparseOffloadConfig(_Strict):
     """Decode-side sparse offload (host KV pool + per-layer device hot buffer)."""
 
     enabled: bool = False
+    # At most MAX_TOPK_BUFFER_SIZE (65534).
     topk_buffer_size: int = Field(4096, gt=0)
     dram_size_per_dp_GB: float = Field(128.0, gt=0)
     index_topk: int = Field(2048, gt=0)
@@ -273,6 +298,16 @@ class SparseOffloadConfig(_Strict):
     # ops next to the hot buffers: no host synchronization per layer, graph-capturable;
     # exact LRU only).
     residency_backend: Literal["host", "device"] = "host"
+
+    @field_validator("topk_buffer_size")
+    @classmethod
+    def _fits_the_table(cls, v: int) -> int:
+        # Both residency tables refuse more when they are built (host: the native table
+        # and its torch twin; device: the same limit), i.e. at the engine's first step.
+        if v > MAX_TOPK_BUFFER_SIZE:
+            raise ValueError(f"must be <= {MAX_TOPK_BUFFER_SIZE} (the residency tables' limit: "
+                             "the host table packs a hot-buffer slot into 16 bits)")
+        return v
 
     @field_validator("residency_backend")
     @classmethod

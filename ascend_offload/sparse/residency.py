@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_HOT_SIZE = 65534  # a slot takes at most 16 bits of a native entry; the mark index is 16 bits
+MAX_HOT_SIZE = 65534  # config.MAX_TOPK_BUFFER_SIZE; a slot takes at most 16 bits of a native entry; the mark index is 16 bits
 POLICIES = ("lru", "arc")  # the native table's policy ids are the indices
 BACKENDS = ("host", "device")  # where a layer's resolve runs (docs/sparse.md "Device residency")
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 import pytest
 
 from ascend_offload.config import (
+    MAX_TOPK_BUFFER_SIZE,
     ConfigError,
     SparseOffloadConfig,
     StoreConnectorConfig,
     parse_extra_config,
 )
+from ascend_offload.sparse.residency import MAX_HOT_SIZE
 
 
 def test_defaults() -> None:
@@ -75,3 +77,37 @@ def test_shared_tier_blocks_have_no_staging_keys(block: str, key: str) -> None:
     so a key sizing one would do nothing and is refused like any unknown key."""
     with pytest.raises(ConfigError, match=rf"key '{block}\.{key}'=4096: Extra inputs are not permitted"):
         parse_extra_config("AscendStoreConnector", {"backend": block, block: {key: 4096}})
+
+
+@pytest.mark.parametrize("backend", ["host", "device"])
+def test_topk_buffer_size_over_the_table_limit_is_refused_at_parse_time(backend: str) -> None:
+    """The residency tables hold at most 65534 hot rows (16-bit slots); the schema refuses
+    more before an engine starts instead of at its first decode step."""
+    raw = {"sparse_offload": {"enabled": True, "topk_buffer_size": 65536, "index_topk": 2048,
+                              "residency_backend": backend}}
+    with pytest.raises(ConfigError, match=r"key 'sparse_offload\.topk_buffer_size'=65536: .*<= 65534"):
+        parse_extra_config("AscendSparseDecodeConnector", raw)
+    raw["sparse_offload"]["topk_buffer_size"] = 65534
+    assert parse_extra_config("AscendSparseDecodeConnector", raw).sparse_offload.topk_buffer_size == 65534
+    assert MAX_TOPK_BUFFER_SIZE == MAX_HOT_SIZE  # the schema's limit is the tables' limit
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:5000", "10.0.0.1:5000", "tcp://10.0.0.1",
+                                 "tcp://10.0.0.1:0", "tcp://10.0.0.1:70000", "tcp://:5000",
+                                 "tcp://host name:5000"])
+@pytest.mark.parametrize("key", ["meta_service_url", "config_store_url"])
+def test_memcache_urls_must_be_tcp_host_port(key: str, url: str) -> None:
+    """Memcache parses its URLs only when the client starts (a bare return code then); the
+    schema refuses a malformed one naming the key."""
+    raw = {"backend": "memcache", "memcache": {"meta_service_url": "tcp://10.0.0.1:5000", key: url}}
+    with pytest.raises(ConfigError, match=rf"key 'memcache\.{key}'=.*must be tcp://host:port"):
+        parse_extra_config("AscendStoreConnector", raw)
+
+
+@pytest.mark.parametrize("url", ["tcp://10.0.0.1:5000", "tcp://meta-0.pool.local:5000",
+                                 "tcp://[fe80::1]:6000"])
+def test_memcache_urls_accepted(url: str) -> None:
+    raw = {"backend": "memcache", "memcache": {"meta_service_url": url, "config_store_url": url}}
+    assert parse_extra_config("AscendStoreConnector", raw).memcache.meta_service_url == url
+    # unset meta service: accepted here, refused when the backend starts (it is required)
+    assert parse_extra_config("AscendStoreConnector", {}).memcache.meta_service_url == ""
