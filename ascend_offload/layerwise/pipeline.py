@@ -513,11 +513,26 @@ class LayerwisePipeline:
                 last = lio.queue_load(layer, refs) or last
         return last
 
-    def load_failed_at_or_before(self, layer: str) -> bool:
-        """A load of the current step failed for ``layer``'s unit or a layer before it: the
-        KV this step wrote from there on is wrong (a sibling must not hand it on either)."""
+    def failed_requests_at_or_before(self, layer: str) -> frozenset[str] | None:
+        """The requests whose load of the current step failed for ``layer``'s unit or a
+        layer before it: the KV this step wrote for them from there on is wrong (a sibling
+        must not hand it on either). Empty: none failed; None: a failed block's request is
+        unknown, so every request of the step counts as failed."""
         unit = self._unit_of.get(layer)
-        return unit is not None and self._lio is not None and self._failed_at_or_before(unit)
+        if unit is None or self._lio is None:
+            return frozenset()
+        return self._failed_owners(unit)
+
+    def _failed_owners(self, unit: _Unit) -> frozenset[str] | None:
+        """See :meth:`failed_requests_at_or_before`."""
+        if not self._failed_at_or_before(unit):
+            return frozenset()
+        lio = self._lio
+        assert lio is not None and self._step is not None  # made by start_step
+        failed = {b for layer, blocks in lio.step_failed_blocks.items()
+                  if self._unit_of[layer].index <= unit.index for b in blocks}
+        owners = {r.owner for r in (*self._step.load, *self._step.load_shared) if r.block_id in failed}
+        return None if not owners or "" in owners else frozenset(owners)
 
     def _failed_at_or_before(self, unit: _Unit) -> bool:
         """A load of this step failed for ``unit`` or a layer before it (its own load was
@@ -535,15 +550,11 @@ class LayerwisePipeline:
         so their KV is right and is saved (dropping it too would make such a request miss
         its own blocks in its next chunk and be recomputed as well). A failed block whose
         owner is unknown drops every save of the step."""
-        if not self._failed_at_or_before(unit):
-            return (), refs
-        lio = self._lio
-        assert lio is not None and self._step is not None  # made by start_step
-        failed = {b for layer, blocks in lio.step_failed_blocks.items()
-                  if self._unit_of[layer].index <= unit.index for b in blocks}
-        owners = {r.owner for r in (*self._step.load, *self._step.load_shared) if r.block_id in failed}
-        if not owners or "" in owners:
+        owners = self._failed_owners(unit)
+        if owners is None:
             return refs, ()
+        if not owners:
+            return (), refs
         return ([r for r in refs if r.owner in owners], [r for r in refs if r.owner not in owners])
 
     def _drop_unit_save(self, unit: _Unit, refs: Sequence[BlockRef]) -> None:

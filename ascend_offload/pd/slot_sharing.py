@@ -46,8 +46,9 @@ class SlotSharing(Protocol):
     def members_of(self, layer: str) -> tuple[str, ...]:
         """The layers saved and handed on together with ``layer``."""
 
-    def load_failed_at_or_before(self, layer: str) -> bool:
-        """A store load of this step failed at ``layer`` or before: its KV is wrong."""
+    def failed_requests_at_or_before(self, layer: str) -> frozenset[str] | None:
+        """The requests whose store load of this step failed at ``layer`` or before: their
+        KV of it is wrong (empty: none; None: every request of the step)."""
 
 
 @runtime_checkable

@@ -171,7 +171,9 @@ class PrefillWorker:
         self._step_blocks = sorted(blocks)
 
     def _publish(self, layer: int, name: str | None = None) -> None:
-        if name is not None and self._withhold(name):
+        failed = self._failed_requests(name)
+        if failed is None:
+            self._withhold(name)
             return
         device.synchronize()  # the layer's KV must be in memory before decode may read it
         if self._region is not None:  # device KV behind a host-only engine: copy the blocks out
@@ -181,6 +183,10 @@ class PrefillWorker:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
                       "published on a private slot", NAME, name)
         for d_tp, rids in self._step_sends.items():
+            if failed:  # those requests' KV of this layer is wrong: decode never reads it
+                rids = [r for r in rids if self._by_remote.get((d_tp, r)) not in failed]
+                if not rids:
+                    continue  # its gate token (if any) is released below
             if held is not None and d_tp in held[1]:
                 self._producers[d_tp].publish_layer(layer, slot=held[0], tag=held[1].pop(d_tp),
                                                     request_ids=rids)
@@ -191,24 +197,32 @@ class PrefillWorker:
             for tok in held[1].values():  # a decode TP size with nothing to send this layer
                 self._gate.release_consumer(tok, None)
 
-    def _withhold(self, name: str) -> bool:
-        """Do not publish ``name`` when a store load of this step failed at it or before
-        (layer sharing): its KV was computed over a buffer the load never filled. Decode
-        then never reads it: it gives the request up at its deadline and recomputes, or
-        reads it after the prefill's own recompute publishes it. The slot is freed now."""
+    def _failed_requests(self, name: str | None) -> frozenset[str] | None:
+        """The step's requests (vLLM ids) whose store load failed at ``name`` or before
+        (layer sharing): their KV of it was computed over a buffer the load never filled.
+        Decode never reads it: it gives such a request up at its deadline and recomputes,
+        or reads it after the prefill's own recompute publishes it. None: every request."""
         pipe = self._gate_pipeline
-        if pipe is None or not pipe.load_failed_at_or_before(name):
-            return False
+        if pipe is None or name is None:
+            return frozenset()
+        failed = pipe.failed_requests_at_or_before(name)
+        if failed is None or failed:
+            self.withheld_layers += 1
+            (log.warning if self.withheld_layers == 1 else log.debug)(
+                "%s: layer %s not published for %s: a store load of this step failed before "
+                "it (decode recomputes what it lacks)", NAME, name,
+                "any request" if failed is None else f"{len(failed)} request(s)")
+        return failed
+
+    def _withhold(self, name: str | None) -> None:
+        """Publish ``name`` for no request; its slot is freed now."""
+        if name is None:
+            return
         held = self._gate_tokens.pop(name, None)
         if held is not None:
             assert self._gate is not None
             for tok in held[1].values():
                 self._gate.release_consumer(tok, None)
-        self.withheld_layers += 1
-        (log.warning if self.withheld_layers == 1 else log.debug)(
-            "%s: layer %s not published: a store load of this step failed before it "
-            "(decode recomputes what it lacks)", NAME, name)
-        return True
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""

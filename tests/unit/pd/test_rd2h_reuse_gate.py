@@ -26,9 +26,12 @@ class _Pipeline:
         self.gate = ReuseGate(2, default_timeout_s=0.2)
         self.listeners: list[Any] = []
         self.failed_from: int | None = None  # index of the first layer whose load failed
+        self.failed: frozenset[str] | None = None  # ... for these requests (None: all)
 
-    def load_failed_at_or_before(self, layer: str) -> bool:
-        return self.failed_from is not None and int(layer[1:]) >= self.failed_from
+    def failed_requests_at_or_before(self, layer: str) -> frozenset[str] | None:
+        if self.failed_from is None or int(layer[1:]) < self.failed_from:
+            return frozenset()
+        return self.failed
 
     def add_save_listener(self, fn: Any) -> None:
         self.listeners.append(fn)
@@ -98,6 +101,26 @@ def test_layers_after_a_failed_store_load_are_withheld(monkeypatch) -> None:
     assert [p["layer"] for p in prod.published] == [0]
     assert conn.prefill.withheld_layers == 1 and "l1" not in conn.prefill._gate_tokens
     pipe.gate.release_write(pipe.gate.acquire_write(1, "l3", timeout_s=0.05))  # slot 1 free
+
+
+def test_a_failed_store_load_withholds_only_its_requests(monkeypatch) -> None:
+    """The load failed at l1 for request A only: l1 is published for B (its KV is right),
+    not for A; l0 for both."""
+    conn = _connector(monkeypatch)
+    pipe = _Pipeline()
+    conn.attach_reuse_gate(pipe)
+    prod = _Producer()
+    conn.prefill._producers[1] = prod
+    conn.prefill._step_sends = {1: ["rA", "rB"]}
+    conn.prefill._by_remote.update({(1, "rA"): "A", (1, "rB"): "B"})
+    pipe.failed_from, pipe.failed = 1, frozenset({"A"})
+    for layer, slot in (("l0", 0), ("l1", 1)):
+        lease = pipe.gate.acquire_write(slot, layer)
+        pipe.listeners[0](layer, slot, lease.generation)
+        pipe.gate.release_write(lease)
+        conn.prefill._publish(int(layer[1:]), layer)
+    assert [(p["layer"], p["request_ids"]) for p in prod.published] == [(0, ["rA", "rB"]), (1, ["rB"])]
+    assert conn.prefill.withheld_layers == 1
 
 
 def test_tokens_of_unpublished_layers_are_released_at_step_end(monkeypatch) -> None:
