@@ -38,6 +38,7 @@ from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra
 from ascend_offload.connectors.ours import our_connectors
 from ascend_offload.kv_layout import layer_index
 from ascend_offload.layerwise.plan import LayerSpec, LayerwisePlan, plan_layers
+from ascend_offload.patches import apply_patch, restore_patch
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def install_layout_hook() -> None:
     current = core.get_kv_cache_configs
     if getattr(current, _MARK, None) is not None:
         return
-    core.get_kv_cache_configs = _wrap(current)
+    apply_patch("engine_core.kv_layout", core, _wrap(current))
 
 
 def uninstall_layout_hook() -> None:
@@ -279,4 +280,4 @@ def uninstall_layout_hook() -> None:
         return
     original = getattr(core.get_kv_cache_configs, _MARK, None)
     if original is not None:
-        core.get_kv_cache_configs = original
+        restore_patch("engine_core.kv_layout", core, original)

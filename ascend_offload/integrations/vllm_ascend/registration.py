@@ -34,6 +34,7 @@ import torch
 from ascend_offload.config import ConfigError
 from ascend_offload.connectors.sparse_decode.settings import PagedMainKV, mark_paged_main_kv
 from ascend_offload.integrations.vllm_ascend import settings
+from ascend_offload.patches import apply_patch, restore_patch
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def install_engine_marker() -> None:
     import vllm.v1.engine.core as core
 
     if getattr(core.get_kv_cache_configs, _MARK, None) is None:
-        core.get_kv_cache_configs = _wrap(core.get_kv_cache_configs)
+        apply_patch("engine_core.paged_main_kv_marker", core, _wrap(core.get_kv_cache_configs))
 
 
 def uninstall_engine_marker() -> None:
@@ -134,4 +135,4 @@ def uninstall_engine_marker() -> None:
         return
     original = getattr(core.get_kv_cache_configs, _MARK, None)
     if original is not None:
-        core.get_kv_cache_configs = original
+        restore_patch("engine_core.paged_main_kv_marker", core, original)

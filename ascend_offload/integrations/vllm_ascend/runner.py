@@ -36,6 +36,7 @@ from ascend_offload.connectors.kv_layout_hook import (
 )
 from ascend_offload.integrations.vllm_ascend import settings
 from ascend_offload.layerwise.plan import LayerwisePlan
+from ascend_offload.patches import apply_patch, restore_patch
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,11 @@ def patch_runner(module: Any) -> None:
         return None
 
     setattr(apply_layerwise_kv_cache_plan, _MARK, current)
-    setattr(module, PLAN_FN, apply_layerwise_kv_cache_plan)
+    apply_patch("vllm_ascend.runner.layerwise_plan", module, apply_layerwise_kv_cache_plan)
 
 
 def unpatch_runner(module: Any) -> None:
     """Undo :func:`patch_runner`."""
     original = getattr(getattr(module, PLAN_FN), _MARK, None)
     if original is not None:
-        setattr(module, PLAN_FN, original)
+        restore_patch("vllm_ascend.runner.layerwise_plan", module, original)

@@ -41,6 +41,7 @@ import torch
 
 from ascend_offload.config import ConfigError
 from ascend_offload.integrations.vllm_ascend import settings
+from ascend_offload.patches import apply_patch, restore_patch
 from ascend_offload.sparse.adapter import BatchRow, SparseDecodeAdapter, SparseStepPlan
 
 log = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ def patch_backend(module: Any) -> None:
         return classes[key]
 
     setattr(backend, _MARK, original)
-    backend.get_impl_cls = staticmethod(get_impl_cls)
+    apply_patch("vllm_ascend.sfa.impl_cls", backend, staticmethod(get_impl_cls))
 
 
 def unpatch_backend(module: Any) -> None:
@@ -328,5 +329,5 @@ def unpatch_backend(module: Any) -> None:
     backend = module.AscendSFABackend
     original = backend.__dict__.get(_MARK)
     if original is not None:
-        backend.get_impl_cls = original
+        restore_patch("vllm_ascend.sfa.impl_cls", backend, original)
         delattr(backend, _MARK)
