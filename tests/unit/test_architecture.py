@@ -42,9 +42,14 @@ def _dotted(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@functools.cache
 def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return _parse(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    """Cached by text: the failure checks' copies of the sources reuse the trees."""
+    return ast.parse(source)
 
 
 @functools.cache
@@ -69,21 +74,22 @@ def _enclosing_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str:
 
 
 def imports(path: Path) -> tuple[tuple[str, int, bool], ...]:
-    return _imports(path, _tree(path))
+    dotted = _dotted(path)
+    package = dotted if path.name == "__init__.py" else dotted.rpartition(".")[0]
+    return _imports(package, _tree(path))
 
 
 @functools.cache
-def _imports(path: Path, tree: ast.Module) -> tuple[tuple[str, int, bool], ...]:
-    return tuple(_walk_imports(path, tree))
+def _imports(package: str, tree: ast.Module) -> tuple[tuple[str, int, bool], ...]:
+    return tuple(_walk_imports(package, tree))
 
 
-def _walk_imports(path: Path, tree: ast.Module) -> Iterator[tuple[str, int, bool]]:
+def _walk_imports(package: str, tree: ast.Module) -> Iterator[tuple[str, int, bool]]:
     """``(module, line, inside a function)`` for every import of ``path``: ``import``,
     ``from`` (relative ones resolved; each imported name also as ``module.name``, which
     may be a submodule) and ``importlib.import_module`` / ``__import__`` /
     ``find_spec`` of a string constant."""
     parents = _parents(tree)
-    package = _dotted(path) if path.name == "__init__.py" else _dotted(path).rpartition(".")[0]
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -399,9 +405,7 @@ def scratch_root(tmp_path, monkeypatch):
     monkeypatch.setattr(me, "ROOT", tmp_path)
     monkeypatch.setattr(me, "PKG", tmp_path / "ascend_offload")
     monkeypatch.setattr(me, "ARCH_DOC", tmp_path / "docs" / "architecture.md")
-    _tree.cache_clear()
-    yield tmp_path
-    _tree.cache_clear()
+    return tmp_path
 
 
 def test_a_domain_module_importing_vllm_fails(scratch_root):
