@@ -32,13 +32,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ascend_offload.config import ConfigError, StoreConnectorConfig, parse_extra_config
 from ascend_offload.connectors.ours import our_connectors
 from ascend_offload.kv_layout import layer_index
 from ascend_offload.layerwise.plan import LayerSpec, LayerwisePlan, plan_layers
 from ascend_offload.patches import apply_patch, restore_patch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class LayerwiseStartupError(ConfigError):
 # ------------------------------------------------------------------ settings
 
 
-def layerwise_settings(vllm_config: Any) -> StoreConnectorConfig | None:
+def layerwise_settings(vllm_config: VllmConfig) -> StoreConnectorConfig | None:
     """The layerwise store settings if this engine runs layer sharing, else ``None``
     (our ``AscendStoreConnector`` only, directly or in a multi connector; a same-named
     connector of another package, e.g. vllm-ascend's, is not parsed)."""
@@ -65,7 +68,7 @@ def layerwise_settings(vllm_config: Any) -> StoreConnectorConfig | None:
     return None
 
 
-def check_engine_constraints(vllm_config: Any) -> None:
+def check_engine_constraints(vllm_config: VllmConfig) -> None:
     """Aliased layers keep no KV across steps on the device: refuse configs that assume so."""
     cache = vllm_config.cache_config
     if getattr(cache, "enable_prefix_caching", False):
@@ -123,7 +126,7 @@ def plan_from_groups(
     )
 
 
-def plan_for_engine(vllm_config: Any, kv_cache_config: Any) -> LayerwisePlan | None:
+def plan_for_engine(vllm_config: VllmConfig, kv_cache_config: Any) -> LayerwisePlan | None:
     """The plan the layout hook applied to this engine (``None`` when layerwise is off).
 
     The connector's worker side calls this with the ``kv_cache_config`` vLLM hands it,
@@ -134,7 +137,7 @@ def plan_for_engine(vllm_config: Any, kv_cache_config: Any) -> LayerwisePlan | N
     return plan_from_groups(kv_cache_config.kv_cache_groups, cfg, _num_hidden_layers(vllm_config))
 
 
-def _num_hidden_layers(vllm_config: Any) -> int | None:
+def _num_hidden_layers(vllm_config: VllmConfig) -> int | None:
     mc = getattr(vllm_config, "model_config", None)
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
     n = getattr(hf, "num_hidden_layers", None)
@@ -159,7 +162,7 @@ def _physical_groups(groups: Sequence[Any], plan: LayerwisePlan) -> list[Any]:
 
 
 def rewrite_kv_cache_config(
-    vllm_config: Any, config: Any, available_memory: int, plan: LayerwisePlan,
+    vllm_config: VllmConfig, config: Any, available_memory: int, plan: LayerwisePlan,
     num_blocks: int | None = None,
 ) -> Any:
     """``config`` with the plan's slots aliased and ``num_blocks`` grown by the saved bytes
@@ -192,7 +195,7 @@ def rewrite_kv_cache_config(
 
 
 def rewrite_kv_cache_configs(
-    vllm_config: Any, configs: list[Any], available_memory: Sequence[int],
+    vllm_config: VllmConfig, configs: list[Any], available_memory: Sequence[int],
     cfg: StoreConnectorConfig,
 ) -> list[Any]:
     """Rewrite every worker's config; all end with the smallest worker's ``num_blocks``."""
@@ -229,7 +232,7 @@ def rewrite_kv_cache_configs(
 
 
 def _wrap(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
-    def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: Any, available_memory: Any) -> list[Any]:
+    def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: Any, available_memory: Any) -> list[Any]:
         from ascend_offload.connectors.sparse_decode.kv_cut import (
             cut_kv_cache_configs,
             sparse_decode_settings,

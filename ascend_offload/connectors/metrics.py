@@ -22,6 +22,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge
+    from vllm.config import VllmConfig
 
 # counter name -> help text
 COUNTERS: dict[str, str] = {
@@ -207,7 +208,7 @@ class CounterPromMetrics(KVConnectorPromMetrics):
 
     def __init__(
         self,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
@@ -276,7 +277,7 @@ class ConnectorMetrics:
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],

@@ -12,7 +12,10 @@ what our connectors will do before they exist (the KV layout hooks).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 MULTI_CONNECTORS = ("AscendMultiConnector", "MultiConnector")
 _OUR_PREFIX = "ascend_offload."
@@ -34,7 +37,7 @@ def connector_is_ours(name: str | None, module_path: str | None) -> bool:
     return getattr(cls, "__module__", "").startswith(_OUR_PREFIX)
 
 
-def our_connectors(vllm_config: Any) -> Iterator[tuple[str, str | None, Mapping[str, Any]]]:
+def our_connectors(vllm_config: VllmConfig) -> Iterator[tuple[str, str | None, Mapping[str, Any]]]:
     """(name, kv_role, extra config) of every connector of ours the engine runs, the
     children of a multi connector included (a child without its own role has the parent's)."""
     kvt = getattr(vllm_config, "kv_transfer_config", None)

@@ -37,6 +37,7 @@ from ascend_offload.config import ConfigError, SparseOffloadConfig, parse_extra_
 from ascend_offload.connectors.ours import our_connectors
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ HOT_ALIGN = 4096  # hot regions start on a page boundary
 # ------------------------------------------------------------------ settings
 
 
-def sparse_decode_settings(vllm_config: Any) -> SparseOffloadConfig | None:
+def sparse_decode_settings(vllm_config: VllmConfig) -> SparseOffloadConfig | None:
     """The decode offload settings if this engine decodes from a host pool, else ``None``:
     ``AscendSparseDecodeConnector``, or ``SfaRemoteD2HConnector`` as ``kv_consumer`` /
     ``kv_both``, of ours, with ``sparse_offload.enabled``."""
@@ -61,7 +62,7 @@ def sparse_decode_settings(vllm_config: Any) -> SparseOffloadConfig | None:
     return None
 
 
-def check_engine_constraints(vllm_config: Any) -> None:
+def check_engine_constraints(vllm_config: VllmConfig) -> None:
     """No main KV on the device: refuse what would need it there."""
     if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         raise ConfigError(
@@ -100,7 +101,7 @@ class HotLayout:
         return self.rows * self.row_bytes
 
 
-def hot_layout(vllm_config: Any, cfg: SparseOffloadConfig, specs: Mapping[str, Any]) -> HotLayout:
+def hot_layout(vllm_config: VllmConfig, cfg: SparseOffloadConfig, specs: Mapping[str, Any]) -> HotLayout:
     block = vllm_config.cache_config.block_size
     row_bytes = {int(s.page_size_bytes) // block for s in specs.values()}
     if len(row_bytes) != 1:
@@ -114,7 +115,7 @@ def hot_layout(vllm_config: Any, cfg: SparseOffloadConfig, specs: Mapping[str, A
 # ------------------------------------------------------------------ rewrite
 
 
-def cut_kv_cache_config(vllm_config: Any, config: Any, available_memory: int,
+def cut_kv_cache_config(vllm_config: VllmConfig, config: Any, available_memory: int,
                         cfg: SparseOffloadConfig) -> Any:
     """``config`` without device main KV: indexer blocks over the memory left after the
     hot buffers, and one hot region per main-KV layer at the end of the allocation."""
@@ -213,7 +214,7 @@ def cut_facts(config: KVCacheConfig) -> CutFacts | None:
     return getattr(config, _FACTS, None)
 
 
-def cut_kv_cache_configs(vllm_config: Any, configs: list[Any], available_memory: Sequence[int],
+def cut_kv_cache_configs(vllm_config: VllmConfig, configs: list[Any], available_memory: Sequence[int],
                          cfg: SparseOffloadConfig) -> list[Any]:
     """Rewrite every worker's config; all keep the smallest worker's ``num_blocks``."""
     from ascend_offload.connectors.logging_setup import wire_logging
