@@ -71,4 +71,4 @@ lint: bootstrap
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results ascend_offload/_native
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache bench-results ascend_offload/_native
