@@ -141,10 +141,8 @@ class PrefillWorker:
 
     def _release_gate_tokens(self) -> None:
         """Tokens of layers that were never published (no save_kv_layer came): free the slots."""
-        assert self._gate is not None
-        for _, tokens in self._gate_tokens.values():
-            for tok in tokens.values():
-                self._gate.release_consumer(tok, None)
+        for held in self._gate_tokens.values():
+            self._release(held)
         self._gate_tokens.clear()
 
     # ------------------------------------------------------------------ per step
@@ -172,13 +170,13 @@ class PrefillWorker:
 
     def _publish(self, layer: int, name: str | None = None) -> None:
         failed = self._failed_requests(name)
-        if failed is None:
-            self._withhold(name)
+        held = self._gate_tokens.pop(name, None) if name is not None else None
+        if failed is None:  # published for no request: the slot is freed now
+            self._release(held)
             return
         device.synchronize()  # the layer's KV must be in memory before decode may read it
         if self._region is not None:  # device KV behind a host-only engine: copy the blocks out
             self._region.stage_out(layer, self._step_blocks)
-        held = self._gate_tokens.pop(name, None) if name is not None else None
         if self._gate is not None and held is None:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
                       "published on a private slot", NAME, name)
@@ -192,16 +190,22 @@ class PrefillWorker:
                                                     request_ids=rids)
             else:
                 self._producers[d_tp].publish_layer(layer, unique_slot=True, request_ids=rids)
-        if held is not None:
-            assert self._gate is not None
-            for tok in held[1].values():  # a decode TP size with nothing to send this layer
-                self._gate.release_consumer(tok, None)
+        self._release(held)  # decode TP sizes with nothing to read of this layer
+
+    def _release(self, held: tuple[int, dict[int, Any]] | None) -> None:
+        """Release the gate tokens left in ``held`` (no read of them will be answered)."""
+        if held is None:
+            return
+        assert self._gate is not None
+        for tok in held[1].values():
+            self._gate.release_consumer(tok, None)
 
     def _failed_requests(self, name: str | None) -> frozenset[str] | None:
         """The step's requests (vLLM ids) whose store load failed at ``name`` or before
         (layer sharing): their KV of it was computed over a buffer the load never filled.
         Decode never reads it: it gives such a request up at its deadline and recomputes,
-        or reads it after the prefill's own recompute publishes it. None: every request."""
+        or reads it after the prefill's own recompute publishes it. None: every request.
+        Counted and logged (once at warning) as a withheld layer."""
         pipe = self._gate_pipeline
         if pipe is None or name is None:
             return frozenset()
@@ -213,16 +217,6 @@ class PrefillWorker:
                 "it (decode recomputes what it lacks)", NAME, name,
                 "any request" if failed is None else f"{len(failed)} request(s)")
         return failed
-
-    def _withhold(self, name: str | None) -> None:
-        """Publish ``name`` for no request; its slot is freed now."""
-        if name is None:
-            return
-        held = self._gate_tokens.pop(name, None)
-        if held is not None:
-            assert self._gate is not None
-            for tok in held[1].values():
-                self._gate.release_consumer(tok, None)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""
