@@ -115,10 +115,9 @@ class LayerIO(abc.ABC):
         self._lock = lock
         self._drain_timeout_s = drain_timeout_s
         self._load_errors: set[int] = set()
-        # Layers whose load failed in the current step (added when counted; the pipeline
-        # clears it at each step start): saves from the first of them on are dropped.
-        self.step_failed_layers: set[str] = set()
-        # ... and the device blocks whose load failed, per layer (same lifetime)
+        # Layer -> device blocks whose load failed in the current step (added when counted;
+        # the pipeline clears it at each step start): their requests' saves from the first
+        # such layer on are dropped.
         self.step_failed_blocks: dict[str, set[int]] = {}
         # Test hook (the store's ``debug.fail_layer_loads``): this many next layer loads
         # fail as a broken store read would; 0 in production.
@@ -379,7 +378,6 @@ class LayerIO(abc.ABC):
             self._stats.load_errors += len(failed)
             self._load_errors.update(failed)
             if failed:
-                self.step_failed_layers.add(layer)
                 self.step_failed_blocks.setdefault(layer, set()).update(failed)
 
     def _reap_save(self, job: SaveJob) -> None:

@@ -248,7 +248,6 @@ class LayerwisePipeline:
         # it was saving is then a load error, recomputed) instead of failing the step.
         self._drain_or_abandon("at the next step's start")
         lio.end_plan()
-        lio.step_failed_layers.clear()
         lio.step_failed_blocks.clear()
         self._step = io
         with self._lock:
@@ -540,7 +539,7 @@ class LayerwisePipeline:
         lio = self._lio
         assert lio is not None  # made by start_step
         lio.reap()
-        return any(self._unit_of[name].index <= unit.index for name in lio.step_failed_layers)
+        return any(self._unit_of[name].index <= unit.index for name in lio.step_failed_blocks)
 
     def _split_failed(self, unit: _Unit, refs: Sequence[BlockRef]
                       ) -> tuple[Sequence[BlockRef], Sequence[BlockRef]]:
