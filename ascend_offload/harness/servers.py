@@ -130,7 +130,6 @@ class Server:
             os.killpg(self.proc.pid, sig)
 
 
-
 def stop_all(servers: Iterable[Server], grace_s: float = STOP_GRACE_S) -> None:
     """Stop ``servers`` together: SIGTERM every group at once, then one shared ``grace_s``
     before SIGKILL (``STARTING_GRACE_S`` for a server not yet ``ready``), so a cluster
