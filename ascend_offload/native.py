@@ -40,7 +40,7 @@ from ascend_offload import native_build
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 LIB_SOURCES = native_build.LIB_SOURCES
 BASE_FLAGS = native_build.BASE_FLAGS
 
@@ -246,6 +246,21 @@ def address_of(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
 
 
+def caller3(name: str) -> Callable[[int, int, int], int]:
+    """``f(a, b, c) -> int`` calling the loaded library's three-pointer C function ``name``
+    through :func:`fastcall` when it builds, else through ctypes. Keeps the GIL (for
+    short calls). Raises ``RuntimeError`` when the library is not loaded."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native {name} unavailable")
+    fn = getattr(lib, name)
+    fast = fastcall()
+    if fast is None:
+        return lambda a, b, c: int(fn(a, b, c))
+    addr = address_of(lib, name)
+    return lambda a, b, c: fast(addr, a, b, c, False)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     # Pointers travel as plain integers (tensor.data_ptr()): cheaper than ctypes.cast.
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
@@ -276,6 +291,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_debug_dirty_words.argtypes = []
     lib.ao_copy_rows.restype = i64
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
+    for name in ("ao_dres_resolve", "ao_dres_gather"):  # fast-call shape too
+        getattr(lib, name).restype = i64
+        getattr(lib, name).argtypes = [vp, vp, vp]
+    lib.ao_dres_num_args.restype = i64
+    lib.ao_dres_num_args.argtypes = []
     for name in ("ao_cq_create", "ao_cq_destroy", "ao_cq_status", "ao_cq_submit", "ao_cq_wait",
                  "ao_cq_take"):  # three pointer-sized arguments each (fast-call shape)
         getattr(lib, name).restype = vp if name == "ao_cq_create" else i64

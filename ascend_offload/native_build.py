@@ -26,7 +26,7 @@ from pathlib import Path
 
 LIB_NAME = "ao_sparse"
 LIB_FILE = f"lib{LIB_NAME}.so"
-LIB_SOURCES = ("residency.cpp", "rowcopy.cpp", "copyqueue.cpp")
+LIB_SOURCES = ("residency.cpp", "rowcopy.cpp", "copyqueue.cpp", "device_table.cpp")
 FASTCALL_MODULE = "_ao_fastcall"
 FASTCALL_SOURCES = ("fastcall.cpp",)
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing", "-pthread")

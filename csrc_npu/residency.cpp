@@ -85,8 +85,9 @@
 
 namespace {
 
-constexpr int32_t kAbiVersion = 9;  // 8: the ordered copy queue (copyqueue.cpp); 9: residency
-                                    // policies (ao_res_create_policy, ao_res_policy_state)
+constexpr int32_t kAbiVersion = 10;  // 8: the ordered copy queue (copyqueue.cpp); 9: residency
+                                     // policies (ao_res_create_policy, ao_res_policy_state);
+                                     // 10: the device table's host kernels (device_table.cpp)
 
 }  // namespace
 

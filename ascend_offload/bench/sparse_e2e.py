@@ -152,6 +152,8 @@ class WorkerProbe:
                 out["counters"] = worker.decode.counters()
                 out["device_kv"] = worker.device_kv_gauges()
                 out["hot_buffer_bytes"] = int(worker.manager.hot.nbytes)
+                table = worker.manager.residency
+                out["residency"] = {"kind": table.kind, "kernel": getattr(table, "kernel", None)}
         return out
 
 
@@ -202,6 +204,8 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
                   "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers),
                   "residency_backend": backend}
+        if backend == "device":
+            sparse["use_native"] = a.device_use_native
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="AscendSparseDecodeConnector", kv_role="kv_both",
             kv_connector_extra_config={"sparse_offload": sparse})
@@ -333,7 +337,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "bench": "sparse-e2e",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
         "config": {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
-                                                 "index_topk", "rounds", "core")},
+                                                 "index_topk", "rounds", "core",
+                                                 "device_use_native")},
                    "kv_cache_memory_bytes": _kv_bytes(a, model)},
         "step_ms": {n: _spread(steps[n]) for n in ENGINES},
         "step_ratio": ratio,
@@ -356,6 +361,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "baseline_allocated": probes["baseline"]["paged_main_kv_bytes"]},
         "offload_counters": probes["offload"]["counters"],
         "device_counters": probes["device"]["counters"],
+        # the device engine's table and kernel ("native": the C++ kernel of a host device;
+        # "ops": the tensor ops an accelerator runs)
+        "device_residency": probes["device"].get("residency"),
         "loadavg_1m": load,
     }
 
@@ -376,7 +384,9 @@ def report(res: dict[str, Any]) -> str:
                  f"{res['step_ratio_of_medians']:.3f}); target <= {res['target_step_ratio']:.2f}: "
                  f"{verdict}; greedy tokens identical: {res['parity']}")
     dr = res["device_step_ratio_rounds"]
-    lines.append(f"  device_step_ratio {res['device_step_ratio']:.3f} (device resolver; min "
+    kernel = (res.get("device_residency") or {}).get("kernel")
+    lines.append(f"  device_step_ratio {res['device_step_ratio']:.3f} (device resolver, kernel "
+                 f"{kernel}; min "
                  f"{dr['min']:.3f}, max {dr['max']:.3f}; ratio of medians "
                  f"{res['device_step_ratio_of_medians']:.3f}); target <= "
                  f"{res['device_target_step_ratio']:.2f}: "
@@ -408,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines' workers")
     p.add_argument("--kv-bytes", type=int, default=0,
                    help="kv_cache_memory_bytes of both engines (default: twice the batch's need)")
+    p.add_argument("--device-use-native", choices=("auto", "off"), default="auto",
+                   help="use_native of the device engine: auto (on this CPU the table's C++ "
+                        "kernel), off (its tensor ops, what an accelerator runs)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     a = p.parse_args(argv)

@@ -4,21 +4,25 @@ Per decode step, every layer (61) resolves the whole batch's top-k (2048 positio
 request) against hot buffers of 4096 rows, at contexts of 32K and 128K tokens and
 batches of 1 to 64, on drifting-focus and uniform top-k traces
 (:mod:`~ascend_offload.bench.sparse_traces`). Resolve only: no model, no row copies.
-Three paths:
+Four paths:
 
 * ``host``: the native host table (``NativeResidency``), one thread: what the host
   path runs per layer after the top-k reached the host;
 * ``host_threads``: the same, its requests spread over every core (OpenMP);
-* ``device``: the device table (``DeviceResidency``, static-shape tensor ops). Here
-  the "device" is this machine's CPU: its tensor ops run on the host (torch with
-  ``--device-threads`` intra-op threads, one by default: on a shared, oversubscribed
-  VM torch's OpenMP threads spin at barriers and two threads measured 50-100x slower
-  than one), so its time is host time too; on an NPU/GPU the same ops run as kernels.
+* ``device``: the device table (``DeviceResidency``) with the kernel it runs on this
+  platform. Here the "device" is this machine's CPU, so that is its C++ host kernel
+  (one call per layer over the same device-layout state): host time, what a CPU
+  engine with ``residency_backend: device`` pays;
+* ``device_ops``: the same table with its portable kernel, the static-shape tensor ops
+  an NPU/GPU runs as kernels inside a captured graph. On this CPU they run on the host
+  (torch with ``--device-threads`` intra-op threads, one by default: on a shared,
+  oversubscribed VM torch's OpenMP threads spin at barriers and two threads measured
+  50-100x slower than one): ATen dispatch time, for what it is.
 
 Per step: wall time (median over the measured steps) and host <-> device
 synchronizations, counted through ``device.host_read``: the host paths hand every
 layer's top-k to host code (one read per layer: a device -> host copy the host waits
-for on an accelerator, a counted no-op on CPU); the device path reads nothing (its
+for on an accelerator, a counted no-op on CPU); the device paths read nothing (its
 once-per-step error/totals report is read after the timed steps, for the hit rate).
 Hit rate: hits / valid positions over the measured steps; the three paths resolve the
 same traces with the same exact-LRU semantics, so their hit rates are equal.
@@ -49,7 +53,8 @@ from ascend_offload.bench.sparse_traces import TRACE_KINDS
 from ascend_offload.sparse.device_residency import DeviceResidency
 from ascend_offload.sparse.residency import NativeResidency
 
-PATHS = ("host", "host_threads", "device")
+PATHS = ("host", "host_threads", "device", "device_ops")
+DEVICE_PATHS = {"device": "auto", "device_ops": "off"}  # path -> the table's use_native
 QUICK = {"layers": 4, "k": 256, "hot": 512, "contexts": "8192", "batches": "1,4", "steps": 2,
          "warmup": 2, "distinct": 2, "block": 64}
 
@@ -82,8 +87,8 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
     tags = torch.ones(batch, dtype=torch.int64)
     table: Any
     threads_before = torch.get_num_threads()
-    if path == "device":
-        table = DeviceResidency(L, batch, H, max_positions=cap)
+    if path in DEVICE_PATHS:
+        table = DeviceResidency(L, batch, H, max_positions=cap, use_native=DEVICE_PATHS[path])
         torch.set_num_threads(a.device_threads)
     else:
         threads = 1 if path == "host" else a.threads
@@ -98,7 +103,7 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
         t0 = time.perf_counter()
         table.bind_step(rows, tags, lens, lens, bt, a.block)
         for layer, topk in enumerate(step):
-            if path == "device":
+            if path in DEVICE_PATHS:
                 table.resolve_layer(layer, topk)
             else:
                 res = table.resolve_layer(layer, dev.host_read(topk, reason=dev.TOPK_READ))
@@ -109,9 +114,9 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
         if measured:
             times.append(elapsed * 1e3)
             reads_timed += sum(dev.host_reads().values()) - r0
-        if path == "device" and t == a.warmup - 1:
+        if path in DEVICE_PATHS and t == a.warmup - 1:
             table.check()  # drop the warm-up steps' totals (not timed)
-    if path == "device":
+    if path in DEVICE_PATHS:
         valid, misses = table.check()  # after the timed steps: one read for the hit rate
     torch.set_num_threads(threads_before)
     return {"path": path, "batch": batch, "context": ctx,
@@ -119,9 +124,9 @@ def _run_path(a: argparse.Namespace, path: str, batch: int, ctx: int,
             "host_ms_per_step": statistics.median(times),
             "host_syncs_per_step": reads_timed / len(times),
             "ms_per_step_steps": [round(x, 3) for x in times],
-            "threads": {"host": 1, "host_threads": a.threads,
-                        "device": a.device_threads}[path],
-            "device_state_bytes": table.state_bytes if path == "device" else None}
+            "threads": {"host": 1, "host_threads": a.threads}.get(path, a.device_threads),
+            "kernel": table.kernel if path in DEVICE_PATHS else "native",
+            "device_state_bytes": table.state_bytes if path in DEVICE_PATHS else None}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of the host_threads path")
     p.add_argument("--device-threads", type=int, default=1,
-                   help="torch intra-op threads of the device path on CPU")
+                   help="torch intra-op threads of the device paths on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="a small smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))

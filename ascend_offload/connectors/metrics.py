@@ -110,6 +110,10 @@ SPARSE_COUNTERS: dict[str, str] = {
     "recomputed_tokens": "positions computed again after their main-KV rows were pooled",
     "stash_failures": "preempted requests whose indexer rows could not be stashed (recomputed)",
     "stash_seconds": "host time copying preempted requests' indexer rows out and back",
+    "host_reads_topk": "device -> host reads of a layer's top-k (the host resolver: one per "
+                       "layer and step; the device resolver: none)",
+    "host_reads_new_rows": "device -> host reads of a layer's new main-KV rows (host resolver)",
+    "host_reads_step": "device -> host reads of the device resolver's per-step report",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",

@@ -39,6 +39,12 @@ there: the call then changes nothing (every entry is routed to the trash row)
 and records the first offender in ``report``; :meth:`DeviceResidency.check`,
 called once per step outside the per-layer path, raises it.
 
+Kernels (``kernel``): ``ops``, the tensor ops above, portable and graph-capturable: what
+an NPU / GPU runs; ``native``, the same resolve and gather as one C++ host function each
+(``csrc_npu/device_table.cpp``, same state, same outputs, no ATen dispatch per op): what
+a table whose device is the host runs when the library loads, since there ~190 dispatched
+ops cost ~0.5 ms a layer and nothing is captured anyway.
+
 Row movement over the same padded descriptors: :func:`gather_misses` (pool ->
 hot buffer) and :func:`scatter_new_rows` (new rows -> pool); the pool argument
 is a device-addressable view of the host pool (``device.device_view_of_host``).
@@ -49,12 +55,14 @@ runs where vLLM and pydantic are absent (a CUDA-graph check, a kernel bench).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from ascend_offload.device import STEP_READ, empty_host, host_read
+from ascend_offload import native
+from ascend_offload.device import STEP_READ, empty_host, host_read, is_host
 from ascend_offload.sparse.residency import MAX_HOT_SIZE, PolicyState, ResidencyError
 
 _CLASS_SHIFT = 48  # key = class << 48 | (slot index or stamp): stamps stay below 2^48
@@ -261,14 +269,16 @@ class DeviceResidency:
     ``max_positions`` bounds the positions one request may reach (the map's width);
     ``batch_sizes``: the padded batch sizes a step may use (a step of ``B`` requests
     runs at the smallest one >= B, so a graph captured per size replays for any
-    batch); none: ``Bp = B``."""
+    batch); none: ``Bp = B``. ``use_native`` (the ``use_native`` key): ``auto`` runs the
+    C++ kernel where the table's device is the host and the library loads, else the
+    tensor ops; ``on`` requires the C++ kernel; ``off`` always runs the tensor ops."""
 
     kind = "device"
     policy = "lru"
 
     def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, max_positions: int,
                  device: torch.device | str | None = None,
-                 batch_sizes: Sequence[int] | None = None) -> None:
+                 batch_sizes: Sequence[int] | None = None, use_native: str = "auto") -> None:
         if num_layers <= 0 or num_rows <= 0:
             raise ResidencyError(f"num_layers={num_layers}, num_rows={num_rows}: must be > 0")
         if not 0 < hot_size <= MAX_HOT_SIZE:
@@ -291,6 +301,14 @@ class DeviceResidency:
         self.report = torch.zeros((L, _REPORT), dtype=torch.int64, device=dev)
         self._steps: dict[tuple[int, int], BoundStep] = {}
         self.step: BoundStep | None = None
+        self.kernel = _pick_kernel(use_native, self.pos_slot)
+        if self.kernel == "native":
+            self._native_resolve = native.caller3("ao_dres_resolve")
+            self._native_gather = native.caller3("ao_dres_gather")
+        # native kernel: per (layer, padded batch, block size, K, top-k dtype) the argument
+        # block and the persistent outputs; per (pool, hot buffer) the gather's block
+        self._calls: dict[tuple[int, int, int, int, int, torch.dtype], _NativeCall] = {}
+        self._gathers: dict[tuple[int, int], ctypes.Array] = {}
 
     @property
     def state_bytes(self) -> int:
@@ -387,6 +405,8 @@ class DeviceResidency:
                                  f"arguments (need K <= topk_buffer_size={self.hot_size})")
         if topk.device != self.device:
             topk = topk.to(self.device, non_blocking=True)  # host-produced top-k: H2D
+        if self.kernel == "native":
+            return self._resolve_native(layer, step, topk)
         if step.padded > B:
             topk = torch.cat((topk, topk.new_full((step.padded - B, K), -1)))
         out = resolve_lru(*self.layer_state(layer), *step.args(), topk, step.block_size)
@@ -400,6 +420,41 @@ class DeviceResidency:
         """:meth:`bind_step` then :meth:`resolve_layer`."""
         self.bind_step(rows, tags, stable, lens, block_table, block_size)
         return self.resolve_layer(layer, topk)
+
+    def _resolve_native(self, layer: int, step: BoundStep, topk: torch.Tensor) -> DeviceResolved:
+        """The C++ kernel on the bound step: reads the real entries' top-k only (padding
+        entries are never read), writes the layer's persistent outputs."""
+        if topk.dtype not in (torch.int32, torch.int64):
+            topk = topk.to(torch.int64)
+        if not topk.is_contiguous():
+            topk = topk.contiguous()
+        K = topk.shape[1]
+        key = (layer, step.padded, step.batch, step.block_size, K, topk.dtype)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = _NativeCall.make(self, layer, step, K, topk.dtype)
+        self._native_resolve(call.args_addr, topk.data_ptr(), 0)
+        return call.resolved
+
+    def gather_misses(self, pool_rows: torch.Tensor, hot_rows: torch.Tensor,
+                      resolved: DeviceResolved) -> None:
+        """:func:`gather_misses` with this table's kernel (``pool_rows``, ``hot_rows``: one
+        layer's rows, as that function takes them)."""
+        if self.kernel != "native" or not (is_host(pool_rows) and is_host(hot_rows)):
+            gather_misses(pool_rows, hot_rows, resolved.copy_src, resolved.copy_dst)
+            return
+        key = (pool_rows.data_ptr(), hot_rows.data_ptr())
+        block = self._gathers.get(key)
+        if block is None:
+            block = self._gathers[key] = _gather_block(pool_rows, hot_rows)
+        n = resolved.copy_src.numel()
+        desc = (ctypes.c_int64 * 3)(resolved.copy_src.data_ptr(), resolved.copy_dst.data_ptr(), n)
+        rc = self._native_gather(ctypes.addressof(block), ctypes.addressof(desc), 0)
+        if rc < 0:
+            i = -rc - 1
+            raise IndexError(f"miss gather: descriptor {i} (pool row {int(resolved.copy_src[i])} "
+                             f"of {pool_rows.shape[0]}, hot row {int(resolved.copy_dst[i])} of "
+                             f"{hot_rows.shape[0]}) is outside its buffer")
 
     def check(self) -> tuple[int, int]:
         """Once per step, outside the per-layer path: read every layer's report (one
@@ -441,6 +496,75 @@ class DeviceResidency:
     def policy_state(self, layer: int, row: int) -> PolicyState:
         n = len(self.inspect(layer, row)[1])
         return PolicyState(n, 0, [], [], 0)
+
+
+def _pick_kernel(use_native: str, state: torch.Tensor) -> str:
+    """``native`` or ``ops`` for a table whose state is ``state`` (see
+    :class:`DeviceResidency`)."""
+    if use_native not in ("auto", "on", "off"):
+        raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
+    if use_native == "off":
+        return "ops"
+    why = None if is_host(state) else f"the table's device is {state.device}, not the host"
+    if why is None and not native.available():
+        why = "the native library is not available (see the log)"
+    if why is None:
+        return "native"
+    if use_native == "on":
+        raise ResidencyError(f"key 'use_native'='on' with residency_backend 'device': {why}")
+    return "ops"
+
+
+@dataclasses.dataclass
+class _NativeCall:
+    """One (layer, padded batch, batch, block size, K, top-k dtype)'s argument block of
+    ``ao_dres_resolve`` and the persistent outputs it writes."""
+
+    args: ctypes.Array
+    args_addr: int
+    resolved: DeviceResolved
+    outputs: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def make(cls, table: DeviceResidency, layer: int, step: BoundStep, k: int,
+             topk_dtype: torch.dtype) -> _NativeCall:
+        bp, B = step.padded, step.batch
+        slots = torch.empty((bp, k), dtype=torch.int32)
+        miss_src = torch.empty((bp, k), dtype=torch.int64)
+        miss_dst = torch.empty((bp, k), dtype=torch.int64)
+        copy_src = torch.empty(bp * k, dtype=torch.int64)
+        copy_dst = torch.empty(bp * k, dtype=torch.int64)
+        counts = torch.empty((bp, 2), dtype=torch.int32)
+        state = table.layer_state(layer)
+        pos_slot = state[0]
+        fields = [pos_slot.data_ptr(), pos_slot.element_size(), *(t.data_ptr() for t in state[1:]),
+                  table.num_rows, table.max_positions, table.hot_size,
+                  step.meta.data_ptr(), bp, step.block_table.data_ptr(),
+                  step.block_table.shape[1], step.block_size,
+                  torch.empty(0, dtype=topk_dtype).element_size(), k,
+                  slots.data_ptr(), miss_src.data_ptr(), miss_dst.data_ptr(),
+                  copy_src.data_ptr(), copy_dst.data_ptr(), counts.data_ptr()]
+        lib = native.load()
+        assert lib is not None  # the kernel was picked because it loads
+        if len(fields) != lib.ao_dres_num_args():
+            raise ResidencyError(f"native device table: {len(fields)} arguments, the library "
+                                 f"takes {lib.ao_dres_num_args()}")
+        args = (ctypes.c_int64 * len(fields))(*fields)
+        resolved = DeviceResolved(slots[:B], miss_src[:B], miss_dst[:B], counts[:B], copy_src,
+                                  copy_dst)
+        return cls(args, ctypes.addressof(args), resolved, (slots, miss_src, miss_dst, copy_src, copy_dst, counts))
+
+
+def _gather_block(pool_rows: torch.Tensor, hot_rows: torch.Tensor) -> ctypes.Array:
+    """``ao_dres_gather``'s buffer block: both contiguous host tensors of one row layout."""
+    if not (pool_rows.is_contiguous() and hot_rows.is_contiguous()):
+        raise ResidencyError("the native miss gather needs contiguous pool and hot rows")
+    if pool_rows.dtype != hot_rows.dtype or pool_rows.shape[1:] != hot_rows.shape[1:]:
+        raise ResidencyError(f"row layout differs: pool {tuple(pool_rows.shape)} "
+                             f"{pool_rows.dtype}, hot {tuple(hot_rows.shape)} {hot_rows.dtype}")
+    row_bytes = hot_rows[0].numel() * hot_rows.element_size() if hot_rows.shape[0] else 0
+    return (ctypes.c_int64 * 5)(pool_rows.data_ptr(), pool_rows.shape[0], hot_rows.data_ptr(),
+                                hot_rows.shape[0], row_bytes)
 
 
 def _ints(v: torch.Tensor | Sequence[int]) -> list[int]:

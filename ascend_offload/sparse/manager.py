@@ -34,7 +34,6 @@ from ascend_offload import native
 from ascend_offload.config import ConfigError, SparseOffloadConfig
 from ascend_offload.sparse.device_residency import (
     DeviceResidency,
-    gather_misses,
     scatter_new_rows,
 )
 from ascend_offload.sparse.pools import (
@@ -384,9 +383,10 @@ class SparseOffloadManager:
         read back (the counts reach the stats at :meth:`end_step`)."""
         assert self._pool_dev is not None
         t0 = time.perf_counter_ns()
-        res = cast(DeviceResidency, self.residency).resolve_layer(layer, topk)
+        table = cast(DeviceResidency, self.residency)
+        res = table.resolve_layer(layer, topk)
         t1 = time.perf_counter_ns()
-        gather_misses(self._pool_dev[layer], self.hot.layer(layer), res.copy_src, res.copy_dst)
+        table.gather_misses(self._pool_dev[layer], self.hot.layer(layer), res)
         self.stats.resolve_ns += t1 - t0
         self.stats.copy_ns += time.perf_counter_ns() - t1
         return res.slots

@@ -580,8 +580,9 @@ def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native:
     """``backend``: ``host`` (this module's tables) or ``device`` (the static-shape table
     of :mod:`~ascend_offload.sparse.device_residency`, exact LRU only, on ``device``,
     indexing ``max_positions`` positions per request, padded to ``batch_sizes``).
-    ``use_native`` (host): ``auto`` (native if it builds, else the twin, logged once),
-    ``on`` (native or raise), ``off`` (the twin). ``policy``: one of :data:`POLICIES`."""
+    ``use_native``: ``auto`` (native if it builds, else the twin, logged once; device:
+    the C++ kernel where the table's device is the host, else the tensor ops), ``on``
+    (native or raise), ``off`` (the twin; device: the tensor ops). ``policy``: one of :data:`POLICIES`."""
     if backend not in BACKENDS:
         raise ResidencyError(f"key 'residency_backend'={backend!r}: accepted {', '.join(BACKENDS)}")
     if use_native not in ("auto", "on", "off"):
@@ -596,7 +597,7 @@ def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native:
         from ascend_offload.sparse.device_residency import DeviceResidency
 
         return DeviceResidency(num_layers, num_rows, hot_size, max_positions=max_positions,
-                               device=device, batch_sizes=batch_sizes)
+                               device=device, batch_sizes=batch_sizes, use_native=use_native)
     if use_native != "off":
         if native.available():
             return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads, policy=policy)

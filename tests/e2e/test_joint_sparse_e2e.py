@@ -11,11 +11,13 @@ layer; in layerwise mode an indexer cache follows its main layer's buffer.
 * Joint P/D: the prefill runs ``AscendMultiConnector`` (layerwise store with one
   shared buffer + the ``SfaRemoteD2HConnector`` producer), the decode the
   consumer with ``sparse_offload`` (main KV pulled into its host pool, the
-  indexer into device blocks). The producer-first order here (the demo runs the
+  indexer into device blocks) and ``residency_backend: device`` (the P/D case of
+  the device resolver; the host one runs P/D in the preemption and demo tests). The producer-first order here (the demo runs the
   other) gives the plain engine's tokens, the store serves prefix hits, decode pulls.
 * The same cluster at load: 32 prompts, 6 at a time, decode running at most 4, the
   pool too small for all of them at once; tokens equal, every decode row resolved
-  through the hot buffers, no load failed.
+  through the hot buffers, no load failed, and the decode's worker read no top-k and
+  no new row back to the host (the device resolver's per-step report only).
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def joint_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     from tests.e2e.pd_cluster import pd_cluster, rd2h_config
 
     extra = {"ack_timeout_s": 30, "request_timeout_s": 60, "registration_timeout_s": 30}
-    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK, "dram_size_per_dp_GB": POOL_GB}
+    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
+              "dram_size_per_dp_GB": POOL_GB, "residency_backend": "device"}
     with pd_cluster(sparse_model(), tmp_path_factory.mktemp("joint-sparse"),
                     lambda port: joint_prefill_config(port, extra, producer_first=True),
                     lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
@@ -226,7 +229,8 @@ LOAD_PROMPTS = _load_prompts()
 def _decode_counters(url: str) -> dict[str, float]:
     return {n: _counter(url, f"rd2h_{n}") for n in (
         "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
-        "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows")}
+        "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows",
+        "sparse_host_reads_topk", "sparse_host_reads_new_rows", "sparse_host_reads_step")}
 
 
 def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[int]],
@@ -255,6 +259,9 @@ def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[
     assert m["sparse_resolved_positions"] >= decode_positions, m
     assert m["sparse_hit_positions"] > 0 and m["sparse_miss_rows"] > 0, m
     assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
+    # the device resolver: nothing read back per layer, one report read per step
+    assert m["sparse_host_reads_topk"] == 0 and m["sparse_host_reads_new_rows"] == 0, m
+    assert m["sparse_host_reads_step"] > 0, m
     # decode computed only the last prompt token and the new ones: the pool got the rest over RD2H
     assert m["sparse_offload_rows"] == N_LAYERS * len(LOAD_LENGTHS) * LOAD_MAX_TOKENS, m
     # the pool holds far less than every request at once

@@ -24,7 +24,10 @@ from ascend_offload import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, ROW_BYTES = 4, (64 + 16) * 4  # tiny sparse model: latent + rope, float32
-ARGS = dict(batch=2, context=160, decode_tokens=6, hot=32, index_topk=16, rounds=2)
+# The device engine runs the table's tensor ops (the kernel an accelerator runs) here; the
+# C++ kernel a CPU engine picks by default runs in tests/e2e/test_sparse_decode_e2e.py.
+ARGS = dict(batch=2, context=160, decode_tokens=6, hot=32, index_topk=16, rounds=2,
+            device_use_native="off")
 
 
 def test_sparse_e2e_is_registered_and_skipped_by_bench_all(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,3 +120,4 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
     assert reads % LAYERS == 0 and LAYERS * (3 + ARGS["rounds"] * (dt - 1)) <= reads \
         <= LAYERS * decode_rows, reads
     assert res["device_counters"]["host_reads_step"] > 0
+    assert res["device_residency"] == {"kind": "device", "kernel": "ops"}

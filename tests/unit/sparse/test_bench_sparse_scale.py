@@ -33,8 +33,12 @@ def test_quick_run_writes_the_promised_json(tmp_path: Path) -> None:
         assert r["path"] in sparse_scale.PATHS and r["trace"] in ("drift", "uniform")
         assert r["context"] == int(q["contexts"]) and r["batch"] in batches
         assert 0.0 < r["hit_rate"] < 1.0 and r["host_ms_per_step"] > 0
-        # the host paths hand every layer's top-k to the host; the device path nothing
-        assert r["host_syncs_per_step"] == (0 if r["path"] == "device" else q["layers"]), r
+        # the host paths hand every layer's top-k to the host; the device paths nothing
+        on_device = r["path"] in sparse_scale.DEVICE_PATHS
+        assert r["host_syncs_per_step"] == (0 if on_device else q["layers"]), r
+    # the device table's two kernels: the C++ one of this host device, the tensor ops
+    assert {r["kernel"] for r in rows if r["path"] == "device"} == {"native"}
+    assert {r["kernel"] for r in rows if r["path"] == "device_ops"} == {"ops"}
     # one semantics: the same traces give the same hit rate on every path
     by_case: dict[tuple, set[float]] = {}
     for r in rows:

@@ -1,6 +1,8 @@
 """The device residency against the native table, the torch twin and the naive oracle:
 position for position, slot for slot, state included; its row movement keeps every
-resolved hot row equal to the pool row of its position (I4)."""
+resolved hot row equal to the pool row of its position (I4). Both of its kernels: the
+tensor ops (``use_native='off'``, what an accelerator runs) and the C++ host kernel
+(``'on'``), and the two against each other output for output."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from ascend_offload.bench.sparse_traces import TRACE_KINDS
 from ascend_offload.config import ConfigError, SparseOffloadConfig, parse
 from ascend_offload.sparse.device_residency import (
     DeviceResidency,
-    gather_misses,
     scatter_new_rows,
     state_bytes_per_row,
 )
@@ -29,6 +30,9 @@ from ascend_offload.sparse.residency import (
     TorchResidency,
     make_residency,
 )
+
+# use_native of the device table: the tensor ops, the C++ host kernel
+KERNELS = pytest.mark.parametrize("use_native", ["off", "on"], ids=["ops", "native"])
 
 
 def _compact(res) -> tuple[list[int], list[int]]:
@@ -78,24 +82,28 @@ def _replay(tr: dict, device: DeviceResidency) -> None:
             assert all(h.inspect(layer, r) == want for h in hosts)
 
 
+@KERNELS
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces())
-def test_device_matches_native_twin_and_oracle(tr: dict) -> None:
+@given(tr=traces())
+def test_device_matches_native_twin_and_oracle(use_native: str, tr: dict) -> None:
     """Duplicates, padding, tag changes (a new request in a row), stable-length rollback,
     releases: the device table equals the host tables call for call."""
-    _replay(tr, DeviceResidency(tr["layers"], tr["rows"], tr["hot"], max_positions=tr["max_len"]))
+    _replay(tr, DeviceResidency(tr["layers"], tr["rows"], tr["hot"], max_positions=tr["max_len"],
+                                use_native=use_native))
 
 
+@KERNELS
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces(max_hot=48, max_len_cap=160))
-def test_device_matches_on_wide_traces_padded_to_a_fixed_batch(tr: dict) -> None:
+@given(tr=traces(max_hot=48, max_len_cap=160))
+def test_device_matches_on_wide_traces_padded_to_a_fixed_batch(use_native: str, tr: dict) -> None:
     """Top-k of 8 and more, every step padded to one batch size (trash-row entries)."""
     _replay(tr, DeviceResidency(tr["layers"], tr["rows"], tr["hot"], max_positions=tr["max_len"],
-                                batch_sizes=[tr["rows"] + 1]))
+                                batch_sizes=[tr["rows"] + 1], use_native=use_native))
 
 
+@KERNELS
 @pytest.mark.parametrize("kind", ["drift", "uniform", "sink_window"])
-def test_device_matches_host_on_bench_traces(kind: str) -> None:
+def test_device_matches_host_on_bench_traces(kind: str, use_native: str) -> None:
     """The bench's top-k traces (two requests, two layers, context growing per step)."""
     fn, kw = TRACE_KINDS[kind]
     K, H, ctx0, steps = 64, 128, 1500, 24
@@ -107,7 +115,7 @@ def test_device_matches_host_on_bench_traces(kind: str) -> None:
     tr = {(layer, r): fn(rng, steps=steps, k=K, ctx0=ctx0, **kw) for layer in range(2)
           for r in range(2)}
     cap = ctx0 + steps + BLOCK
-    dv = DeviceResidency(2, 2, H, max_positions=cap)
+    dv = DeviceResidency(2, 2, H, max_positions=cap, use_native=use_native)
     hosts = _host_tables(2, 2, H)
     bt = torch.arange(2 * (cap // BLOCK), dtype=torch.int32).view(2, -1)
     for t in range(steps):
@@ -129,11 +137,13 @@ def test_device_matches_host_on_bench_traces(kind: str) -> None:
             assert all(dv.inspect(layer, r) == h.inspect(layer, r) for h in hosts)
 
 
-def test_long_trace_with_rolling_speculative_tails() -> None:
+@KERNELS
+def test_long_trace_with_rolling_speculative_tails(use_native: str) -> None:
     """Hundreds of calls, 90 % overlap, a stable length that rolls back every step."""
     g = torch.Generator().manual_seed(3)
     H, K, L = 64, 32, 600
-    dv, hosts = DeviceResidency(1, 2, H, max_positions=L), _host_tables(1, 2, H)
+    dv = DeviceResidency(1, 2, H, max_positions=L, use_native=use_native)
+    hosts = _host_tables(1, 2, H)
     bt = torch.arange(2 * (L // BLOCK), dtype=torch.int32).view(2, -1)
     cur = torch.randperm(L, generator=g)[:K]
     for step in range(300):
@@ -150,13 +160,14 @@ def test_long_trace_with_rolling_speculative_tails() -> None:
     assert all(dv.inspect(0, r) == h.inspect(0, r) for h in hosts for r in range(2))
 
 
-def test_row_movement_keeps_hot_rows_equal_to_their_pool_rows() -> None:
+@KERNELS
+def test_row_movement_keeps_hot_rows_equal_to_their_pool_rows(use_native: str) -> None:
     """Resolve + gather_misses + scatter_new_rows over a growing trace: after every
     layer call each selected position's hot row holds its pool row, padding descriptors
     included (they rewrite a row with its own contents)."""
     g = torch.Generator().manual_seed(9)
     B, H, K, L, D = 3, 24, 12, 200, 5
-    dv = DeviceResidency(2, 4, H, max_positions=L, batch_sizes=[4])
+    dv = DeviceResidency(2, 4, H, max_positions=L, batch_sizes=[4], use_native=use_native)
     pool = torch.zeros((2, 4 * L, D))
     hot = torch.full((2, 4 * H, D), float("nan"))
     perm = torch.randperm(4 * L // BLOCK, generator=g).to(torch.int32)
@@ -174,7 +185,7 @@ def test_row_movement_keeps_hot_rows_equal_to_their_pool_rows() -> None:
             topk = torch.stack([torch.randint(-1, int(n), (K,), generator=g) for n in lens])
             topk[:, 0] = new_pos  # the current token is in its own top-k
             res = dv.resolve_layer(layer, topk)
-            gather_misses(pool[layer], hot[layer], res.copy_src, res.copy_dst)
+            dv.gather_misses(pool[layer], hot[layer], res)
             rows = bt.long()[torch.arange(B)[:, None], topk.clamp(min=0) // BLOCK] * BLOCK \
                 + topk.clamp(min=0) % BLOCK
             sel = topk >= 0
@@ -182,8 +193,10 @@ def test_row_movement_keeps_hot_rows_equal_to_their_pool_rows() -> None:
         dv.check()
 
 
-def test_bad_top_k_is_raised_at_check_and_changes_nothing() -> None:
-    dv, tw = DeviceResidency(1, 2, 8, max_positions=20), TorchResidency(1, 2, 8)
+@KERNELS
+def test_bad_top_k_is_raised_at_check_and_changes_nothing(use_native: str) -> None:
+    dv = DeviceResidency(1, 2, 8, max_positions=20, use_native=use_native)
+    tw = TorchResidency(1, 2, 8)
     bt = torch.arange(10, dtype=torch.int32).view(2, 5)
 
     def call(impl, topk: list[list[int]]):
@@ -226,6 +239,94 @@ def test_host_side_inputs_are_refused_at_bind() -> None:
         DeviceResidency(1, 1, 4, max_positions=4).resolve_layer(0, torch.zeros((1, 1)))
     with pytest.raises(ResidencyError, match="largest padded batch size 1"):
         DeviceResidency(1, 2, 4, max_positions=4, batch_sizes=[1]).padded_size(2)
+
+
+def _kernel_trace(seed: int, *, hot: int, k: int, cap: int, block: int, steps: int = 30,
+                  topk_dtype: torch.dtype = torch.int64) -> None:
+    """Random steps (batch 1-3 of 4 rows padded to 4, new requests, rollback, duplicates,
+    now and then a bad position) through both kernels: every output (the padding copy
+    descriptors included), the report and the state outside the scratch row equal."""
+    rng = np.random.default_rng(seed)
+    L, R = 2, 4
+    tabs = [DeviceResidency(L, R, hot, max_positions=cap, batch_sizes=[4], use_native=u)
+            for u in ("off", "on")]
+    assert [t.kernel for t in tabs] == ["ops", "native"]
+    lens: dict[int, int] = {}
+    tags: dict[int, int] = {}
+    bt = torch.from_numpy(rng.permutation(R * cap // block).astype(np.int32)).view(R, -1)
+    for _ in range(steps):
+        rows = [int(r) for r in rng.choice(R, size=int(rng.integers(1, 4)), replace=False)]
+        for r in rows:
+            if r not in lens or rng.random() < 0.1:
+                lens[r], tags[r] = int(rng.integers(1, cap // 2)), int(rng.integers(0, 5))
+            lens[r] = min(cap, lens[r] + 1)
+        n = [lens[r] for r in rows]
+        stable = [max(0, x - int(rng.integers(0, 3))) for x in n]
+        bad = rng.random() < 0.05
+        for layer in range(L):
+            topk = torch.from_numpy(np.stack([rng.integers(-1, x, size=k) for x in n])).to(topk_dtype)
+            if bad:
+                topk[int(rng.integers(len(rows))), int(rng.integers(k))] = n[0] + 5
+            outs = []
+            for t in tabs:
+                t.bind_step(rows, [tags[r] for r in rows], stable, n, bt[rows], block)
+                res = t.resolve_layer(layer, topk)
+                outs.append([x.clone().to(torch.int64) for x in (
+                    res.slots, res.miss_src, res.miss_dst, res.counts, res.copy_src, res.copy_dst)])
+            for name, a, b in zip(("slots", "miss_src", "miss_dst", "counts", "copy_src",
+                                   "copy_dst"), *outs, strict=True):
+                assert torch.equal(a, b), (seed, layer, name)
+        checks = []
+        for t in tabs:
+            try:
+                checks.append(t.check())
+            except ResidencyError as exc:
+                checks.append(str(exc))
+        assert checks[0] == checks[1]
+        ops, nat = tabs
+        assert torch.equal(ops.pos_slot[:, :R, :cap], nat.pos_slot[:, :R, :cap])
+        for name in ("slot_pos", "stamp"):
+            assert torch.equal(getattr(ops, name)[:, :R, :hot], getattr(nat, name)[:, :R, :hot])
+        assert torch.equal(ops.tag[:, :R], nat.tag[:, :R])
+        assert torch.equal(ops.clock[:, :R], nat.clock[:, :R])
+
+
+@pytest.mark.skipif(not native.available(), reason="the native library does not load here")
+@pytest.mark.parametrize("hot,k,cap,block", [(16, 8, 80, 4), (32, 32, 200, 4), (8, 8, 320, 16)])
+def test_native_kernel_equals_the_tensor_ops_output_for_output(hot: int, k: int, cap: int,
+                                                               block: int) -> None:
+    for seed in range(12):
+        _kernel_trace(seed, hot=hot, k=k, cap=cap, block=block,
+                      topk_dtype=torch.int32 if seed % 2 else torch.int64)
+
+
+def test_kernel_choice() -> None:
+    """``auto`` runs the C++ kernel on a host table when the library loads; ``on`` without
+    it, or on a table that is not on the host, is refused naming the key."""
+    auto = DeviceResidency(1, 1, 4, max_positions=8)
+    assert auto.kernel == ("native" if native.available() else "ops")
+    assert DeviceResidency(1, 1, 4, max_positions=8, use_native="off").kernel == "ops"
+    assert make_residency(1, 1, 4, backend="device", max_positions=8,
+                          use_native="off").kernel == "ops"
+    with pytest.raises(ResidencyError, match="'use_native'='maybe'"):
+        DeviceResidency(1, 1, 4, max_positions=8, use_native="maybe")
+    meta = torch.device("meta")
+    with pytest.raises(ResidencyError, match=r"'use_native'='on'.*not the host"):
+        DeviceResidency(1, 1, 4, max_positions=8, device=meta, use_native="on")
+    assert DeviceResidency(1, 1, 4, max_positions=8, device=meta).kernel == "ops"
+
+
+@pytest.mark.skipif(not native.available(), reason="the native library does not load here")
+def test_native_gather_refuses_a_descriptor_outside_its_buffer() -> None:
+    dv = DeviceResidency(1, 1, 4, max_positions=8, use_native="on")
+    dv.bind_step([0], [1], [3], [3], torch.zeros((1, 2), dtype=torch.int32), BLOCK)
+    res = dv.resolve_layer(0, torch.tensor([[0, 2]]))
+    pool, hot = torch.arange(16.0).view(8, 2), torch.zeros(4, 2)
+    dv.gather_misses(pool, hot, res)
+    assert hot[res.slots[0].long()].tolist() == [[0.0, 1.0], [4.0, 5.0]]
+    res.copy_src[1] = 8  # one past the pool's last row
+    with pytest.raises(IndexError, match=r"descriptor 1 \(pool row 8 of 8"):
+        dv.gather_misses(pool, hot, res)
 
 
 def test_state_memory_is_bounded_at_deepseek_v32_geometry() -> None:
