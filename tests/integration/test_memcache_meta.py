@@ -201,7 +201,8 @@ def test_scheduler_tier_lookups_on_the_real_meta_service(meta: MemcacheMeta) -> 
     try:
         up = _line(proc)
         assert up["raw"] == [0, 0] and up["lookup"] == 0 and up["up"]
-        assert up["counters"] == {"remote_lookups": 1, "remote_hit_blocks": 0, "remote_outages": 0}
+        assert up["counters"] == {"remote_lookups": 1, "remote_hit_blocks": 0, "remote_outages": 0,
+                                  "remote_retries": 0}
 
         meta.stop()
         assert proc.stdin is not None

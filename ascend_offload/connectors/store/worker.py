@@ -188,7 +188,8 @@ class StoreWorker(abc.ABC):
                           remote_worker_fetch_failed_blocks=c.fetch_failed_blocks,
                           remote_worker_fetch_corrupt_blocks=c.fetch_corrupt_blocks,
                           remote_worker_late_calls=c.late_calls,
-                          remote_worker_outages=self.remote.health.outages)
+                          remote_worker_outages=self.remote.health.outages,
+                          remote_worker_retries=self.remote.health.retries)
         return self._remote_deltas.take(totals, gauges)
 
     def handle_preemptions(self, meta: KVConnectorMetadata) -> None:

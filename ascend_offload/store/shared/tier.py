@@ -31,8 +31,11 @@ them; the pages stay out of use until the call really ended. ``publish`` / ``fet
 take a caller's token and :meth:`RemotePages.take_ended` returns it once such a call
 ended (the connector holds the pages in the scheduler's index until then).
 
-A service that stops answering is a miss, never an error: the first failed call
-logs one warning per client and marks it down; while down nothing on the data path
+A service that stops answering is a miss, never an error: a call whose codes say the
+service did not answer is made once more (:meth:`ServiceHealth.call`: one lost RPC on a
+loaded host is not an outage, and an outage would turn every lookup into a miss until
+the next probe); when the second try fails too, the client logs one warning and marks
+the service down; while down nothing on the data path
 calls the service (a call then blocks in the library's reconnect), and a background
 thread probes it every ``retry_interval_s``; its first answer logs that service
 resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
@@ -44,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
@@ -58,6 +62,7 @@ from ascend_offload.store.base import StoreError
 log = logging.getLogger(__name__)
 
 PROBE_KEY = "ascend-offload:probe"
+RETRY_PAUSE_S = 0.05  # between a call the service did not answer and its one retry
 #: A put / get whose call outlived its deadline: a transfer may still read / write the pages.
 IN_FLIGHT = -(1 << 30)
 #: bytes after an object's rows: xxh3_64 of its key (seeded with the version), of its rows
@@ -128,10 +133,22 @@ class ServiceHealth:
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self.outages = 0
+        self.retries = 0
 
     def up(self) -> bool:
         with self._lock:
             return not self._down
+
+    def call(self, op: str, fn: Callable[[], list[int]]) -> tuple[list[int], bool]:
+        """``fn()``'s codes and :meth:`check` of them; a call the service did not answer is
+        made once more first (a late call, whose pages a transfer may still use, is not)."""
+        codes = fn()
+        if (any(self._client.unreachable(c) for c in codes) and IN_FLIGHT not in codes
+                and not self._stop.is_set()):
+            self.retries += 1
+            time.sleep(RETRY_PAUSE_S)
+            codes = fn()
+        return codes, self.check(op, codes)
 
     def check(self, op: str, codes: Sequence[int]) -> bool:
         """True when the service answered the call (per-object codes may be errors)."""
@@ -191,9 +208,9 @@ class RemoteIndex:
             return 0
         w = self.world_size
         shards = [shard_key(k, r) for k in keys for r in range(w)]
-        codes = self._client.exists(shards)
+        codes, answered = self.health.call("exists", lambda: list(self._client.exists(shards)))
         self.lookups += 1
-        if len(codes) != len(shards) or not self.health.check("exists", codes):
+        if len(codes) != len(shards) or not answered:
             return 0
         n = 0
         for i in range(len(keys)):
@@ -205,7 +222,7 @@ class RemoteIndex:
 
     def counters(self) -> dict[str, int]:
         return {"remote_lookups": self.lookups, "remote_hit_blocks": self.hit_blocks,
-                "remote_outages": self.health.outages}
+                "remote_outages": self.health.outages, "remote_retries": self.health.retries}
 
     def close(self) -> None:
         self.health.close()
@@ -307,8 +324,8 @@ class RemotePages:
         for shard, page in zip(shards, pages, strict=True):
             self._trailer_words[page] = (trailer_key(shard), self._payload_hash(page))
         ptrs, lens = self._spans(pages)
-        codes = self._client.put(shards, ptrs, lens, on_late=self._late(token))
-        self.health.check("put", codes)
+        codes, _ = self.health.call(
+            "put", lambda: list(self._client.put(shards, ptrs, lens, on_late=self._late(token))))
         late = IN_FLIGHT in codes
         if late:
             c.late_calls += 1

@@ -62,7 +62,8 @@ def test_ranks_publish_and_another_engine_fetches_whole_blocks() -> None:
         writers[1].publish(keys[:2], [0, 1])  # rank 1 lacks b2: b2 is not a whole block
         assert writers[0].counts.published_blocks == 3 and writers[1].counts.published_blocks == 2
         assert index.lookup_prefix(keys) == 2
-        assert index.counters() == {"remote_lookups": 2, "remote_hit_blocks": 2, "remote_outages": 0}
+        assert index.counters() == {"remote_lookups": 2, "remote_hit_blocks": 2, "remote_outages": 0,
+                                    "remote_retries": 0}
         # one object per block and rank: its rows of every layer, in layer order
         assert set(cluster.objects) == {"b0@r0", "b1@r0", "b2@r0", "b0@r1", "b1@r1"}
         # (then the 16-byte trailer a fetch verifies: key and payload checksums)

@@ -68,3 +68,36 @@ def test_outage_is_a_miss_logged_once_then_probed_back(failure: str, caplog: pyt
         assert [r for r in caplog.records if "store service resumed" in r.getMessage()]
     finally:
         index.close()
+
+
+def test_one_unanswered_call_is_retried_not_an_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """A single RPC the master did not answer (a loaded host) is made once more: the lookup
+    answers, no outage is declared, nothing is logged; two in a row are an outage."""
+    caplog.set_level(logging.WARNING, logger="ascend_offload.store.shared.mooncake")
+
+    class Blips(Client):
+        def __init__(self, present: set[str]) -> None:
+            super().__init__(present)
+            self.fail_next = 0
+
+        def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+            if self.fail_next:
+                self.fail_next -= 1
+                self.data_path_calls += 1
+                return [RPC_LAST] * len(keys)
+            return super().batch_is_exist(keys)
+
+    client = Blips({"a@r0", "a@r1"})
+    index = RemoteIndex(CFG, world_size=2, client=client)
+    try:
+        client.fail_next = 1
+        assert index.lookup_prefix(["a"]) == 1
+        assert client.data_path_calls == 2 and index.health.retries == 1
+        assert index.health.outages == 0 and index.available()
+        assert index.counters()["remote_retries"] == 1
+        client.fail_next = 2
+        assert index.lookup_prefix(["a"]) == 0
+        assert index.health.outages == 1 and index.health.retries == 2
+        assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+    finally:
+        index.close()
