@@ -51,7 +51,36 @@ struct Scratch {
   std::vector<int32_t> hit_rank;  // [H] touch order of a slot hit in this call (-1: not hit)
   std::vector<int32_t> hits;      // the hit slots, in hit order
   std::vector<std::pair<int64_t, int32_t>> cand;  // (stamp, slot) of evictable live slots
+  std::vector<std::pair<int64_t, int32_t>> tmp;   // radix sort buffer
 };
+
+// Sort (stamp, slot) pairs by stamp (distinct within a row). Why a radix sort: at
+// DeepSeek-V3.2 scale a call evicts ~1800 of 4096 slots, and a comparison sort of the
+// candidates was two thirds of the call; stamps relative to the smallest fit in a few
+// 11-bit digits (a row's stamps span the touches since its oldest resident entry).
+void sort_by_stamp(std::vector<std::pair<int64_t, int32_t>>& c,
+                   std::vector<std::pair<int64_t, int32_t>>& tmp) {
+  if (c.size() < 64) {
+    std::sort(c.begin(), c.end());
+    return;
+  }
+  int64_t lo = c[0].first, hi = c[0].first;
+  for (const auto& x : c) {
+    lo = std::min(lo, x.first);
+    hi = std::max(hi, x.first);
+  }
+  const auto range = static_cast<uint64_t>(hi - lo);
+  tmp.resize(c.size());
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  for (int shift = 0; shift < 64 && (range >> shift) != 0; shift += kBits) {
+    size_t count[kBuckets + 1] = {0};
+    for (const auto& x : c) ++count[((static_cast<uint64_t>(x.first - lo) >> shift) & (kBuckets - 1)) + 1];
+    for (size_t i = 1; i <= kBuckets; ++i) count[i] += count[i - 1];
+    for (const auto& x : c) tmp[count[(static_cast<uint64_t>(x.first - lo) >> shift) & (kBuckets - 1)]++] = x;
+    c.swap(tmp);
+  }
+}
 
 Scratch& scratch() {
   thread_local Scratch s;
@@ -188,7 +217,7 @@ void resolve(const int64_t* a, const TopK* topk) {
     if (keep < 0) keep = any_live ? newest_live : static_cast<int32_t>(hot - 1);
     if (taken < n_miss) {
       const auto need = static_cast<std::ptrdiff_t>(n_miss - taken);
-      std::partial_sort(s.cand.begin(), s.cand.begin() + need, s.cand.end());
+      sort_by_stamp(s.cand, s.tmp);
       for (std::ptrdiff_t j = 0; j < need; ++j) {
         const int32_t h = s.cand[static_cast<size_t>(j)].second;
         ps[sp[h]] = -1;  // evict
