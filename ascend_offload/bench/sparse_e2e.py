@@ -414,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=48, help="generated tokens per request")
     p.add_argument("--hot", type=int, default=64, help="hot-buffer rows per request and layer")
     p.add_argument("--index-topk", type=int, default=32, help="the model's index_topk")
-    p.add_argument("--rounds", type=int, default=12, help="rounds per engine (alternating)")
+    p.add_argument("--rounds", type=int, default=24,
+                   help="rounds per engine (alternating; a round is ~1 s, so the median of many "
+                        "paired rounds is what resists a shared machine's minute-to-minute swings)")
     p.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines' workers")
     p.add_argument("--kv-bytes", type=int, default=0,
                    help="kv_cache_memory_bytes of both engines (default: twice the batch's need)")

@@ -44,7 +44,7 @@ from ascend_offload.models.sparse_attention import (
     select_topk,
     sparse_attention,
 )
-from ascend_offload.sparse.adapter import BatchRow, SparseDecodeAdapter
+from ascend_offload.sparse.adapter import BatchRow, SparseDecodeAdapter, SparseStepPlan
 
 _UNSET = object()
 
@@ -80,6 +80,9 @@ class SparseMLAMetadata(AttentionMetadata):
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] row of each new token, -1 = skip
     requests: list[RequestSlots]
+    # sparse decode offload: the step's new-row batch indices and (batch entry, position)
+    # pairs, the same for every layer of the step (the first offloaded layer makes them)
+    offload_new_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
@@ -236,6 +239,43 @@ class SparseMLACache(_CacheLayer):
         layer = adapter.sparse_layer_index(self.layer_name)
         return None if layer is None else (adapter, layer)
 
+    def _new_row_positions(self, meta: SparseMLAMetadata, plan: SparseStepPlan
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's new tokens (batch indices) and their (batch entry, position) pairs
+        for ``offload_new_kv``: built once per step, in Python lists (a decode step has one
+        token per request; per-request tensor ops cost more than the lists)."""
+        src: list[int] = []
+        pos: list[tuple[int, int]] = []
+        for i, req in enumerate(meta.requests):
+            b, first = plan.batch_index[i], plan.offload_from[i]
+            seq, n_new = req.slots.shape[0], req.end - req.start
+            if b < 0 or first != seq - n_new:
+                raise RuntimeError(
+                    f"{self.layer_name}: batch row {i} ({seq} tokens, {n_new} new) "
+                    + ("is not offloaded" if b < 0 else
+                       f"lacks pool rows {first}..{seq - n_new - 1} this step did not compute")
+                    + ": the device has no main KV to attend over instead")
+            src.extend(range(req.start, req.end))
+            pos.extend((b, p) for p in range(first, seq))
+        return (torch.tensor(src, dtype=torch.int64),
+                torch.tensor(pos, dtype=torch.int64).view(len(pos), 2))
+
+    def _decode_topk(self, plan: SparseStepPlan, selected: list[torch.Tensor],
+                     device: torch.device) -> torch.Tensor:
+        """``[entries, index_topk]`` int32 top-k of the decode rows, ``-1`` padded. One
+        concatenation when every entry is a full-width decode row in batch order (a
+        decode step), else row by row."""
+        assert self.index_topk is not None
+        k = self.index_topk
+        if (all(plan.decode) and plan.batch_index == tuple(range(plan.num_entries))
+                and all(p.shape == (1, k) for p in selected)):
+            return torch.cat(selected).to(torch.int32)
+        topk = torch.full((plan.num_entries, k), -1, dtype=torch.int32, device=device)
+        for i, positions in enumerate(selected):
+            if plan.decode[i]:
+                topk[plan.batch_index[i], : positions.shape[1]] = positions[0]
+        return topk
+
     def _positions(self, req: RequestSlots, index_q: torch.Tensor, index_w: torch.Tensor,
                    key_rows: torch.Tensor) -> torch.Tensor:
         """The request's selected logical positions ``[T, min(topk, seq)]`` (as without offload)."""
@@ -274,30 +314,17 @@ class SparseMLACache(_CacheLayer):
         assert self.index_topk is not None
         _, key_rows = self._write_new_rows(meta, None, index_k)
         plan = adapter.plan_step([r.row for r in meta.requests])
-        src, pos = [], []
-        for i, req in enumerate(meta.requests):
-            b, first = plan.batch_index[i], plan.offload_from[i]
-            seq, n_new = req.slots.shape[0], req.end - req.start
-            if b < 0 or first != seq - n_new:
-                raise RuntimeError(
-                    f"{self.layer_name}: batch row {i} ({seq} tokens, {n_new} new) "
-                    + ("is not offloaded" if b < 0 else
-                       f"lacks pool rows {first}..{seq - n_new - 1} this step did not compute")
-                    + ": the device has no main KV to attend over instead")
-            src.append(torch.arange(req.start, req.end))
-            pos.append(torch.stack((torch.full((n_new,), b), torch.arange(first, seq)), dim=1))
-        if src:
-            adapter.offload_new_kv(layer, new_kv[torch.cat(src)], torch.cat(pos))
+        if meta.offload_new_rows is None:
+            meta.offload_new_rows = self._new_row_positions(meta, plan)
+        src, pos = meta.offload_new_rows
+        if src.numel():
+            adapter.offload_new_kv(layer, new_kv[src], pos)
         selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
         hot_slots = None
         if plan.any_decode:
             # built where the indexer ran: a device resolver takes it as is, the host
             # resolver reads it (counted in device.host_reads)
-            topk = torch.full((plan.num_entries, self.index_topk), -1, dtype=torch.int32,
-                              device=q.device)
-            for i, positions in enumerate(selected):
-                if plan.decode[i]:
-                    topk[plan.batch_index[i], : positions.shape[1]] = positions[0]
+            topk = self._decode_topk(plan, selected, q.device)
             hot_slots = adapter.onload_topk(layer, topk)
             hot = adapter.hot_buffer(layer)
         for i, (req, positions) in enumerate(zip(meta.requests, selected, strict=True)):

@@ -138,7 +138,10 @@ class SparseOffloadManager:
             max_positions=max_positions or pool.num_rows, device=self.hot.device)
         self._device = self.residency.kind == "device"
         self._new_dst: tuple[list[int], torch.Tensor] | None = None  # this step's new-row rows
+        # (positions tensor, its pool rows) of this step: every layer passes the same one
+        self._new_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._new_dst_buf: torch.Tensor | None = None  # persistent: a captured graph reads it
+        self._new_dst_of: torch.Tensor | None = None  # the dst tensor _new_dst was made from
         self._hot_on_host = dev.is_host(self.hot.layer(0))  # the resolver's slots are host tensors
         self._native_copy = self._hot_on_host and native.available()
         self._stream = dev.new_stream()
@@ -286,6 +289,7 @@ class SparseOffloadManager:
         # Bound once per step: each layer's onload_topk then passes only its top-k.
         self.residency.bind_step(b["rows"], b["tags"], b["stable"], b["lens"], bt, self.block_size)
         self._new_dst = None
+        self._new_rows = None
         self.stats.steps += 1
 
     def end_step(self) -> None:
@@ -318,7 +322,11 @@ class SparseOffloadManager:
         if self.tp_rank != 0:
             return
         t0 = time.perf_counter_ns()
-        dst = self._host_rows(positions)
+        if self._new_rows is not None and self._new_rows[0] is positions:
+            dst = self._new_rows[1]  # the step's earlier layers passed the same positions
+        else:
+            dst = self._host_rows(positions)
+            self._new_rows = (positions, dst)
         if new_kv.shape[0] != dst.numel():
             raise ValueError(f"layer {layer}: {new_kv.shape[0]} new rows for {dst.numel()} positions")
         if self._device and self._pool_dev is not None:
@@ -402,7 +410,10 @@ class SparseOffloadManager:
     def _bind_new_dst(self, dst: torch.Tensor) -> torch.Tensor:
         """The step's new-row pool rows in the persistent buffer: every layer writes the
         same positions, so they cross host -> device once per step."""
+        if self._new_dst is not None and self._new_dst_of is dst:
+            return self._new_dst[1]
         key = dst.tolist()
+        self._new_dst_of = dst
         if self._new_dst is None or self._new_dst[0] != key:
             n = len(key)
             buf = self._new_dst_buf
