@@ -296,7 +296,7 @@ class SparseOffloadConfig(_Strict):
     # Where the per-layer resolve runs: "host" (the native table, or its torch twin, on
     # the CPU: the top-k crosses to the host every layer) or "device" (static-shape tensor
     # ops next to the hot buffers: no host synchronization per layer, graph-capturable;
-    # exact LRU only).
+    # exact LRU only; where the device is the host, use_native picks its C++ kernel).
     residency_backend: Literal["host", "device"] = "host"
 
     @field_validator("topk_buffer_size")
