@@ -41,10 +41,10 @@ take a caller's token and :meth:`RemotePages.take_ended` returns it once such a 
 ended (the connector holds the pages in the scheduler's index until then).
 
 A service that stops answering is a miss, never an error: a call whose codes say the
-service did not answer is made once more (:meth:`ServiceHealth.call`: one lost RPC on a
-loaded host is not an outage, and an outage would turn every lookup into a miss until
-the next probe); when the second try fails too, the client logs one warning and marks
-the service down; while down nothing on the data path
+service did not answer, and that failed fast, is made once more (:meth:`ServiceHealth.call`:
+one lost RPC on a loaded host is not an outage, and an outage would turn every lookup
+into a miss until the next probe; a call that blocked in a reconnect is not retried);
+when the second try fails too, the client logs one warning and marks the service down; while down nothing on the data path
 calls the service (a call then blocks in the library's reconnect), and a background
 thread probes it every ``retry_interval_s``; its first answer logs that service
 resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
@@ -72,6 +72,10 @@ log = logging.getLogger(__name__)
 
 PROBE_KEY = "ascend-offload:probe"
 RETRY_PAUSE_S = 0.05  # between a call the service did not answer and its one retry
+# Only a call that failed faster than this is retried: a gone service makes a call
+# block in the library's reconnect (~4.3 s for Mooncake), and retrying that would
+# double the stall before the outage is declared.
+RETRY_IF_FAILED_WITHIN_S = 1.0
 #: A put / get whose call outlived its deadline: a transfer may still read / write the pages.
 IN_FLIGHT = -(1 << 30)
 #: bytes after an object's rows: xxh3_64 of its key (seeded with the version), of its rows
@@ -165,10 +169,13 @@ class ServiceHealth:
             return not self._down
 
     def call(self, op: str, fn: Callable[[], list[int]]) -> tuple[list[int], bool]:
-        """``fn()``'s codes and :meth:`check` of them; a call the service did not answer is
-        made once more first (a late call, whose pages a transfer may still use, is not)."""
+        """``fn()``'s codes and :meth:`check` of them. A call the service did not answer, but
+        that failed fast, is made once more first (a lost RPC on a loaded host); one that
+        blocked (a reconnect) or is still in flight (a transfer may use its pages) is not."""
+        t0 = time.monotonic()
         codes = fn()
         if (any(self._client.unreachable(c) for c in codes) and IN_FLIGHT not in codes
+                and time.monotonic() - t0 < RETRY_IF_FAILED_WITHIN_S
                 and not self._stop.is_set()):
             self.retries += 1
             time.sleep(RETRY_PAUSE_S)

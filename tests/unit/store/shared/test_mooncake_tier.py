@@ -101,3 +101,20 @@ def test_one_unanswered_call_is_retried_not_an_outage(caplog: pytest.LogCaptureF
         assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
     finally:
         index.close()
+
+
+def test_a_call_that_blocked_is_an_outage_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that took the library's reconnect time is not retried (that would double
+    the stall): the outage is declared after one call."""
+    from ascend_offload.store.shared import tier
+
+    monkeypatch.setattr(tier, "RETRY_IF_FAILED_WITHIN_S", 0.0)  # every failure counts as slow
+    client = Client({"a@r0"})
+    index = RemoteIndex(CFG, world_size=1, client=client)
+    try:
+        client.mode = "down"
+        assert index.lookup_prefix(["a"]) == 0
+        assert client.data_path_calls == 1 and index.health.retries == 0
+        assert index.health.outages == 1
+    finally:
+        index.close()
