@@ -20,7 +20,8 @@ Object of one block on one rank: the block's rows of every layer, concatenated i
 model layer order (``kv_layout.layer_order``), so whole-prefix and layerwise engines
 of the same model and layout share objects, then a 16-byte trailer: the xxh3_64 of
 the object's key (seeded with the trailer version) and the payload hash of the rows
-(:func:`fold_rows`: the xxh3_64 of every row, folded in layer order); key
+(:func:`fold_rows`: the xxh3_64 of every row, seeded with the row's layer position,
+folded in layer order); key
 ``<block key>@r<rank>``. A fetch verifies both before the block counts as arrived: an
 object whose bytes are not its block's (a put that read pages reused under it, a
 transfer gone wrong, an object of another format) is a miss, never an answer, and is
@@ -92,11 +93,12 @@ def trailer_key(shard: str) -> int:
 
 
 def fold_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
-    """Payload hashes of a call's objects from their rows' xxh3_64 (``rows[l][i]``: the
-    digest of object ``i``'s row of layer ``l``, layers in object order): ``h = h * FOLD +
-    d`` mod 2^64 from 0. A changed row changes its object's hash (multiplying by an odd
-    number and adding are bijections mod 2^64), and rows trade places only with 2^-64
-    odds of the same hash."""
+    """Payload hashes of a call's objects from their rows' digests (``rows[l][i]``: the
+    xxh3_64 of object ``i``'s row of layer position ``l``, seeded with ``l``): ``h = h *
+    FOLD + d`` mod 2^64 from 0. One changed row always changes its object's hash
+    (multiplying by an odd number and adding are bijections mod 2^64); several changed
+    rows, or rows moved to another layer position (the seed), leave it unchanged with
+    2^-64 odds, as one xxh3_64 over the object would."""
     h = np.zeros(len(rows[0]) if rows else 0, dtype=np.uint64)
     for d in rows:
         h *= FOLD  # wraps mod 2^64
@@ -336,8 +338,8 @@ class RemotePages:
         out = np.empty((n, 2), dtype=np.uint64)
         out[:, 0] = np.fromiter(map(trailer_key, shards), dtype=np.uint64, count=n)
         digests = []
-        for view, row in zip(self._views, self._rows, strict=True):  # plane by plane: sequential reads
-            digests.append(np.fromiter((_xxh3(view[p * row:p * row + row]) for p in pages),
+        for seed, (view, row) in enumerate(zip(self._views, self._rows, strict=True)):  # plane by plane
+            digests.append(np.fromiter((_xxh3(view[p * row:p * row + row], seed) for p in pages),
                                        dtype=np.uint64, count=n))
         out[:, 1] = fold_rows(digests)
         return out
