@@ -29,11 +29,17 @@ removed from the service where the client can (``TierClient.remove``).
 
 Why rows are hashed one by one and folded, not streamed through one hasher per
 object: a call hashes plane after plane, each plane's rows in page order, which walks
-memory the way the hardware prefetches (measured on the 2-vCPU VM: 0.53 ms for 16 MiB
-of 16 KiB rows against 1.1 ms object by object), and the fold of a call's objects is a
-few numpy operations. A publish writes the trailers of its pages and a fetch checks
-them the same way, whole arrays at a time; span lists come from per-plane base
-addresses (one numpy expression), so the Python work per block is a few calls.
+memory the way the hardware prefetches, runs of consecutive pages as an iterator over a
+slice of the plane (no Python per row), and the fold of a call's objects is a few numpy
+operations. Measured on the 2-vCPU VM, 256 objects of 4 x 16 KiB rows in cache: 0.49 ms
+for consecutive pages, 0.77 ms scattered, against 1.1 ms object by object; one xxh3_64
+over the same 16 MiB takes 0.34 ms. A publish writes the trailers of its pages and a
+fetch checks them the same way, whole arrays at a time; span lists come from per-plane
+base addresses (one numpy expression), so the Python work per block is a few calls.
+
+What the check costs: one more read of every byte. Where the transfer itself runs at
+memory speed (Mooncake over TCP between clients on one host copies with memcpy) that
+read is 0.3-0.6 of the transfer's time; over a network it is a small part.
 
 A put or get that outlives the client's deadline (``IN_FLIGHT``, Memcache) may still
 read or write the rank's pages inside the library: nothing is copied to protect
@@ -59,6 +65,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from itertools import chain, repeat
 from typing import Protocol
 
 import numpy as np
@@ -85,6 +92,8 @@ TRAILER_VERSION = 2
 #: odd 64-bit multiplier of :func:`fold_rows` (every step is a bijection of the running hash)
 FOLD = np.uint64(0x9E3779B97F4A7C15)
 _xxh3 = xxhash.xxh3_64_intdigest
+#: pages per run (on average) from which a call hashes runs of consecutive pages as slices
+RUN_MIN = 4
 
 
 def trailer_key(shard: str) -> int:
@@ -300,9 +309,9 @@ class RemotePages:
                 raise StoreError("page planes must be contiguous 2-D host tensors")
         self._rows = [p.shape[1] * p.element_size() for p in self._planes]
         self.object_bytes = sum(self._rows)
-        # each plane as one flat byte view (no copy): a row is a slice of it
-        self._views = [memoryview(p.view(torch.uint8).numpy().reshape(-1))  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
-                       for p in self._planes]
+        # each plane's rows as bytes (no copy): [num_pages, row bytes], and flat
+        self._arrays = [p.view(torch.uint8).numpy() for p in self._planes]
+        self._views = [memoryview(a.reshape(-1)) for a in self._arrays]  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
         # one trailer per page (key hash, payload hash): the last span of every object
         self._trailers = torch.zeros((self._planes[0].shape[0], TRAILER_BYTES), dtype=torch.uint8)
         self._trailer_words = self._trailers.numpy().view(np.uint64)
@@ -331,16 +340,28 @@ class RemotePages:
         ptrs: list[list[int]] = (self._bases + pages[:, None] * self._strides).tolist()
         return ptrs, [self._lens] * len(pages)
 
-    def _trailer_hashes(self, shards: Sequence[str], pages: Sequence[int]) -> np.ndarray:
+    def _trailer_hashes(self, shards: Sequence[str], pages: np.ndarray) -> np.ndarray:
         """``[n, 2]`` uint64: the trailer every object should carry (key hash, payload hash
-        of the page's rows as they are now)."""
+        of the page's rows as they are now). Runs of consecutive pages hash as row
+        iterators over a slice of each plane (no Python per row); scattered pages one
+        slice per row."""
         n = len(pages)
         out = np.empty((n, 2), dtype=np.uint64)
         out[:, 0] = np.fromiter(map(trailer_key, shards), dtype=np.uint64, count=n)
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
         digests = []
-        for seed, (view, row) in enumerate(zip(self._views, self._rows, strict=True)):  # plane by plane
-            digests.append(np.fromiter((_xxh3(view[p * row:p * row + row], seed) for p in pages),
-                                       dtype=np.uint64, count=n))
+        if (len(breaks) + 1) * RUN_MIN <= n:
+            firsts = pages[np.concatenate(([0], breaks))].tolist()
+            sizes = np.diff(np.concatenate(([0], breaks, [n]))).tolist()
+            runs = [(lo, lo + k) for lo, k in zip(firsts, sizes, strict=True)]
+            for seed, rows in enumerate(self._arrays):  # plane by plane: sequential reads
+                each = chain.from_iterable(map(_xxh3, rows[lo:hi], repeat(seed)) for lo, hi in runs)
+                digests.append(np.fromiter(each, dtype=np.uint64, count=n))
+        else:
+            at = pages.tolist()
+            for seed, (view, row) in enumerate(zip(self._views, self._rows, strict=True)):
+                digests.append(np.fromiter((_xxh3(view[p * row:p * row + row], seed) for p in at),
+                                           dtype=np.uint64, count=n))
         out[:, 1] = fold_rows(digests)
         return out
 
@@ -369,7 +390,7 @@ class RemotePages:
             return True
         shards = [shard_key(k, self.rank) for k in keys]
         idx = np.asarray(pages, dtype=np.int64)
-        self._trailer_words[idx] = self._trailer_hashes(shards, pages)
+        self._trailer_words[idx] = self._trailer_hashes(shards, idx)
         ptrs, lens = self._spans(idx)
         codes, _ = self.health.call(
             "put", lambda: list(self._client.put(shards, ptrs, lens, on_late=self._late(token))))
@@ -429,8 +450,8 @@ class RemotePages:
     def _corrupt(self, shards: Sequence[str], pages: Sequence[int]) -> list[str]:
         """The fetched objects whose trailer does not match their key and rows (misses;
         removed from the service so no engine keeps fetching them)."""
-        got = self._trailer_words[np.asarray(pages, dtype=np.int64)]
-        wrong = (got != self._trailer_hashes(shards, pages)).any(axis=1)
+        idx = np.asarray(pages, dtype=np.int64)
+        wrong = (self._trailer_words[idx] != self._trailer_hashes(shards, idx)).any(axis=1)
         bad = [shards[i] for i in np.flatnonzero(wrong)]
         if bad:
             self.counts.fetch_corrupt_blocks += len(bad)

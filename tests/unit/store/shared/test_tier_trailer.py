@@ -122,17 +122,30 @@ def reference_trailer(shard: str, rows: list[bytes]) -> bytes:
     return key.to_bytes(8, "little") + h.to_bytes(8, "little")
 
 
-def test_objects_are_rows_in_layer_order_then_the_trailer() -> None:
+@pytest.mark.parametrize("pages", [
+    [7, 2, 9, 0],  # scattered, unsorted: one slice per row
+    [0, 1, 2, 3, 4, 5, 6, 7],  # one run of consecutive pages: rows iterated from a plane slice
+    [3, 4, 5, 6, 10, 11, 0, 1],  # three runs
+])
+def test_objects_are_rows_in_layer_order_then_the_trailer(pages: list[int]) -> None:
     client, src = MemoryClient(), planes(1)
     w = RemotePages(client, src, 3, 1.0)
-    pages = [7, 2, 9, 0]  # scattered, unsorted
-    assert w.publish(["a", "b", "c", "d"], pages)
-    assert w.counts.published_blocks == 4
-    for key, page in zip("abcd", pages, strict=True):
+    keys = [f"k{i}" for i in range(len(pages))]
+    assert w.publish(keys, pages)
+    assert w.counts.published_blocks == len(pages)
+    for key, page in zip(keys, pages, strict=True):
         rows = rows_of(src, page)
         obj = client.objects[shard_key(key, 3)]
         assert obj == b"".join(rows) + reference_trailer(shard_key(key, 3), rows)
+    # fetched into pages laid out the other way (scattered <-> runs), every object verifies
+    dst = planes(None)
+    r = RemotePages(client, dst, 3, 1.0)
+    back = list(range(len(pages))) if pages != sorted(pages) else [p * 5 % PAGES for p in range(len(pages))]
+    assert r.fetch(keys, back) == (True, True)
+    assert r.counts.fetch_corrupt_blocks == 0
+    assert all(rows_of(dst, b) == rows_of(src, p) for p, b in zip(pages, back, strict=True))
     w.close()
+    r.close()
 
 
 def test_fetch_verifies_each_object_and_removes_only_the_bad_ones() -> None:
