@@ -340,11 +340,12 @@ class RemotePages:
         ptrs: list[list[int]] = (self._bases + pages[:, None] * self._strides).tolist()
         return ptrs, [self._lens] * len(pages)
 
-    def _trailer_hashes(self, shards: Sequence[str], pages: np.ndarray) -> np.ndarray:
+    def _trailer_hashes(self, shards: Sequence[str], pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """``[n, 2]`` uint64: the trailer every object should carry (key hash, payload hash
         of the page's rows as they are now). Runs of consecutive pages hash as row
         iterators over a slice of each plane (no Python per row); scattered pages one
         slice per row."""
+        pages = np.asarray(pages, dtype=np.int64)
         n = len(pages)
         out = np.empty((n, 2), dtype=np.uint64)
         out[:, 0] = np.fromiter(map(trailer_key, shards), dtype=np.uint64, count=n)
