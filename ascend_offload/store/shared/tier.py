@@ -39,7 +39,7 @@ base addresses (one numpy expression), so the Python work per block is a few cal
 
 What the check costs: one more read of every byte. Where the transfer itself runs at
 memory speed (Mooncake over TCP between clients on one host copies with memcpy) that
-read is 0.3-0.6 of the transfer's time; over a network it is a small part.
+read is 0.4-0.7 of a get's time (docs/bench-store.md); over a network it is a smaller part.
 
 A put or get that outlives the client's deadline (``IN_FLIGHT``, Memcache) may still
 read or write the rank's pages inside the library: nothing is copied to protect
