@@ -86,7 +86,7 @@ RETRY_PAUSE_S = 0.05  # between a call the service did not answer and its one re
 RETRY_IF_FAILED_WITHIN_S = 1.0
 #: A put / get whose call outlived its deadline: a transfer may still read / write the pages.
 IN_FLIGHT = -(1 << 30)
-#: bytes after an object's rows: xxh3_64 of its key (seeded with the version), of its rows
+#: bytes after an object's rows: xxh3_64 of its key (seeded with the version), payload hash (fold_rows)
 TRAILER_BYTES = 16
 TRAILER_VERSION = 2
 #: odd 64-bit multiplier of :func:`fold_rows` (every step is a bijection of the running hash)
