@@ -113,6 +113,15 @@ def bench_worker(layer_block_bytes: int, num_layers: int, num_objects: int, repe
     return out
 
 
+def med(ts: list[float]) -> float:
+    return statistics.median(ts)
+
+
+def ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of ``base / ours`` (each round's pair saw the same machine)."""
+    return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
+
+
 def _rounds(fns: list[Callable[[], Any]], repeats: int,
             between: Callable[[], Any] | None = None, *, alternate: bool = False) -> list[list[float]]:
     """Seconds of every ``fns[j]`` in each of ``repeats`` rounds, run back to back so all
@@ -215,12 +224,6 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
         for t in (src, zc_dst):
             client.unregister_buffer(t.data_ptr())
         store.close()
-
-    def med(ts: list[float]) -> float:
-        return statistics.median(ts)
-
-    def ratio(base: list[float], ours: list[float]) -> float:
-        return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
 
     return {
         "path": "mooncake",
@@ -326,12 +329,6 @@ def bench_shared_tier(master_address: str, num_layers: int, layer_block_bytes: i
         assert c.publish_duplicates == c.publish_skipped == c.fetch_failed_blocks == 0, c
     finally:
         remote.close()
-
-    def med(ts: list[float]) -> float:
-        return statistics.median(ts)
-
-    def ratio(base: list[float], ours: list[float]) -> float:
-        return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
 
     return {
         "path": "shared_tier",
