@@ -10,12 +10,7 @@ measured in the same run (the ratio is what matters on a noisy machine):
 * ``mooncake``: ``MooncakeStore`` (the same contract calls as ``store``) against a
   loopback ``mooncake_master`` started by the bench; its baseline is not a torch
   copy but a raw Mooncake ``batch_put_from`` / ``batch_get_into`` of the same bytes
-  between registered buffers, through the same client, in the same run;
-* ``shared_tier``: the store connector's shared tier on the same loopback master —
-  ``RemotePages.publish`` / ``fetch`` of whole blocks between a ``WorkerPagePool``'s page
-  planes and the store (trailer written, then verified) against the same client's
-  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the same rows
-  from / into the same registered pages, in the same rounds.
+  between registered buffers, through the same client, in the same run.
 
 And the eviction policies' hit rates on the same traces (``bench/store_policy.py``):
 ARC vs LRU through the scheduler's index, ``LocalStore(with_data=False)``.
@@ -36,7 +31,6 @@ from typing import Any
 import torch
 
 from ascend_offload.bench import store_policy
-from ascend_offload.kv_layout import layer_order
 from ascend_offload.store.local import LocalStore
 from ascend_offload.store.pages.worker_pool import WorkerPagePool
 
@@ -113,25 +107,13 @@ def bench_worker(layer_block_bytes: int, num_layers: int, num_objects: int, repe
     return out
 
 
-def med(ts: list[float]) -> float:
-    return statistics.median(ts)
-
-
-def ratio(base: list[float], ours: list[float]) -> float:
-    """Median over rounds of ``base / ours`` (each round's pair saw the same machine)."""
-    return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
-
-
 def _rounds(fns: list[Callable[[], Any]], repeats: int,
-            between: Callable[[], Any] | None = None, *, alternate: bool = False) -> list[list[float]]:
+            between: Callable[[], Any] | None = None) -> list[list[float]]:
     """Seconds of every ``fns[j]`` in each of ``repeats`` rounds, run back to back so all
-    see the same machine load (one warm-up round first); ``between`` runs untimed;
-    ``alternate``: every other round runs them in reverse order (neither side always
-    goes first, e.g. right after ``between``)."""
+    see the same machine load (one warm-up round first); ``between`` runs untimed."""
     out: list[list[float]] = [[] for _ in fns]
     for r in range(repeats + 1):
-        order = list(enumerate(fns))
-        for j, fn in (order[::-1] if alternate and r % 2 else order):
+        for j, fn in enumerate(fns):
             t0 = time.perf_counter()
             fn()
             if r:
@@ -225,6 +207,12 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
             client.unregister_buffer(t.data_ptr())
         store.close()
 
+    def med(ts: list[float]) -> float:
+        return statistics.median(ts)
+
+    def ratio(base: list[float], ours: list[float]) -> float:
+        return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
+
     return {
         "path": "mooncake",
         "object_bytes": object_bytes,
@@ -245,149 +233,22 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
     }
 
 
-#: shared-tier rows: (layers, bytes of one layer's block) per object size of the Mooncake rows
-SHARED_TIER_SHAPES = ((4, 16 << 10), (16, 16 << 10), (8, 128 << 10))
-#: the shared tier vs a zero-copy multi-buffer put/get of the same spans
-SHARED_TIER_TARGET = 0.8
-
-
-def bench_shared_tier(master_address: str, num_layers: int, layer_block_bytes: int, num_objects: int,
-                      repeats: int) -> dict[str, Any]:
-    """The store connector's shared tier (``RemotePages`` over Mooncake, the worker's
-    path) against the zero-copy transfer of the same bytes, in the same rounds.
-
-    A ``WorkerPagePool``'s page planes (``num_layers`` layers) are filled from a paged KV
-    cache and registered through ``RemotePages``; ours is ``publish`` of ``num_objects``
-    blocks from pages ``0..n-1`` and ``fetch`` of them into pages ``n..2n-1``. The
-    baseline is the same client's ``batch_put_from_multi_buffers`` /
-    ``batch_get_into_multi_buffers`` of the same layer rows from / into the same
-    registered pages (the same spans, without our trailer, hashes and bookkeeping).
-    Keys are fresh every round and removed (untimed) between put rounds."""
-    from mooncake.store import ReplicateConfig
-
-    from ascend_offload.config import MooncakeStoreConfig
-    from ascend_offload.store.shared.mooncake import RemotePages, connect, shard_key
-
-    n = num_objects
-    total = num_layers * layer_block_bytes * n
-    kv = {f"model.layers.{i}.attn": torch.randn(n, layer_block_bytes // 4) for i in range(num_layers)}
-    pool = WorkerPagePool(kv, num_blocks=n, num_pages=2 * n)
-    src_pages, dst_pages = list(range(n)), list(range(n, 2 * n))
-    pool.save(list(range(n)), src_pages)
-    planes = pool.planes
-    cfg = MooncakeStoreConfig(master_address=master_address, global_segment_bytes=max(64 << 20, 6 * total))
-    raw = connect(cfg, global_segment_bytes=cfg.global_segment_bytes)
-    remote = RemotePages(cfg, planes, 0, client=raw)  # registers the planes; closes ``raw``
-    ordered = [planes[name] for name in layer_order(planes)]
-
-    def spans(pages: list[int]) -> list[list[int]]:
-        return [[p.data_ptr() + page * layer_block_bytes for p in ordered] for page in pages]
-
-    src_ptrs, dst_ptrs = spans(src_pages), spans(dst_pages)
-    lens = [[layer_block_bytes] * num_layers for _ in range(n)]
-    rep = ReplicateConfig()
-    rep.replica_num = 1
-    r = [0]
-    keys: dict[str, list[str]] = {}
-
-    def fresh() -> None:
-        r[0] += 1
-        keys["ours"] = [f"tier{r[0]}:{i}" for i in range(n)]
-        keys["zc"] = [f"zc{r[0]}:{i}" for i in range(n)]
-
-    def publish() -> None:
-        assert remote.publish(keys["ours"], src_pages), "a put outlived its deadline"
-
-    def zc_put() -> None:
-        codes = raw.batch_put_from_multi_buffers(keys["zc"], src_ptrs, lens, rep)
-        assert all(c == 0 for c in codes), f"batch_put_from_multi_buffers failed: {codes[:4]}"
-
-    def fetch() -> None:
-        assert remote.fetch(keys["ours"], dst_pages) == (True, True), "shared-tier fetch missed"
-
-    def zc_get() -> None:
-        got = raw.batch_get_into_multi_buffers(keys["zc"], dst_ptrs, lens)
-        assert all(g == total // n for g in got), f"batch_get_into_multi_buffers failed: {got[:4]}"
-
-    def drop() -> None:  # keep the segment from filling (eviction would skew timings)
-        raw.batch_remove([shard_key(k, 0) for k in keys["ours"]] + keys["zc"], True)
-        fresh()
-
-    fresh()
-    try:
-        puts = _rounds([publish, zc_put], repeats, between=drop, alternate=True)
-        publish()
-        zc_put()
-        gets = _rounds([fetch, zc_get], repeats, alternate=True)
-        for p in ordered:
-            p[n:].zero_()
-        fetch()
-        for p in ordered:
-            assert torch.equal(p[n:], p[:n]), "shared-tier round trip changed bytes"
-        drop()
-        c = remote.counts
-        assert c.publish_duplicates == c.publish_skipped == c.fetch_failed_blocks == 0, c
-    finally:
-        remote.close()
-
-    return {
-        "path": "shared_tier",
-        "object_bytes": total // n,
-        "layers": num_layers,
-        "objects": n,
-        "total_bytes": total,
-        "publish_GBps": total / med(puts[0]) / 1e9,
-        "fetch_GBps": total / med(gets[0]) / 1e9,
-        "zero_copy_put_GBps": total / med(puts[1]) / 1e9,
-        "zero_copy_get_GBps": total / med(gets[1]) / 1e9,
-        "publish_ratio": ratio(puts[1], puts[0]),
-        "fetch_ratio": ratio(gets[1], gets[0]),
-        "baseline": "Mooncake batch_put_from_multi_buffers/batch_get_into_multi_buffers of the same "
-                    "spans (TCP, loopback master)",
-    }
-
-
-def _mooncake_rows(args: argparse.Namespace, *, store: bool = True, tier: bool = True,
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
-    """The ``MooncakeStore`` rows and the shared-tier rows, or none and why (package or
-    master missing); one master serves both."""
+def _mooncake_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
+    """The Mooncake rows, or none and why (package or master missing)."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        return [], [], f"mooncake package not importable ({exc})"
+        return [], f"mooncake package not importable ({exc})"
     from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
 
     total = args.mooncake_mib << 20
     sizes = (64 << 10, 256 << 10, 1 << 20)
-
-    def run(address: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], None]:
-        rows = [bench_mooncake(address, o, total // o, args.repeats) for o in sizes] if store else []
-        tier_rows = [bench_shared_tier(address, layers, row, total // (layers * row), args.repeats)
-                     for layers, row in SHARED_TIER_SHAPES] if tier else []
-        return rows, tier_rows, None
-
     if args.mooncake_master:
-        return run(args.mooncake_master)
+        return [bench_mooncake(args.mooncake_master, o, total // o, args.repeats) for o in sizes], None
     if master_binary() is None:
-        return [], [], "mooncake_master not found"
+        return [], "mooncake_master not found"
     with TemporaryDirectory() as tmp, MooncakeMaster(Path(tmp) / "master.log") as master:
-        return run(master.address)
-
-
-def _print_shared_tier(rows: list[dict[str, Any]]) -> float:
-    """The shared-tier table; returns the worst ratio."""
-    print("shared tier (RemotePages over Mooncake): publish / fetch vs zero-copy "
-          "batch_put_from_multi_buffers / batch_get_into_multi_buffers of the same spans, same rounds")
-    print(f"{'object':>9} {'layers':>6} {'objs':>5} {'publish':>8} {'zc put':>7} {'fetch':>7} {'zc get':>7}"
-          f" {'pub x':>6} {'fetch x':>7}   (GB/s)")
-    for r in rows:
-        print(f"{r['object_bytes']:>9} {r['layers']:>6} {r['objects']:>5} {r['publish_GBps']:>8.2f} "
-              f"{r['zero_copy_put_GBps']:>7.2f} {r['fetch_GBps']:>7.2f} {r['zero_copy_get_GBps']:>7.2f} "
-              f"{r['publish_ratio']:>6.2f} {r['fetch_ratio']:>7.2f}")
-    worst = min(min(r["publish_ratio"], r["fetch_ratio"]) for r in rows)
-    print(f"shared tier: worst ratio vs zero-copy put/get of the same spans: {worst:.2f} "
-          f"(target >= {SHARED_TIER_TARGET})")
-    return worst
+        return [bench_mooncake(master.address, o, total // o, args.repeats) for o in sizes], None
 
 
 def _rates(
@@ -423,9 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-master", default="",
                     help="host:port of a running mooncake_master (default: start one on 127.0.0.1)")
     ap.add_argument("--mooncake-mib", type=int, default=16, help="bytes per measured Mooncake call")
-    ap.add_argument("--shared-tier", choices=("on", "off", "only"), default="on",
-                    help="shared-tier rows (RemotePages over the Mooncake master, with the Mooncake "
-                         "rows); only: just those rows")
     ap.add_argument("--ssd", choices=("on", "off", "only"), default="on",
                     help="SSD tier load rows (bench/store_ssd.py); only: just those rows")
     ap.add_argument("--ssd-dir", default=None, help="file system of the SSD rows' file (default: the temp dir)")
@@ -435,22 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     total = args.total_mib << 20
     rows: list[dict[str, Any]] = []
-    tier_only = args.shared_tier == "only"
-    if args.mooncake != "only" and args.ssd != "only" and not tier_only:
+    if args.mooncake != "only" and args.ssd != "only":
         for obj in (64 << 10, 256 << 10, 1 << 20):  # tiny-model block .. a large-model layer group
             rows.append(bench_store(obj, total // obj, args.repeats))
         for layer_bytes, layers in ((16 << 10, 4), (16 << 10, 32), (144 << 10, 8)):
             rows.append(bench_worker(layer_bytes, layers, total // (layer_bytes * layers), args.repeats))
-    want_store, want_tier = not tier_only, args.shared_tier != "off"
-    mooncake_rows, tier_rows, mooncake_skip = (
-        _mooncake_rows(args, store=want_store, tier=want_tier)
-        if args.mooncake != "off" and args.ssd != "only" and (want_store or want_tier) else ([], [], "off"))
+    mooncake_rows, mooncake_skip = (_mooncake_rows(args) if args.mooncake != "off" and args.ssd != "only"
+                                    else ([], "off"))
     rows += mooncake_rows
-    local = [r for r in rows if r["path"] != "mooncake"]
-    if local:
-        print(f"{'path':8} {'object':>9} {'objs':>6} {'save GB/s':>10} {'load GB/s':>10} {'copy GB/s':>10} "
-              f"{'save x':>7} {'load x':>7}")
-    for r in local:
+    print(f"{'path':8} {'object':>9} {'objs':>6} {'save GB/s':>10} {'load GB/s':>10} {'copy GB/s':>10} {'save x':>7} {'load x':>7}")
+    for r in rows:
+        if r["path"] == "mooncake":
+            continue
         print(
             f"{r['path']:8} {r['object_bytes']:>9} {r['objects']:>6} {r['save_GBps']:>10.2f} "
             f"{r['load_GBps']:>10.2f} {r['plain_copy_GBps']:>10.2f} {r['save_ratio']:>7.2f} {r['load_ratio']:>7.2f}"
@@ -465,18 +319,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['zero_copy_save_GBps']:>6.2f} {r['load_GBps']:>6.2f} {r['raw_load_GBps']:>6.2f} "
                   f"{r['zero_copy_load_GBps']:>6.2f} {r['save_ratio']:>7.2f} {r['load_ratio']:>7.2f} "
                   f"{r['zero_copy_save_ratio']:>6.2f} {r['zero_copy_load_ratio']:>6.2f}")
+    local = [r for r in rows if r["path"] != "mooncake"]
     worst = min((min(r["save_ratio"], r["load_ratio"]) for r in local), default=None)
     if worst is not None:
         print(f"worst ratio vs plain torch copy of the same bytes: {worst:.2f} (target >= {args.target})")
     result: dict[str, Any] = {"bench": "store", "threads": 1, "rows": rows, "worst_ratio": worst,
                               "target": args.target}
-    if tier_rows:
-        result["shared_tier_rows"] = tier_rows
-        result["shared_tier_zero_copy_worst_ratio"] = _print_shared_tier(tier_rows)
-        result["shared_tier_target"] = SHARED_TIER_TARGET
-    elif want_tier:
-        print(f"shared tier rows skipped: {mooncake_skip}")
-        result["shared_tier_skipped"] = mooncake_skip
     if mooncake_rows:
         mc_worst = min(min(r["save_ratio"], r["load_ratio"]) for r in mooncake_rows)
         zc_worst = min(min(r["zero_copy_save_ratio"], r["zero_copy_load_ratio"]) for r in mooncake_rows)
@@ -484,15 +332,15 @@ def main(argv: list[str] | None = None) -> int:
               f"(target >= {args.target}); vs zero-copy put/get: {zc_worst:.2f}")
         result["mooncake_zero_copy_worst_ratio"] = zc_worst
         result["mooncake_worst_ratio"] = mc_worst
-    elif want_store:
+    else:
         print(f"mooncake rows skipped: {mooncake_skip}")
         result["mooncake_skipped"] = mooncake_skip
-    if args.ssd != "off" and not tier_only:
+    if args.ssd != "off":
         from ascend_offload.bench.store_ssd import print_ssd_rows, ssd_rows
 
         result["ssd_rows"] = ssd_rows(args.ssd_dir, args.total_mib, args.repeats)
         result["ssd_worst_direct_ratio"] = print_ssd_rows(result["ssd_rows"], args.target)
-    if args.eviction_blocks and args.mooncake != "only" and args.ssd != "only" and not tier_only:
+    if args.eviction_blocks and args.mooncake != "only" and args.ssd != "only":
         policy_rows = store_policy.compare(args.eviction_blocks, repeats=3)
         store_policy.print_rows(policy_rows)
         result["eviction"] = policy_rows

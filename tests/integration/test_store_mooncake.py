@@ -404,47 +404,6 @@ def test_bench_row_measures_both_baselines(master: MooncakeMaster) -> None:
     assert row["path"] == "mooncake" and row["total_bytes"] == 16 * PAGE
 
 
-def test_shared_tier_bench_row_measures_publish_and_fetch(master: MooncakeMaster) -> None:
-    """The shared-tier row: RemotePages over the master against the zero-copy multi-buffer
-    calls of the same spans; raises if a publish skipped or a fetch missed or changed bytes."""
-    from ascend_offload.bench.store import bench_shared_tier
-
-    row = bench_shared_tier(master.address, 3, 4096, 16, repeats=2)
-    for k in ("publish_GBps", "fetch_GBps", "zero_copy_put_GBps", "zero_copy_get_GBps",
-              "publish_ratio", "fetch_ratio"):
-        assert row[k] > 0, k
-    assert row["path"] == "shared_tier" and row["object_bytes"] == 3 * 4096
-    assert row["total_bytes"] == 16 * 3 * 4096 and row["layers"] == 3
-
-
-def test_alternating_rounds_put_neither_side_always_first() -> None:
-    from ascend_offload.bench.store import _rounds
-
-    seen: list[str] = []
-    times = _rounds([lambda: seen.append("a"), lambda: seen.append("b")], 3,
-                    between=lambda: seen.append("|"), alternate=True)
-    assert "".join(seen) == "ab|ba|ab|ba|"  # warm-up round first, then 3 timed
-    assert [len(t) for t in times] == [3, 3]
-
-
-def test_bench_store_shared_tier_only_prints_the_worst_ratio_with_its_target(
-        master: MooncakeMaster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    from ascend_offload.bench import store as bench
-
-    out = tmp_path / "store.json"
-    assert bench.main(["--shared-tier", "only", "--mooncake-master", master.address, "--mooncake-mib", "1",
-                       "--repeats", "1", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["rows"] == [] and "ssd_rows" not in res and "eviction" not in res
-    rows = res["shared_tier_rows"]
-    assert [r["object_bytes"] for r in rows] == [64 << 10, 256 << 10, 1 << 20]
-    assert res["shared_tier_zero_copy_worst_ratio"] == min(min(r["publish_ratio"], r["fetch_ratio"]) for r in rows)
-    assert res["shared_tier_target"] == 0.8
-    assert "(target >= 0.8)" in capsys.readouterr().out
-
-
 def test_staging_bookkeeping_stays_bounded(stores: list[MooncakeStore]) -> None:
     """Many save/load rounds leave nothing behind in the staging pool."""
     a, b = stores

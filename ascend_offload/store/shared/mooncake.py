@@ -101,7 +101,6 @@ class MooncakeTierClient:
         self.client = client
         self.service = f"Mooncake master {master_address}"
         self.replica_num = replica_num
-        self._replicate: Any = None  # the puts' ReplicateConfig, made on the first put
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         return _call(self.client.batch_is_exist, list(keys), n=len(keys))
@@ -113,24 +112,18 @@ class MooncakeTierClient:
     def put(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
             on_late: Callable[[], None] | None = None) -> list[int]:
         """Synchronous (Mooncake's transport deadline bounds it): never ``IN_FLIGHT``."""
-        if self._replicate is None:
-            from mooncake.store import ReplicateConfig
+        from mooncake.store import ReplicateConfig
 
-            self._replicate = ReplicateConfig()
-            self._replicate.replica_num = self.replica_num
-        return _call(self.client.batch_put_from_multi_buffers, list(keys), ptrs, lens, self._replicate,
-                     n=len(keys))
+        rep = ReplicateConfig()
+        rep.replica_num = self.replica_num
+        return _call(self.client.batch_put_from_multi_buffers, list(keys), ptrs, lens, rep, n=len(keys))
 
     def get(self, keys: Sequence[str], ptrs: list[list[int]], lens: list[list[int]],
             on_late: Callable[[], None] | None = None) -> list[int]:
         """Raises what the client raises (the shared tier then keeps the pages out of use);
         synchronous, never ``IN_FLIGHT``."""
-        got = list(self.client.batch_get_into_multi_buffers(list(keys), ptrs, lens))
-        first = lens[0] if lens else []
-        sizes = [sum(first)] * len(lens) if all(n is first for n in lens) else [sum(n) for n in lens]
-        if got == sizes:
-            return [0] * len(got)
-        return [0 if g == n else (g if g < 0 else SHORT_READ) for g, n in zip(got, sizes, strict=False)]
+        got = self.client.batch_get_into_multi_buffers(list(keys), ptrs, lens)
+        return [0 if g == sum(n) else (g if g < 0 else SHORT_READ) for g, n in zip(got, lens, strict=False)]
 
     @staticmethod
     def safe_failure(code: int) -> bool:

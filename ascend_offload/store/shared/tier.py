@@ -19,27 +19,11 @@ store/shared/mooncake.py and store/shared/memcache.py):
 Object of one block on one rank: the block's rows of every layer, concatenated in
 model layer order (``kv_layout.layer_order``), so whole-prefix and layerwise engines
 of the same model and layout share objects, then a 16-byte trailer: the xxh3_64 of
-the object's key (seeded with the trailer version) and the payload hash of the rows
-(:func:`fold_rows`: the xxh3_64 of every row, seeded with the row's layer position,
-folded in layer order); key
+the object's key (seeded with the trailer version) and the xxh3_64 of the rows; key
 ``<block key>@r<rank>``. A fetch verifies both before the block counts as arrived: an
 object whose bytes are not its block's (a put that read pages reused under it, a
 transfer gone wrong, an object of another format) is a miss, never an answer, and is
 removed from the service where the client can (``TierClient.remove``).
-
-Why rows are hashed one by one and folded, not streamed through one hasher per
-object: a call hashes plane after plane, each plane's rows in page order, which walks
-memory the way the hardware prefetches, runs of consecutive pages as an iterator over a
-slice of the plane (no Python per row), and the fold of a call's objects is a few numpy
-operations. Measured on the 2-vCPU VM, 256 objects of 4 x 16 KiB rows in cache: 0.49 ms
-for consecutive pages, 0.77 ms scattered, against 1.1 ms object by object; one xxh3_64
-over the same 16 MiB takes 0.34 ms. A publish writes the trailers of its pages and a
-fetch checks them the same way, whole arrays at a time; span lists come from per-plane
-base addresses (one numpy expression), so the Python work per block is a few calls.
-
-What the check costs: one more read of every byte. Where the transfer itself runs at
-memory speed (Mooncake over TCP between clients on one host copies with memcpy) that
-read is 0.4-0.7 of a get's time (docs/bench-store.md); over a network it is a smaller part.
 
 A put or get that outlives the client's deadline (``IN_FLIGHT``, Memcache) may still
 read or write the rank's pages inside the library: nothing is copied to protect
@@ -65,7 +49,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from itertools import chain, repeat
 from typing import Protocol
 
 import numpy as np
@@ -86,33 +69,14 @@ RETRY_PAUSE_S = 0.05  # between a call the service did not answer and its one re
 RETRY_IF_FAILED_WITHIN_S = 1.0
 #: A put / get whose call outlived its deadline: a transfer may still read / write the pages.
 IN_FLIGHT = -(1 << 30)
-#: bytes after an object's rows: xxh3_64 of its key (seeded with the version), payload hash (fold_rows)
+#: bytes after an object's rows: xxh3_64 of its key (seeded with the version), of its rows
 TRAILER_BYTES = 16
-TRAILER_VERSION = 2
-#: odd 64-bit multiplier of :func:`fold_rows` (every step is a bijection of the running hash)
-FOLD = np.uint64(0x9E3779B97F4A7C15)
-_xxh3 = xxhash.xxh3_64_intdigest
-#: pages per run (on average) from which a call hashes runs of consecutive pages as slices
-RUN_MIN = 4
+TRAILER_VERSION = 1
 
 
 def trailer_key(shard: str) -> int:
     """The key half of an object's trailer (a version change makes every old object a miss)."""
-    return _xxh3(shard.encode(), seed=TRAILER_VERSION)
-
-
-def fold_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
-    """Payload hashes of a call's objects from their rows' digests (``rows[l][i]``: the
-    xxh3_64 of object ``i``'s row of layer position ``l``, seeded with ``l``): ``h = h *
-    FOLD + d`` mod 2^64 from 0. One changed row always changes its object's hash
-    (multiplying by an odd number and adding are bijections mod 2^64); several changed
-    rows, or rows moved to another layer position (the seed), leave it unchanged with
-    2^-64 odds, as one xxh3_64 over the object would."""
-    h = np.zeros(len(rows[0]) if rows else 0, dtype=np.uint64)
-    for d in rows:
-        h *= FOLD  # wraps mod 2^64
-        h += d
-    return h
+    return xxhash.xxh3_64_intdigest(shard.encode(), seed=TRAILER_VERSION)
 
 
 class TierClient(Protocol):
@@ -309,16 +273,10 @@ class RemotePages:
                 raise StoreError("page planes must be contiguous 2-D host tensors")
         self._rows = [p.shape[1] * p.element_size() for p in self._planes]
         self.object_bytes = sum(self._rows)
-        # each plane's rows as bytes (no copy): [num_pages, row bytes], and flat
-        self._arrays = [p.view(torch.uint8).numpy() for p in self._planes]
-        self._views = [memoryview(a.reshape(-1)) for a in self._arrays]  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
+        self._bytes = [p.view(torch.uint8).numpy() for p in self._planes]  # rows as bytes, no copy
         # one trailer per page (key hash, payload hash): the last span of every object
         self._trailers = torch.zeros((self._planes[0].shape[0], TRAILER_BYTES), dtype=torch.uint8)
         self._trailer_words = self._trailers.numpy().view(np.uint64)
-        # a page's spans: base address of every plane (and the trailers) + page * its row
-        self._bases = np.array([p.data_ptr() for p in (*self._planes, self._trailers)], dtype=np.int64)
-        self._strides = np.array([*self._rows, TRAILER_BYTES], dtype=np.int64)
-        self._lens = [*self._rows, TRAILER_BYTES]
         for p in (*self._planes, self._trailers):
             nbytes = p.numel() * p.element_size()
             rc = client.register(p.data_ptr(), nbytes)
@@ -334,37 +292,17 @@ class RemotePages:
     def service(self) -> str:
         return self._client.service
 
-    def _spans(self, pages: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
-        """Every page's spans (its row of each plane, then its trailer); the length lists
-        are one shared list (clients only read them)."""
-        ptrs: list[list[int]] = (self._bases + pages[:, None] * self._strides).tolist()
-        return ptrs, [self._lens] * len(pages)
+    def _spans(self, pages: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        tail = self._trailers.data_ptr()
+        ptrs = [[*(p.data_ptr() + page * n for p, n in zip(self._planes, self._rows, strict=True)),
+                 tail + page * TRAILER_BYTES] for page in pages]
+        return ptrs, [[*self._rows, TRAILER_BYTES] for _ in pages]
 
-    def _trailer_hashes(self, shards: Sequence[str], pages: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``[n, 2]`` uint64: the trailer every object should carry (key hash, payload hash
-        of the page's rows as they are now). Runs of consecutive pages hash as row
-        iterators over a slice of each plane (no Python per row); scattered pages one
-        slice per row."""
-        pages = np.asarray(pages, dtype=np.int64)
-        n = len(pages)
-        out = np.empty((n, 2), dtype=np.uint64)
-        out[:, 0] = np.fromiter(map(trailer_key, shards), dtype=np.uint64, count=n)
-        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-        digests = []
-        if (len(breaks) + 1) * RUN_MIN <= n:
-            firsts = pages[np.concatenate(([0], breaks))].tolist()
-            sizes = np.diff(np.concatenate(([0], breaks, [n]))).tolist()
-            runs = [(lo, lo + k) for lo, k in zip(firsts, sizes, strict=True)]
-            for seed, rows in enumerate(self._arrays):  # plane by plane: sequential reads
-                each = chain.from_iterable(map(_xxh3, rows[lo:hi], repeat(seed)) for lo, hi in runs)
-                digests.append(np.fromiter(each, dtype=np.uint64, count=n))
-        else:
-            at = pages.tolist()
-            for seed, (view, row) in enumerate(zip(self._views, self._rows, strict=True)):
-                digests.append(np.fromiter((_xxh3(view[p * row:p * row + row], seed) for p in at),
-                                           dtype=np.uint64, count=n))
-        out[:, 1] = fold_rows(digests)
-        return out
+    def _payload_hash(self, page: int) -> int:
+        h = xxhash.xxh3_64()
+        for rows in self._bytes:
+            h.update(rows[page])
+        return h.intdigest()
 
     def _late(self, token: Hashable) -> Callable[[], None]:
         def ended() -> None:
@@ -390,9 +328,9 @@ class RemotePages:
             c.publish_skipped += len(keys)
             return True
         shards = [shard_key(k, self.rank) for k in keys]
-        idx = np.asarray(pages, dtype=np.int64)
-        self._trailer_words[idx] = self._trailer_hashes(shards, idx)
-        ptrs, lens = self._spans(idx)
+        for shard, page in zip(shards, pages, strict=True):
+            self._trailer_words[page] = (trailer_key(shard), self._payload_hash(page))
+        ptrs, lens = self._spans(pages)
         codes, _ = self.health.call(
             "put", lambda: list(self._client.put(shards, ptrs, lens, on_late=self._late(token))))
         late = IN_FLIGHT in codes
@@ -423,7 +361,7 @@ class RemotePages:
             self.counts.fetch_failed_blocks += len(keys)
             return False, True
         shards = [shard_key(k, self.rank) for k in keys]
-        ptrs, lens = self._spans(np.asarray(pages, dtype=np.int64))
+        ptrs, lens = self._spans(pages)
         try:
             got = list(self._client.get(shards, ptrs, lens, on_late=self._late(token)))
         except Exception:  # unknown whether a transfer still runs: the pages stay out of use
@@ -451,9 +389,8 @@ class RemotePages:
     def _corrupt(self, shards: Sequence[str], pages: Sequence[int]) -> list[str]:
         """The fetched objects whose trailer does not match their key and rows (misses;
         removed from the service so no engine keeps fetching them)."""
-        idx = np.asarray(pages, dtype=np.int64)
-        wrong = (self._trailer_words[idx] != self._trailer_hashes(shards, idx)).any(axis=1)
-        bad = [shards[i] for i in np.flatnonzero(wrong)]
+        bad = [s for s, page in zip(shards, pages, strict=True)
+               if tuple(int(w) for w in self._trailer_words[page]) != (trailer_key(s), self._payload_hash(page))]
         if bad:
             self.counts.fetch_corrupt_blocks += len(bad)
             log.warning("%s: %d fetched objects failed verification on worker rank %d (first %s); "
