@@ -520,10 +520,9 @@ class _NativeCall:
     """One (layer, padded batch, batch, block size, K, top-k dtype)'s argument block of
     ``ao_dres_resolve`` and the persistent outputs it writes."""
 
-    args: ctypes.Array
+    args: ctypes.Array  # kept alive: the kernel reads it through args_addr
     args_addr: int
-    resolved: DeviceResolved
-    outputs: tuple[torch.Tensor, ...]
+    resolved: DeviceResolved  # views of the persistent outputs (they keep them alive)
 
     @classmethod
     def make(cls, table: DeviceResidency, layer: int, step: BoundStep, k: int,
@@ -552,7 +551,7 @@ class _NativeCall:
         args = (ctypes.c_int64 * len(fields))(*fields)
         resolved = DeviceResolved(slots[:B], miss_src[:B], miss_dst[:B], counts[:B], copy_src,
                                   copy_dst)
-        return cls(args, ctypes.addressof(args), resolved, (slots, miss_src, miss_dst, copy_src, copy_dst, counts))
+        return cls(args, ctypes.addressof(args), resolved)
 
 
 def _gather_block(pool_rows: torch.Tensor, hot_rows: torch.Tensor) -> ctypes.Array:

@@ -322,11 +322,7 @@ class SparseOffloadManager:
         if self.tp_rank != 0:
             return
         t0 = time.perf_counter_ns()
-        if self._new_rows is not None and self._new_rows[0] is positions:
-            dst = self._new_rows[1]  # the step's earlier layers passed the same positions
-        else:
-            dst = self._host_rows(positions)
-            self._new_rows = (positions, dst)
+        dst = self._step_rows(positions)
         if new_kv.shape[0] != dst.numel():
             raise ValueError(f"layer {layer}: {new_kv.shape[0]} new rows for {dst.numel()} positions")
         if self._device and self._pool_dev is not None:
@@ -405,7 +401,14 @@ class SparseOffloadManager:
         :meth:`offload_new_kv` does it itself on a step's first call; a captured decode
         graph replays without that Python, so its runner calls this once per step
         before the replay (like :meth:`begin_step`)."""
-        self._bind_new_dst(self._host_rows(positions))
+        self._bind_new_dst(self._step_rows(positions))
+
+    def _step_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`_host_rows` of this step's new-row ``positions``, computed once: every
+        layer (and :meth:`bind_new_rows`) passes the same tensor."""
+        if self._new_rows is None or self._new_rows[0] is not positions:
+            self._new_rows = (positions, self._host_rows(positions))
+        return self._new_rows[1]
 
     def _bind_new_dst(self, dst: torch.Tensor) -> torch.Tensor:
         """The step's new-row pool rows in the persistent buffer: every layer writes the

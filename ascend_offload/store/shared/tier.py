@@ -32,13 +32,13 @@ take a caller's token and :meth:`RemotePages.take_ended` returns it once such a 
 ended (the connector holds the pages in the scheduler's index until then).
 
 A service that stops answering is a miss, never an error: a call whose codes say the
-service did not answer, and that failed fast, is made once more (:meth:`ServiceHealth.call`:
-one lost RPC on a loaded host is not an outage, and an outage would turn every lookup
-into a miss until the next probe; a call that blocked in a reconnect is not retried);
-when the second try fails too, the client logs one warning and marks the service down; while down nothing on the data path
-calls the service (a call then blocks in the library's reconnect), and a background
-thread probes it every ``retry_interval_s``; its first answer logs that service
-resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
+service did not answer, and that failed fast, is made once more
+(:meth:`ServiceHealth.call`: one lost RPC on a loaded host is not an outage, and an
+outage would turn every lookup into a miss until the next probe; a call that blocked in
+a reconnect is not retried); when the second try fails too, the client logs one warning
+and marks the service down; while down nothing on the data path calls the service (a
+call then blocks in the library's reconnect), and a background thread probes it every
+``retry_interval_s``; its first answer logs that service resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
 never waits for it.
 """
 
