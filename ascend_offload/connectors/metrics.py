@@ -102,12 +102,17 @@ SPARSE_COUNTERS: dict[str, str] = {
     "resolve_seconds": "host time in the residency resolve",
     "copy_seconds": "host time in the miss copies",
     "context_rows": "pool rows copied to the device for multi-token rows (0 on CPU)",
+    "pool_query_tokens": "query tokens attended over the host pool's rows (prefill chunks, "
+                         "recomputation; decode and verification rows use the hot buffer)",
     "admission_failures": "requests the worker's host pool could not admit (0 unless the "
                           "scheduler's pool ledger and the pool disagree)",
     "unmatched_rows": "batch rows matched to no request (an engine error)",
     "preempted_requests": "requests vLLM preempted (their pool rows stay; indexer rows stashed)",
     "resumed_tokens": "tokens of resumed requests loaded back, not recomputed",
-    "recomputed_tokens": "positions computed again after their main-KV rows were pooled",
+    "recomputed_tokens": "positions computed again after their main-KV rows were pooled "
+                         "(rewriting rejected draft positions is not counted)",
+    "verify_rows": "speculative verification rows (1 + drafts query tokens) served from the "
+                   "hot buffers, the union of their top-k sets resolved at once",
     "stash_failures": "preempted requests whose indexer rows could not be stashed (recomputed)",
     "stash_seconds": "host time copying preempted requests' indexer rows out and back",
     "host_reads_topk": "device -> host reads of a layer's top-k (the host resolver: one per "

@@ -262,19 +262,21 @@ class SparseMLACache(_CacheLayer):
 
     def _decode_topk(self, plan: SparseStepPlan, selected: list[torch.Tensor],
                      device: torch.device) -> torch.Tensor:
-        """``[entries, index_topk]`` int32 top-k of the decode rows, ``-1`` padded. One
-        concatenation when every entry is a full-width decode row in batch order (a
-        decode step), else row by row."""
+        """``[entries, query_tokens * index_topk]`` int32 top-k of the decode rows, ``-1``
+        padded: query token ``t`` of a row in columns ``t*K .. t*K + K - 1`` (a
+        verification row's top-k sets resolve as one union). One concatenation when every
+        entry is a full-width one-token decode row in batch order (a plain decode step),
+        else row by row."""
         assert self.index_topk is not None
-        k = self.index_topk
-        if (all(plan.decode) and plan.batch_index == tuple(range(plan.num_entries))
+        k, t_max = self.index_topk, plan.query_tokens
+        if (t_max == 1 and all(plan.decode) and plan.batch_index == tuple(range(plan.num_entries))
                 and all(p.shape == (1, k) for p in selected)):
             return torch.cat(selected).to(torch.int32)
-        topk = torch.full((plan.num_entries, k), -1, dtype=torch.int32, device=device)
+        topk = torch.full((plan.num_entries, t_max, k), -1, dtype=torch.int32, device=device)
         for i, positions in enumerate(selected):
             if plan.decode[i]:
-                topk[plan.batch_index[i], : positions.shape[1]] = positions[0]
-        return topk
+                topk[plan.batch_index[i], : positions.shape[0], : positions.shape[1]] = positions
+        return topk.view(plan.num_entries, t_max * k)
 
     def _positions(self, req: RequestSlots, index_q: torch.Tensor, index_w: torch.Tensor,
                    key_rows: torch.Tensor) -> torch.Tensor:
@@ -307,9 +309,10 @@ class SparseMLACache(_CacheLayer):
                        out: torch.Tensor) -> None:
         """Sparse decode offload: the device holds the indexer cache and the hot buffers,
         the host pool every main-KV row. The step's new main-KV rows go to the pool;
-        one-token rows attend over the hot buffer the manager fills with the selected
-        positions' misses, longer rows (prefill chunks) over the pool's rows of the
-        same positions (:meth:`SparseDecodeAdapter.context_rows`)."""
+        decode rows (one token, or 1 + k of a speculative verification) attend over the
+        hot buffer the manager fills with the selected positions' misses, longer rows
+        (prefill chunks) over the pool's rows of the same positions
+        (:meth:`SparseDecodeAdapter.context_rows`)."""
         adapter, layer = self._offload
         assert self.index_topk is not None
         _, key_rows = self._write_new_rows(meta, None, index_k)
@@ -332,7 +335,8 @@ class SparseMLACache(_CacheLayer):
             b = plan.batch_index[i]
             if hot_slots is not None and plan.decode[i]:
                 # the same positions in the same order: the same rows reach attention
-                rows = hot_slots[b : b + 1, : positions.shape[1]]
+                rows = hot_slots[b].view(plan.query_tokens, -1)[: positions.shape[0],
+                                                                : positions.shape[1]]
                 out[sl] = sparse_attention(q[sl], hot, rows, scale=self.scale,
                                            v_dim=self.kv_lora_rank)
             else:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ascend_offload.pd.registration import DecodeRegistration, Registrar
@@ -76,12 +77,14 @@ class DecodeRequests:
     """Requests whose prompt KV this decode pulls: registration, expected loads, cancels."""
 
     def __init__(self, endpoint: DecodeEndpoint, *, block_size: int, sparse: bool,
-                 registrar: Registrar, max_model_len: int | None = None) -> None:
+                 registrar: Registrar,
+                 reservation: Callable[[int, int], int] | None = None) -> None:
+        """``reservation(prompt_tokens, max_tokens)``: the pool positions a sparse request
+        reserves, as the scheduler's pool ledger counts them (default: their sum)."""
         self.endpoint = endpoint
         self.block_size = block_size
         self.sparse = sparse  # pool destination: the whole prompt is pulled (see after_alloc)
-        # pool reservations are capped like the scheduler's pool ledger counts them
-        self.max_model_len = max_model_len
+        self.reservation = reservation if reservation is not None else operator.add
         self.registrar = registrar
         self._new: list[RecvJob] = []
         self._fail: dict[str, str] = {}
@@ -121,9 +124,7 @@ class DecodeRequests:
         if self.sparse:
             # The host pool needs the whole prompt: local prefix hits are device blocks, not pool rows.
             wire_first, wire_dst = 0, tuple(block_ids[:first + n])
-            reserve = request.num_prompt_tokens + request.max_tokens
-            if self.max_model_len is not None:
-                reserve = min(reserve, self.max_model_len)
+            reserve = self.reservation(request.num_prompt_tokens, request.max_tokens)
             self._new.append(RecvJob(rid, dst, request.num_prompt_tokens, reserve))
         else:
             self._new.append(RecvJob(rid, dst))

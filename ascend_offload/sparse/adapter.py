@@ -12,13 +12,15 @@ Per layer and step the attention calls, in this order::
 
     plan = adapter.plan_step(rows)                 # same rows for every layer of a step
     adapter.offload_new_kv(layer, kv, positions)   # rows plan.offload_from..num_tokens
-    slots = adapter.onload_topk(layer, topk)       # [B, K] logical positions -> hot rows
+    slots = adapter.onload_topk(layer, topk)       # [B, T*K] logical positions -> hot rows
     ... sparse attention over adapter.hot_buffer(layer)[slots] for plan.decode rows ...
     store, rows = adapter.context_rows(layer, b, positions)  # other (multi-token) rows
 
 ``B`` is :attr:`SparseStepPlan.num_entries` (the offloaded requests of the
 step, in the order of :attr:`SparseStepPlan.batch_index`), ``K`` the model's
-``index_topk``; ``-1`` pads both the top-k and the returned slots.
+``index_topk``, ``T`` :attr:`SparseStepPlan.query_tokens` (1, or 1 + the draft tokens
+of speculative decoding: a verification row's top-k sets resolve in one call, so the
+hot buffer holds their union); ``-1`` pads both the top-k and the returned slots.
 """
 
 from __future__ import annotations
@@ -53,9 +55,14 @@ class SparseStepPlan:
     # per batch row: first position whose main-KV row goes to the host pool this step
     # (the pool lacks it: new tokens, prefix-cache hits not yet pooled, recomputation)
     offload_from: tuple[int, ...]
-    # per batch row: attend over the hot buffer (one query token, offloaded)
+    # per batch row: attend over the hot buffer (1..query_tokens query tokens: a decode
+    # or speculative verification row, offloaded)
     decode: tuple[bool, ...]
     num_entries: int  # rows of the top-k the layer passes to onload_topk
+    # the most query tokens of a decode row: the top-k passed to onload_topk is
+    # [num_entries, query_tokens * K], query token t of a row in columns t*K..(t+1)*K-1
+    # (one resolve of the union of the row's top-k sets; -1 padded, static width)
+    query_tokens: int = 1
 
     @property
     def any_decode(self) -> bool:
@@ -81,8 +88,8 @@ class SparseDecodeAdapter(Protocol):
         ...
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
-        """Logical top-k ``[B, K]`` (int32, ``-1`` padded) -> rows of
-        :meth:`hot_buffer` ``[B, K]``; only the misses are copied."""
+        """Logical top-k ``[B, T*K]`` (int32, ``-1`` padded) -> rows of
+        :meth:`hot_buffer` ``[B, T*K]``; only the misses are copied."""
         ...
 
     def hot_buffer(self, layer: int) -> torch.Tensor:

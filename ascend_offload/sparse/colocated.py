@@ -46,20 +46,27 @@ class ColocatedSparseDecode:
     """Request bookkeeping and step binding over one :class:`SparseOffloadManager`."""
 
     def __init__(self, manager: SparseOffloadManager, layer_names: Sequence[str],
-                 stash: IndexerStash | None = None) -> None:
+                 stash: IndexerStash | None = None, *, query_tokens: int = 1) -> None:
         """``stash``: where preempted requests' indexer rows wait (default: none, every
-        preempted request is recomputed)."""
+        preempted request is recomputed). ``query_tokens``: rows of up to this many query
+        tokens attend over the hot buffer (1 + the speculative draft tokens); longer rows
+        (prefill chunks, recomputation) over the pool's rows."""
+        if query_tokens < 1 or query_tokens * manager.index_topk > manager.hot_size:
+            raise ValueError(f"query_tokens={query_tokens}: a row's union of top-k sets must fit "
+                             f"the hot buffer of {manager.hot_size} rows")
         if len(layer_names) != manager.num_layers:
             raise ValueError(f"{len(layer_names)} layer names for a manager of "
                              f"{manager.num_layers} layers")
         self.manager = manager
         self.stash = stash if stash is not None else IndexerStash([], [], manager.block_size, 0)
         self.layer_names = list(layer_names)
+        self.query_tokens = query_tokens
         self._layer_of = {n: i for i, n in enumerate(layer_names)}
         self._pooled: dict[str, int] = {}  # admitted request -> leading positions in the pool
         self._high: dict[str, int] = {}  # admitted request -> most positions it ever pooled
         self._detached: set[str] = set()  # preempted: pool rows kept, no hot row
         self._keys: Mapping[int, str] = {}
+        self._drafts: Mapping[str, int] = {}
         self._step_key: object = None
         self._plan: SparseStepPlan | None = None
         self._plan_rows: tuple[BatchRow, ...] = ()
@@ -68,6 +75,7 @@ class ColocatedSparseDecode:
         self.admission_failures = 0
         self.unmatched_rows = 0
         self.recomputed_tokens = 0  # positions written again after they had been pooled
+        self.verify_rows = 0  # decode rows of several query tokens (speculative verification)
         self._reads0 = dev.host_reads()  # device.host_read totals are per process
 
     # ------------------------------------------------------------------ requests
@@ -140,14 +148,18 @@ class ColocatedSparseDecode:
 
     # ------------------------------------------------------------------ per step
 
-    def begin(self, step_key: object, keys: Mapping[int, str]) -> None:
-        """A new engine step: ``keys`` maps each scheduled request's key block to its id.
+    def begin(self, step_key: object, keys: Mapping[int, str],
+              drafts: Mapping[str, int] | None = None) -> None:
+        """A new engine step: ``keys`` maps each scheduled request's key block to its id,
+        ``drafts`` a request to the draft tokens this step verifies (speculative decoding:
+        their positions may be rolled back, so rewriting them later is no recomputation).
         ``step_key`` is any object unique to the step (the connector's metadata)."""
         if step_key is self._step_key:
             return
         self.end_step()
         self._step_key = step_key
         self._keys = keys
+        self._drafts = drafts or {}
         self._plan = None
 
     def sparse_layer_index(self, layer_name: str) -> int | None:
@@ -177,10 +189,12 @@ class ColocatedSparseDecode:
             first = min(self._pooled[req], row.num_tokens - row.num_new)
             index.append(len(entries))
             start.append(first)
-            decode.append(row.num_new == 1)
+            decode.append(1 <= row.num_new <= self.query_tokens)
+            self.verify_rows += int(decode[-1] and self._drafts.get(req, 0) > 0)
             # positions written this step are not trusted in the hot buffer (recomputation)
             entries.append(StepEntry(req, row.num_tokens, first))
-        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries))
+        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries),
+                              self.query_tokens)
         if entries:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
@@ -188,7 +202,9 @@ class ColocatedSparseDecode:
             high = self._high.get(e.req_id, 0)
             # positions this step writes that the pool already held (a recomputation)
             self.recomputed_tokens += max(0, min(high, row.num_tokens) - (row.num_tokens - row.num_new))
-            self._high[e.req_id] = max(high, row.num_tokens)
+            # draft positions are tentative: a rejection rewrites them, not a recompute
+            certain = row.num_tokens - min(self._drafts.get(e.req_id, 0), row.num_new)
+            self._high[e.req_id] = max(high, certain)
             self._pooled[e.req_id] = row.num_tokens
         self._plan, self._plan_rows = plan, rows
         return plan
@@ -232,9 +248,11 @@ class ColocatedSparseDecode:
             "resolve_ns": st.resolve_ns,
             "copy_ns": st.copy_ns,
             "context_rows": st.context_rows,
+            "pool_query_tokens": st.pool_query_tokens,
             "admission_failures": self.admission_failures,
             "unmatched_rows": self.unmatched_rows,
             "recomputed_tokens": self.recomputed_tokens,
+            "verify_rows": self.verify_rows,
             "preempted_requests": self.stash.counters.preempted_requests,
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,

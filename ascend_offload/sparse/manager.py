@@ -73,6 +73,7 @@ class SparseStats:
     resolve_ns: int = 0  # onload_topk: residency resolve
     copy_ns: int = 0  # onload_topk: miss rows H2D (issue time off CPU)
     context_rows: int = 0  # rows copied H2D for multi-token rows (0 when the pool is host-addressable)
+    pool_query_tokens: int = 0  # query tokens attended over the pool (context_rows calls)
 
     @property
     def hits(self) -> int:
@@ -102,6 +103,7 @@ class SparseOffloadManager:
                               "set it to true to build the offload manager")
         cfg.check_against(block_size=block_size, index_topk=index_topk)
         self.cfg = cfg
+        self.index_topk = index_topk if index_topk is not None else cfg.index_topk
         self.num_layers = num_layers
         self.block_size = block_size
         self.hot_size = cfg.topk_buffer_size
@@ -461,6 +463,7 @@ class SparseOffloadManager:
                              f"{len(self._step)}")
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
+        self.stats.pool_query_tokens += int(positions.shape[0])
         blocks = self._batch["block_table"][batch_index].to(torch.int64)
         pos = positions.to("cpu", torch.int64)
         valid = pos >= 0

@@ -38,7 +38,7 @@ class RemoteD2HScheduler:
         self.decode = DecodeRequests(
             settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
             registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
-            max_model_len=None if sparse is None else sparse.max_model_len,
+            reservation=None if sparse is None else sparse.reservation,
         ) if settings.is_consumer else None
         self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.

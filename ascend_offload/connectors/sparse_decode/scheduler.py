@@ -55,6 +55,8 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     preempted: dict[str, StashOrder] = dataclasses.field(default_factory=dict)
     # resumed this step -> what to load into its new blocks before the forward
     resumed: dict[str, ResumeOrder] = dataclasses.field(default_factory=dict)
+    # scheduled request -> draft tokens this step verifies (speculative decoding; absent: 0)
+    drafts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class SparseDecodeScheduler:
@@ -142,5 +144,8 @@ class SparseDecodeScheduler:
                 resumed[req_id] = self.preemption.resumed(req_id, groups)
             self.preemption.scheduled(req_id, computed[req_id] + n, groups)
         self.preemption.step_built()
+        drafts = {rid: len(t) for rid, t in
+                  (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()
+                  if t}
         return SparseDecodeMetadata(new, keys, finished,
-                                    {r: computed[r] for r in new}, preempted, resumed)
+                                    {r: computed[r] for r in new}, preempted, resumed, drafts)

@@ -29,6 +29,39 @@ def model_index_topk(vllm_config: VllmConfig) -> int:
     return int(topk)
 
 
+# Speculative methods whose drafts need no layer of ours: the proposer reads token ids
+# only. A draft model (eagle, draft_model, MTP) runs attention layers of its own whose
+# KV this offload does not manage.
+SPEC_METHODS = ("ngram",)
+
+
+def speculative_tokens(vllm_config: VllmConfig, cfg: SparseOffloadConfig, index_topk: int) -> int:
+    """Draft tokens per step of the engine's speculative config (0: none), checked: the
+    method needs no draft layers, and a verification row's union of top-k sets fits the
+    hot buffer (``(1 + k) * index_topk`` rows, a multiple of the block size)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return 0
+    method = getattr(spec, "method", None)
+    if method not in SPEC_METHODS:
+        raise ConfigError(
+            f"key 'speculative_config.method'={method!r} with 'sparse_offload.enabled'=True: "
+            f"a draft model's attention layers are not offloaded (accepted: "
+            f"{', '.join(repr(m) for m in SPEC_METHODS)}, or no speculative_config)")
+    k = int(spec.num_speculative_tokens or 0)
+    need = (1 + k) * index_topk
+    block = vllm_config.cache_config.block_size
+    need = -(-need // block) * block
+    if cfg.topk_buffer_size < need:
+        raise ConfigError(
+            f"key 'sparse_offload.topk_buffer_size'={cfg.topk_buffer_size} with "
+            f"'speculative_config.num_speculative_tokens'={k}: a verification row of {1 + k} "
+            f"tokens selects up to {1 + k} x index_topk={index_topk} distinct positions, resolved "
+            f"into the hot buffer at once; the smallest size that works is {need} (a multiple of "
+            f"block_size={block}), or lower num_speculative_tokens")
+    return k
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedMainKV:
     """Main-KV facts of an engine allocation that keeps the main KV paged on the device.
@@ -83,6 +116,14 @@ class SparseDecodeSettings:
     # preempted request's stash copies out of vLLM's blocks and back
     indexer_layers: tuple[tuple[str, int], ...] = ()
     num_blocks: int = 0  # vLLM's device blocks (the block dimension of those caches)
+    # draft tokens a speculative step verifies per request (0: no speculation): a decode
+    # row then has up to 1 + spec_tokens query tokens, resolved into the hot buffer at once
+    spec_tokens: int = 0
+
+    @property
+    def query_tokens(self) -> int:
+        """The most query tokens of a row served from the hot buffer (a verification row)."""
+        return 1 + self.spec_tokens
 
     @property
     def stash_tokens(self) -> int:
@@ -97,10 +138,7 @@ class SparseDecodeSettings:
         block = vllm_config.cache_config.block_size
         topk = model_index_topk(vllm_config)
         cfg.check_against(block_size=block, index_topk=topk)
-        if vllm_config.speculative_config is not None:
-            raise ConfigError("key 'sparse_offload.enabled'=True with speculative decoding: "
-                              "decode rows of more than one token are not supported "
-                              "(accepted: False, or no speculative_config)")
+        spec_tokens = speculative_tokens(vllm_config, cfg, topk)
         max_len = vllm_config.model_config.max_model_len
         layers: list[str] = []
         group, row_bytes, pool_blocks, paged = 0, 0, 0, False
@@ -133,13 +171,16 @@ class SparseDecodeSettings:
                     f"one request of max_model_len={max_len}; raise it or lower max_model_len")
         return cls(cfg, topk, block, max_len, vllm_config.scheduler_config.max_num_seqs,
                    tuple(layers), group, row_bytes, pool_blocks, paged, tuple(indexers),
-                   num_blocks)
+                   num_blocks, spec_tokens)
 
     def reservation(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
-        """Positions a request may ever need (prompt + new tokens, capped)."""
+        """Positions a request may ever need (prompt + new tokens, capped). With
+        speculation a step computes KV for its drafts too: vLLM bounds drafts by
+        ``max_model_len``, not by ``max_tokens``, so the last step may write up to
+        ``spec_tokens`` positions past ``prompt + max_tokens``."""
         if prompt_tokens is None or max_tokens is None:
             return self.max_model_len
-        return min(prompt_tokens + max_tokens, self.max_model_len)
+        return min(prompt_tokens + max_tokens + self.spec_tokens, self.max_model_len)
 
 
 def sampling_max_tokens(request: Any) -> int | None:

@@ -159,7 +159,8 @@ class SparseDecodeWorker:
                 f"{self.manager.residency.max_positions} positions, less than "
                 f"max_model_len={settings.max_model_len}")
         self.decode = ColocatedSparseDecode(self.manager, names,
-                                            self._indexer_stash(settings, kv_caches))
+                                            self._indexer_stash(settings, kv_caches),
+                                            query_tokens=settings.query_tokens)
         self._applied: object = None
         self._preempts_handled: object = None
         self._load_errors: set[int] = set()
@@ -231,7 +232,7 @@ class SparseDecodeWorker:
                 self.decode.admit(rid, max_tokens)
         for rid, order in meta.resumed.items():
             self._load_errors.update(self.decode.resume(rid, order))
-        self.decode.begin(meta, meta.keys)
+        self.decode.begin(meta, meta.keys, meta.drafts)
 
     def end_step(self) -> None:
         self.decode.end_step()
