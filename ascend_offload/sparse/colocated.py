@@ -191,7 +191,8 @@ class ColocatedSparseDecode:
             start.append(first)
             decode.append(1 <= row.num_new <= self.query_tokens)
             self.verify_rows += int(decode[-1] and self._drafts.get(req, 0) > 0)
-            # positions written this step are not trusted in the hot buffer (recomputation)
+            # positions written this step are not trusted in the hot buffer (recomputation,
+            # rewritten rejected drafts): the stable-length rule
             entries.append(StepEntry(req, row.num_tokens, first))
         plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries),
                               self.query_tokens)
