@@ -12,16 +12,20 @@ layer; in layerwise mode an indexer cache follows its main layer's buffer.
   shared buffer + the ``SfaRemoteD2HConnector`` producer), the decode the
   consumer with ``sparse_offload`` (main KV pulled into its host pool, the
   indexer into device blocks) and ``residency_backend: device`` (the P/D case of
-  the device resolver; the host one runs P/D in the preemption and demo tests). The producer-first order here (the demo runs the
+  the device resolver; the host one runs P/D in the preemption and demo tests), speculating
+  (vLLM's n-gram proposer, one draft token: verification rows of two query tokens through
+  the device resolver). The producer-first order here (the demo runs the
   other) gives the plain engine's tokens, the store serves prefix hits, decode pulls.
 * The same cluster at load: 32 prompts, 6 at a time, decode running at most 4, the
   pool too small for all of them at once; tokens equal, every decode row resolved
   through the hot buffers, no load failed, and the decode's worker read no top-k and
-  no new row back to the host (the device resolver's per-step report only).
+  no new row back to the host (the device resolver's per-step report only), and every
+  verification row attended over the hot buffers.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -119,6 +123,8 @@ def test_store_on_the_sparse_model_matches_plain(baseline: list[list[int]], laye
 
 HOT = 64
 MAX_SEQS = 4
+SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
 ROW_BYTES = (64 + 16) * 4  # main row: latent + rope, float32
 MAX_LEN = 4096
 POOL_ROWS = MAX_LEN + 512
@@ -166,7 +172,8 @@ def joint_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                     lambda port: joint_prefill_config(port, extra, producer_first=True),
                     lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
                     prefill_args=("--disable-hybrid-kv-cache-manager",),
-                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS))) as c:
+                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS),
+                                 "--speculative-config", json.dumps(SPEC))) as c:
         yield c
 
 
@@ -227,10 +234,18 @@ LOAD_PROMPTS = _load_prompts()
 
 
 def _decode_counters(url: str) -> dict[str, float]:
-    return {n: _counter(url, f"rd2h_{n}") for n in (
+    import httpx
+
+    out = {n: _counter(url, f"rd2h_{n}") for n in (
         "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
         "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows",
-        "sparse_host_reads_topk", "sparse_host_reads_new_rows", "sparse_host_reads_step")}
+        "sparse_host_reads_topk", "sparse_host_reads_new_rows", "sparse_host_reads_step",
+        "sparse_verify_rows", "sparse_pool_query_tokens")}
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        out[n] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(f"vllm:spec_decode_{n}_total"))
+    return out
 
 
 def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[int]],
@@ -262,7 +277,16 @@ def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[
     # the device resolver: nothing read back per layer, one report read per step
     assert m["sparse_host_reads_topk"] == 0 and m["sparse_host_reads_new_rows"] == 0, m
     assert m["sparse_host_reads_step"] > 0, m
-    # decode computed only the last prompt token and the new ones: the pool got the rest over RD2H
-    assert m["sparse_offload_rows"] == N_LAYERS * len(LOAD_LENGTHS) * LOAD_MAX_TOKENS, m
+    # speculation: every verification row (one per request-step with a draft) went through
+    # the hot buffers, none attended over the pool
+    print(f"\nP/D sparse decode at concurrency, speculating: {m}")
+    assert m["num_drafts"] > 0 and m["sparse_verify_rows"] == m["num_drafts"], m
+    assert m["sparse_pool_query_tokens"] == 0, m
+    # decode computed only the last prompt token, the new ones and the drafts it verified
+    # (a rejected draft's row is written again by the next step): the pool got the rest
+    # over RD2H
+    rows = m["sparse_offload_rows"] / N_LAYERS
+    new = len(LOAD_LENGTHS) * LOAD_MAX_TOKENS
+    assert new <= rows <= new + m["num_draft_tokens"] - m["num_accepted_tokens"], m
     # the pool holds far less than every request at once
     assert POOL_ROWS // BLOCK_SIZE * BLOCK_SIZE < sum(LOAD_LENGTHS) + LOAD_MAX_TOKENS * len(LOAD_LENGTHS)
