@@ -36,6 +36,20 @@ slot mapping and, offloading, the plan / pool-position building / top-k remap
 around the counted phases. ``other`` is the rest of the step: projections
 (the indexer's included), MLP, sampling, scheduling, vLLM's bookkeeping.
 
+``--spec-tokens k`` (k > 0): every engine speculates with vLLM's n-gram proposer
+(k draft tokens, prompt lookup 1-3), on the same model with small weights
+(initializer range 0.02: its greedy text repeats itself often enough that drafts are
+sometimes accepted); the hot buffer defaults to ``(k + 2) x index_topk`` rows (the
+``2 x index_topk`` of plain decoding plus a top-k per draft; whole blocks). A round's step time is
+then per generated token. ``spec_step_ratio`` is ``step_ratio`` of that run (offload vs
+no offload, both speculating), ``spec_device_step_ratio`` the device resolver's, and
+``spec_pool_fallback_rows`` the query tokens of the decode steps both offload engines
+attended over the host pool instead of the hot buffers (the connector's
+``pool_query_tokens`` counter, prefill pass subtracted): 0 when every verification row
+was served from the hot buffers. ``spec`` holds the verification rows and the last
+engine's (the device resolver's) vLLM draft and acceptance counts. The breakdown's
+model timers then cover rows of up to ``1 + k`` query tokens.
+
 ``decode_device_kv_ratio``: main-KV bytes on the device with / without offload
 for the stated batch and context. With: the offload engine's own allocation
 for its main-KV layers (the hot buffers of its ``--batch`` request slots, read
@@ -82,9 +96,10 @@ class WorkerProbe:
     process through ``LLM.collective_rpc``. Needs no state of its own until
     :meth:`bench_probe_timers` installs the model-function timers."""
 
-    def bench_probe_timers(self, on: bool) -> None:
+    def bench_probe_timers(self, on: bool, query_tokens: int = 1) -> None:
         """Wrap (``on``) or restore the model's indexer/attention functions in
-        ``ascend_offload.models.attention`` with wall-clock accumulators."""
+        ``ascend_offload.models.attention`` with wall-clock accumulators, for decode
+        rows (at most ``query_tokens`` queries: 1 + the draft tokens)."""
         from ascend_offload.models import attention as mod
 
         orig: dict[str, Callable[..., Any]] = getattr(mod, "_bench_orig", {})
@@ -102,7 +117,7 @@ class WorkerProbe:
 
         def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*a: Any, **k: Any) -> Any:
-                if a[0].shape[0] != 1:  # a prefill chunk (several queries): not timed
+                if a[0].shape[0] > query_tokens:  # a prefill chunk: not timed
                     return fn(*a, **k)
                 t0 = time.perf_counter_ns()
                 try:
@@ -118,8 +133,8 @@ class WorkerProbe:
         totals["layer"] = 0
 
         def timed_layer(layer: Any, meta: Any, *a: Any) -> None:
-            # whole decode-only steps: every request one query token
-            if meta is None or meta.num_actual_tokens != len(meta.requests):
+            # whole decode-only steps: every request one query token (or 1 + drafts)
+            if meta is None or meta.num_actual_tokens > len(meta.requests) * query_tokens:
                 return layer_run(layer, meta, *a)
             t0 = time.perf_counter_ns()
             try:
@@ -160,11 +175,26 @@ class WorkerProbe:
 # ---------------------------------------------------------------------- engines
 
 
-def _model(index_topk: int) -> str:
+# The n-gram model's weights: small enough that its greedy text repeats itself
+SPEC_INIT_RANGE = 0.02
+
+
+def _model(index_topk: int, spec: bool = False) -> str:
     from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 
+    if spec:
+        return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}-ngram",
+                                          index_topk=index_topk,
+                                          initializer_range=SPEC_INIT_RANGE))
     return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}",
                                       index_topk=index_topk))
+
+
+def _spec_config(a: argparse.Namespace) -> dict[str, Any] | None:
+    if not a.spec_tokens:
+        return None
+    return {"method": "ngram", "num_speculative_tokens": a.spec_tokens, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
 
 
 def _request_blocks(a: argparse.Namespace) -> int:
@@ -200,6 +230,8 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[
     row_bytes, _, layers = _rows(model)
     kw: dict[str, Any] = {"kv_cache_memory_bytes": _kv_bytes(a, model)}
     explicit_kv_memory(kw)
+    if a.spec_tokens:
+        kw["speculative_config"] = _spec_config(a)
     if backend is not None:
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
                   "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers),
@@ -264,6 +296,18 @@ def _phases(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _delta(before: dict[str, Any], after: dict[str, Any], counter: str) -> int:
+    return int(after["counters"].get(counter, 0) - before["counters"].get(counter, 0))
+
+
+def _spec_counts(llm: Any) -> dict[str, int]:
+    """vLLM's draft and acceptance totals of this process's Prometheus registry (the
+    engine created last exports there)."""
+    return {m.name.removeprefix("vllm:spec_decode_"): int(m.value) for m in llm.get_metrics()
+            if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                          "vllm:spec_decode_num_accepted_tokens")}
+
+
 def _spread(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
             "rounds": [round(x, 4) for x in xs]}
@@ -275,12 +319,18 @@ def _spread(xs: list[float]) -> dict[str, Any]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     if not a.index_topk < a.context:
         raise SystemExit(f"--index-topk {a.index_topk} must be < --context {a.context}")
-    if a.decode_tokens < 2 or a.rounds < 1 or a.batch < 1:
-        raise SystemExit("--decode-tokens >= 2, --rounds >= 1 and --batch >= 1")
-    model = _model(a.index_topk)
+    if a.decode_tokens < 2 or a.rounds < 1 or a.batch < 1 or a.spec_tokens < 0:
+        raise SystemExit("--decode-tokens >= 2, --rounds >= 1, --batch >= 1 and --spec-tokens >= 0")
+    if a.hot is None:  # whole blocks
+        a.hot = -(-(a.spec_tokens + 2) * a.index_topk // BLOCK_SIZE) * BLOCK_SIZE
+    if a.hot < (1 + a.spec_tokens) * a.index_topk:
+        raise SystemExit(f"--hot {a.hot}: a verification row of 1 + {a.spec_tokens} tokens needs "
+                         f">= {(1 + a.spec_tokens) * a.index_topk} rows")
+    model = _model(a.index_topk, spec=a.spec_tokens > 0)
     t_start = time.time()
     steps: dict[str, list[float]] = {n: [] for n in ENGINES}
     phase_ns: dict[str, dict[str, float]] = {n: {} for n in ENGINES}
+    pool_queries = 0  # decode steps' query tokens attended over the pool (both offload engines)
     probes: dict[str, dict[str, Any]] = {}
     parity = True
     load = [os.getloadavg()[0]]
@@ -290,7 +340,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         llms = {n: stack.enter_context(_engine(a, model, BACKENDS[n])) for n in ENGINES}
         for name in ENGINES:  # warm-up (first-call allocations), not timed
             _round(llms[name], _prompts(a, -1)[: max(1, a.batch // 2)], 4)
-            llms[name].collective_rpc("bench_probe_timers", args=(True,))
+            llms[name].collective_rpc("bench_probe_timers", args=(True, 1 + a.spec_tokens))
         for r in range(a.rounds):
             order = ENGINES if r % 2 == 0 else ENGINES[::-1]  # drift hits all alike
             prompts = _prompts(a, r)
@@ -306,6 +356,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 b2 = probes[name] = _probe(llm)
                 steps[name].append(step)
                 pre, full = _phases(b0, b1), _phases(b1, b2)
+                if name != "baseline":
+                    pool_queries += _delta(b1, b2, "pool_query_tokens") - _delta(
+                        b0, b1, "pool_query_tokens")
                 acc = phase_ns[name]
                 for k, v in full.items():
                     acc[k] = acc.get(k, 0.0) + v - (pre[k] if k in _COUNTED else 0.0)
@@ -314,6 +367,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if a.verbose:
                 print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
                       file=sys.stderr, flush=True)
+        spec_counts = _spec_counts(llms["device"]) if a.spec_tokens else {}
     n_steps = a.rounds * (a.decode_tokens - 1)
     breakdown: dict[str, dict[str, float]] = {}
     for name in ENGINES:
@@ -338,7 +392,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
         "config": {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
                                                  "index_topk", "rounds", "core",
-                                                 "device_use_native")},
+                                                 "device_use_native", "spec_tokens")},
                    "kv_cache_memory_bytes": _kv_bytes(a, model)},
         "step_ms": {n: _spread(steps[n]) for n in ENGINES},
         "step_ratio": ratio,
@@ -365,6 +419,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # "ops": the tensor ops an accelerator runs)
         "device_residency": probes["device"].get("residency"),
         "loadavg_1m": load,
+        **({"spec_step_ratio": ratio, "spec_device_step_ratio": dev_ratio,
+            "spec_pool_fallback_rows": pool_queries,
+            "spec": {"verify_rows": {n: probes[n]["counters"].get("verify_rows", 0)
+                                     for n in ("offload", "device")},
+                     "device_engine_vllm": spec_counts}} if a.spec_tokens else {}),
     }
 
 
@@ -391,6 +450,13 @@ def report(res: dict[str, Any]) -> str:
                  f"{res['device_step_ratio_of_medians']:.3f}); target <= "
                  f"{res['device_target_step_ratio']:.2f}: "
                  f"{'met' if res['device_target_met'] else 'NOT met'}")
+    if c.get("spec_tokens"):
+        sp = res["spec"]
+        lines.append(f"  speculating ({c['spec_tokens']} n-gram drafts): spec_step_ratio "
+                     f"{res['spec_step_ratio']:.3f}, spec_device_step_ratio "
+                     f"{res['spec_device_step_ratio']:.3f}, spec_pool_fallback_rows "
+                     f"{res['spec_pool_fallback_rows']}; verification rows {sp['verify_rows']}; "
+                     f"device engine {sp['device_engine_vllm']}")
     keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "layer_rest", "other",
             "step")
     lines.append("  breakdown ms/step  " + "  ".join(f"{k:>9s}" for k in keys))
@@ -412,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="concurrent decodes per round")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--decode-tokens", type=int, default=48, help="generated tokens per request")
-    p.add_argument("--hot", type=int, default=64, help="hot-buffer rows per request and layer")
+    p.add_argument("--hot", type=int, default=None,
+                   help="hot-buffer rows per request and layer (default: (spec tokens + 2) x "
+                        "index_topk, rounded up to whole blocks)")
+    p.add_argument("--spec-tokens", type=int, default=0,
+                   help="n-gram speculative decoding with this many draft tokens in every "
+                        "engine (0: none)")
     p.add_argument("--index-topk", type=int, default=32, help="the model's index_topk")
     p.add_argument("--rounds", type=int, default=24,
                    help="rounds per engine (alternating; a round is ~1 s, so the median of many "
