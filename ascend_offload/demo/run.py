@@ -36,6 +36,13 @@ BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
 REQUEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 30.0
+# The decode's speculative decoding (vLLM's --speculative-config): n-gram drafts, one per
+# step, whose verification rows of two tokens fit the decode's 64-row hot buffers.
+SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 1,
+                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# the generated model's weights: small enough that its greedy text repeats itself, so
+# n-gram drafts are sometimes accepted
+INIT_RANGE = 0.02
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -75,7 +82,9 @@ def index_topk(decode_config: dict[str, Any]) -> int:
 class Cluster:
     """Prefill + decode API servers and the proxy; ``stop`` reaps them all (idempotent)."""
 
-    def __init__(self, model: str, prefill_cfg: dict[str, Any], decode_cfg: dict[str, Any], log_dir: Path) -> None:
+    def __init__(self, model: str, prefill_cfg: dict[str, Any], decode_cfg: dict[str, Any], log_dir: Path,
+                 speculative: dict[str, Any] | None = None) -> None:
+        """``speculative``: the decode's ``--speculative-config`` (None: no speculation)."""
         self.model = model
         self.log_dir = log_dir
         self.servers: list[Server] = []
@@ -89,10 +98,12 @@ class Cluster:
                   "--no-enable-prefix-caching"]
         # layer sharing plans one cache group; the hybrid manager would split the indexer out
         p_extra = ["--disable-hybrid-kv-cache-manager"] if "use_layerwise" in json.dumps(prefill_cfg) else []
+        d_extra = [] if speculative is None else ["--speculative-config", json.dumps(speculative)]
         self._cmds = [
             ("prefill", [*common, "--port", str(ports["prefill"]), *p_extra, "--kv-transfer-config",
                          json.dumps(with_kv_port(prefill_cfg, ports["p_kv"]))], dict(env, VLLM_CPU_OMP_THREADS_BIND="0")),
-            ("decode", [*common, "--port", str(ports["decode"]), "--max-num-seqs", "4", "--kv-transfer-config",
+            ("decode", [*common, "--port", str(ports["decode"]), "--max-num-seqs", "4", *d_extra,
+                        "--kv-transfer-config",
                         json.dumps(with_kv_port(decode_cfg, ports["d_kv"]))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1")),
             ("plain", [*common, "--port", str(ports["plain"]), "--max-num-seqs", "4"],
              dict(env, VLLM_CPU_OMP_THREADS_BIND="0")),
@@ -257,7 +268,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_tokens: int, log_dir: Path,
-         startup_s: float) -> int:
+         startup_s: float, speculative: dict[str, Any] | None = SPECULATIVE) -> int:
     """Run the demo; the table on stdout, progress on stderr; 0 iff every answer is identical."""
     from tqdm import tqdm
 
@@ -283,9 +294,10 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     topk = index_topk(decode_cfg)
     cluster: Cluster | None = None
     try:
-        model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}", index_topk=topk))
+        model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}-ir{INIT_RANGE}",
+                                           index_topk=topk, initializer_range=INIT_RANGE))
         tick("starting engines")
-        cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir)
+        cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir, speculative)
         for name in cluster.start(time.monotonic() + startup_s, bar.refresh):
             tick(f"{name} up")
         results = run_workload(cluster, requests, max_tokens, tick)
@@ -305,7 +317,9 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
         if cluster is not None:
             cluster.stop()
     bar.close()
-    print(f"ascend-offload demo: proxy -> prefill ({prefill_path.name}) -> decode ({decode_path.name}), "
+    spec = ("" if speculative is None else
+            f", speculating: {speculative['method']}, {speculative['num_speculative_tokens']} draft")
+    print(f"ascend-offload demo: proxy -> prefill ({prefill_path.name}) -> decode ({decode_path.name}{spec}), "
           f"tiny sparse-MLA model (4 layers, top-k {topk}), {max_tokens} greedy tokens per request\n")
     print(render(results, fp))
     print(f"vLLM logs: {', '.join(str(log_dir / f'{n}.log') for n in ('prefill', 'decode', 'proxy'))}")

@@ -16,6 +16,7 @@ from ascend_offload.demo.prom import Metrics
 RD2H = "vllm:ascend_offload_rd2h_"
 STORE = "vllm:ascend_offload_store_"
 SPARSE = "vllm:ascend_offload_sparse_"
+SPEC = "vllm:spec_decode_"
 
 
 @dataclasses.dataclass
@@ -73,13 +74,22 @@ def hot_hit_rate(m: Mapping[str, float]) -> float | None:
     return ratio(value(m, SPARSE + "hit_positions"), value(m, SPARSE + "resolved_positions"))
 
 
+def accepted(m: Mapping[str, float]) -> str:
+    """``accepted/drafted`` draft tokens of the decode's speculation (n/a: it does not
+    speculate)."""
+    acc, drafted = value(m, SPEC + "num_accepted_tokens"), value(m, SPEC + "num_draft_tokens")
+    if acc is None or drafted is None:
+        return "n/a"
+    return f"{acc:.0f}/{drafted:.0f}"
+
+
 def gate_waits(m: Mapping[str, float]) -> float | None:
     return value(m, STORE + "layerwise_gate_waits")
 
 
 COLUMNS = (("#", 3), ("prompt", 6), ("prefix", 6), ("mode", 6), ("TTFT ms", 7), ("TPOT ms", 7),
            ("E2E ms", 7), ("store hit", 9), ("RD2H KiB", 8), ("new->pool", 9), ("pool->hot", 9),
-           ("hot hit", 7), ("gate", 4), ("same", 4))
+           ("hot hit", 7), ("accept", 6), ("gate", 4), ("same", 4))
 
 
 def _row(cells: Sequence[str]) -> str:
@@ -92,7 +102,8 @@ def request_row(r: RequestResult) -> str:
         _f(r.ttft_s, ".0f", 1e3), _f(r.tpot_s, ".1f", 1e3), f"{r.e2e_s * 1e3:.0f}",
         store_hits(r.prefill), _kib(value(r.decode, RD2H + "bytes_pulled")),
         _kib(value(r.decode, SPARSE + "offload_bytes")), _kib(value(r.decode, SPARSE + "miss_bytes")),
-        _pct(hot_hit_rate(r.decode)), _f(gate_waits(r.prefill), ".0f"), "yes" if r.identical else "NO",
+        _pct(hot_hit_rate(r.decode)), accepted(r.decode), _f(gate_waits(r.prefill), ".0f"),
+        "yes" if r.identical else "NO",
     ])
 
 
@@ -123,6 +134,14 @@ def render(results: Sequence[RequestResult], footprint: Footprint) -> str:
     resolved = _sum(results, "decode", SPARSE + "resolved_positions")
     hot = ratio(_sum(results, "decode", SPARSE + "hit_positions"), resolved)
     failures = _sum(results, "decode", RD2H + "read_failures")
+    drafted = _sum(results, "decode", SPEC + "num_draft_tokens")
+    accepted_tokens = _sum(results, "decode", SPEC + "num_accepted_tokens")
+    speculation = ("n/a (the decode does not speculate)" if drafted is None else
+                   f"accepted {_f(accepted_tokens, '.0f')} of {drafted:.0f} draft tokens "
+                   f"({_pct(ratio(accepted_tokens, drafted))}) in "
+                   f"{_f(_sum(results, 'decode', SPEC + 'num_drafts'), '.0f')} verification rows, "
+                   f"{_f(_sum(results, 'decode', SPARSE + 'verify_rows'), '.0f')} of them on the hot "
+                   f"buffers")
     lines += [
         "",
         f"bytes moved   RD2H prefill->decode pool {_kib(_sum(results, 'decode', RD2H + 'bytes_pulled'))} KiB "
@@ -134,6 +153,7 @@ def render(results: Sequence[RequestResult], footprint: Footprint) -> str:
         f"gate waits    {_f(_sum(results, 'prefill', STORE + 'layerwise_gate_waits'), '.0f')} (layerwise reuse gate)"
         f" | RD2H gate holds {_f(_sum(results, 'prefill', RD2H + 'gate_holds'), '.0f')}",
         f"hot buffer    hit rate {_pct(hot)} of {_f(resolved, '.0f')} top-k positions resolved",
+        f"speculation   {speculation}",
         f"device KV     per token, as a ratio of full KV: prefill {_f(footprint.prefill, '.2f')}, "
         f"decode {_f(footprint.decode, '.2f')}",
         "",

@@ -113,6 +113,10 @@ def test_demo_prints_the_table_and_leaves_nothing_running(tmp_path: Path) -> Non
     pulled = re.search(r"RD2H prefill->decode pool ([0-9.]+) KiB \((\d+) layer reads, (\d+) failed\)", out)
     assert pulled and float(pulled.group(1)) > 0 and pulled.group(3) == "0", out
     assert re.search(r"hit rate [0-9.]+% of \d+ top-k positions", out), out
+    # the decode speculated: every verification row was served from the hot buffers
+    spec = re.search(r"speculation   accepted (\d+) of (\d+) draft tokens \([0-9.]+%\) in (\d+) "
+                     r"verification rows, (\d+) of them on the hot buffers", out)
+    assert spec and int(spec.group(2)) > 0 and spec.group(3) == spec.group(4), out
     decode_ratio = re.search(r"decode ([0-9.]+)$", next(x for x in lines if x.startswith("device KV")))
     assert decode_ratio and float(decode_ratio.group(1)) < 1.0, out
     assert _gone(token) == []

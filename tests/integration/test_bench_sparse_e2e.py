@@ -121,3 +121,41 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
         <= LAYERS * decode_rows, reads
     assert res["device_counters"]["host_reads_step"] > 0
     assert res["device_residency"] == {"kind": "device", "kernel": "ops"}
+
+
+def test_a_hot_buffer_too_small_for_the_drafts_is_refused_before_any_engine_starts() -> None:
+    from ascend_offload.bench import sparse_e2e
+
+    with pytest.raises(SystemExit, match=r"--hot 64: a verification row of 1 \+ 3 tokens needs >= 128"):
+        sparse_e2e.main(["--spec-tokens", "3", "--hot", "64"])
+    with pytest.raises(SystemExit, match="spec-tokens >= 0"):
+        sparse_e2e.main(["--spec-tokens", "-1"])
+
+
+@pytest.mark.bench
+@pytest.mark.e2e
+@pytest.mark.integration
+@pytest.mark.timeout(480)
+def test_tiny_speculating_run_writes_the_spec_keys(tmp_path: Path) -> None:
+    """``--spec-tokens``: every engine speculates; the spec keys are the run's ratios, no
+    verification row went to the pool, both offload engines verified the same rows."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "sparse-e2e-spec.json"
+    argv = ["--batch=2", "--context=160", "--decode-tokens=8", "--index-topk=16", "--rounds=2",
+            "--spec-tokens=3"]
+    proc = subprocess.run([sys.executable, "-m", "ascend_offload.cli", "bench", "sparse-e2e", *argv,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=450, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "spec_step_ratio" in proc.stdout
+    res: dict[str, Any] = json.loads(out.read_text())
+    assert res["config"]["spec_tokens"] == 3 and res["config"]["hot"] == 96  # 5 x 16 -> 3 blocks
+    assert res["parity"] is True
+    assert res["spec_step_ratio"] == res["step_ratio"]
+    assert res["spec_device_step_ratio"] == res["device_step_ratio"]
+    assert res["spec_pool_fallback_rows"] == 0
+    rows = res["spec"]["verify_rows"]
+    assert rows["offload"] == rows["device"] > 0, rows
+    vllm_counts = res["spec"]["device_engine_vllm"]
+    assert vllm_counts["num_drafts"] == rows["device"], res["spec"]
+    assert 0 <= vllm_counts["num_accepted_tokens"] <= vllm_counts["num_draft_tokens"]

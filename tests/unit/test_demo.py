@@ -89,6 +89,18 @@ def test_sparse_counters_of_an_rd2h_decode_are_read_too() -> None:
     assert "hit rate 90.0% of 10 top-k positions" in out
 
 
+def test_speculation_column_and_totals_from_the_decode_counters() -> None:
+    spec = "vllm:spec_decode_"
+    decode = {spec + "num_drafts": 5.0, spec + "num_draft_tokens": 5.0,
+              spec + "num_accepted_tokens": 2.0, RD2H + "sparse_verify_rows": 5.0}
+    assert "2/5" in request_row(_result(1, True, {}, decode))
+    out = render([_result(1, True, {}, decode), _result(2, True, {}, decode)], Footprint(1.0, 0.3))
+    assert ("speculation   accepted 4 of 10 draft tokens (40.0%) in 10 verification rows, 10 of "
+            "them on the hot buffers") in out
+    # a decode that does not speculate exports no spec_decode family
+    assert "the decode does not speculate" in render([_result(1, True, {}, {})], Footprint(1.0, 0.3))
+
+
 def test_table_store_columns_when_the_prefill_has_a_store() -> None:
     prefill = {STORE + "hit_objects": 8.0, STORE + "miss_objects": 2.0, STORE + "loaded_blocks": 8.0,
                STORE + "saved_blocks": 2.0, STORE + "layerwise_gate_waits": 3.0}

@@ -160,7 +160,10 @@ class SparseDecodeWorker:
                 f"max_model_len={settings.max_model_len}")
         self.decode = ColocatedSparseDecode(self.manager, names,
                                             self._indexer_stash(settings, kv_caches),
-                                            query_tokens=settings.query_tokens)
+                                            # the paged main KV (vllm-ascend's SFA path)
+                                            # serves multi-token rows itself
+                                            query_tokens=1 if settings.paged
+                                            else settings.query_tokens)
         self._applied: object = None
         self._preempts_handled: object = None
         self._load_errors: set[int] = set()

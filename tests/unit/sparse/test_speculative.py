@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig
-from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings, speculative_tokens
+from ascend_offload.connectors.sparse_decode.settings import (
+    SparseDecodeSettings,
+    speculative_tokens,
+)
 from ascend_offload.sparse.adapter import BatchRow
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
 from ascend_offload.sparse.manager import SparseOffloadManager
@@ -72,7 +75,7 @@ def _decode(query_tokens: int, hot: int = 16, backend: str = "host", use_native:
 
 
 def test_a_hot_buffer_too_small_for_the_union_is_refused() -> None:
-    with pytest.raises(ValueError, match="query_tokens=5: .* hot buffer of 16 rows"):
+    with pytest.raises(ValueError, match=r"query_tokens=5: .* hot buffer of 16 rows"):
         _decode(5)
     assert _decode(4).query_tokens == 4
 
