@@ -99,3 +99,21 @@ def store_counter(llm: Any, name: str) -> float:
     ``disable_log_stats=False``), summed over its label sets."""
     return sum(getattr(m, "value", 0) for m in llm.get_metrics()
                if m.name == f"vllm:ascend_offload_store_{name}")
+
+
+def sparse_decode_config(sparse: dict[str, Any]) -> dict[str, Any]:
+    """A colocated ``AscendSparseDecodeConnector`` kv-transfer config with ``sparse`` as its
+    ``sparse_offload`` block (``enabled`` is set)."""
+    return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"sparse_offload": {"enabled": True, **sparse}}}
+
+
+def registry_value(family: str) -> float:
+    """A metric family of this process's Prometheus registry (``family`` or ``family_total``),
+    summed over its label sets: where the stat loggers of this process's engines export
+    (the engine created last registers its logger). Not ``LLM.get_metrics()``: it
+    truncates counters to integers, and time counters are fractions of a second here."""
+    from prometheus_client import REGISTRY
+
+    want = {family, f"{family}_total"}
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)

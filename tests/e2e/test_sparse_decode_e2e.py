@@ -38,7 +38,7 @@ import pytest
 
 from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
 from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import MODEL_CACHE
+from tests.e2e.harness import MODEL_CACHE, registry_value, sparse_decode_config
 
 N_LAYERS = 4
 TOPK = 32
@@ -85,10 +85,8 @@ def _reservation_blocks(n: int, k: int) -> int:
 
 
 def _sparse_config(backend: str = "host") -> dict[str, Any]:
-    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB, "residency_backend": backend}
-    return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"sparse_offload": sparse}}
+    return sparse_decode_config({"topk_buffer_size": HOT, "index_topk": TOPK,
+                                 "dram_size_per_dp_GB": POOL_GB, "residency_backend": backend})
 
 
 class _ConnectorSteps(StepRecorder):
@@ -113,13 +111,7 @@ def _run(engine: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[l
 
 
 def _metric(name: str) -> float:
-    """A metric of this process's Prometheus registry (where the engine's stat loggers
-    export). Not ``LLM.get_metrics()``: it truncates counters to integers, and the
-    time counters are fractions of a second here."""
-    from prometheus_client import REGISTRY
-
-    want = {f"vllm:ascend_offload_sparse_{name}", f"vllm:ascend_offload_sparse_{name}_total"}
-    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
+    return registry_value(f"vllm:ascend_offload_sparse_{name}")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import pytest
 
 from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
 from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import MODEL_CACHE
+from tests.e2e.harness import MODEL_CACHE, registry_value, sparse_decode_config
 
 N_LAYERS = 4
 TOPK = 32
@@ -56,22 +56,6 @@ MAX_TOKENS = [_rng.randrange(24, 48) for _ in LENGTHS]
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
 
 
-def _sparse_config() -> dict[str, Any]:
-    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB}
-    return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"sparse_offload": sparse}}
-
-
-def _metric(name: str) -> float:
-    """A counter of this process's Prometheus registry (where the engine's stat loggers
-    export; the later engine's logger is the one registered)."""
-    from prometheus_client import REGISTRY
-
-    want = {f"vllm:ascend_offload_sparse_{name}", f"vllm:ascend_offload_sparse_{name}_total"}
-    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     from vllm import SamplingParams
@@ -82,7 +66,9 @@ def runs() -> dict[str, Any]:
     # baseline first: the offload engine's Prometheus logger must be the registered one
     for name, kw in (("baseline", {"kv_cache_memory_bytes": BASELINE_KV_BYTES}),
                      ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES,
-                                  "kv_transfer_config": _sparse_config()})):
+                                  "kv_transfer_config": sparse_decode_config(
+                                      {"topk_buffer_size": HOT, "index_topk": TOPK,
+                                       "dram_size_per_dp_GB": POOL_GB})})):
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
                                                                  **kw), in_process=True) as eng:
@@ -91,7 +77,7 @@ def runs() -> dict[str, Any]:
             out["preempted"][name] = rec.preempted()
             out["peak"][name] = rec.peak_running()
             if name == "offload":
-                out["metrics"] = {n: _metric(n) for n in (
+                out["metrics"] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}") for n in (
                     "preempted_requests", "resumed_tokens", "recomputed_tokens", "stash_failures",
                     "offload_rows", "admission_failures", "unmatched_rows", "resolved_positions",
                     "miss_rows", "stash_seconds", "steps")}

@@ -32,7 +32,7 @@ import pytest
 
 from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
 from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import MODEL_CACHE
+from tests.e2e.harness import MODEL_CACHE, registry_value, sparse_decode_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -63,22 +63,6 @@ MAX_TOKENS = [_rng.randrange(12, 33) for _ in LENGTHS]
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
 
 
-def _sparse_config() -> dict[str, Any]:
-    sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB}
-    return {"kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"sparse_offload": sparse}}
-
-
-def _metric(name: str) -> float:
-    """A counter of this process's Prometheus registry, where the running engine's stat
-    loggers export (vLLM's ``vllm:spec_decode_*`` and our ``vllm:ascend_offload_sparse_*``)."""
-    from prometheus_client import REGISTRY
-
-    want = {f"vllm:{name}", f"vllm:{name}_total"}
-    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
-
-
 SPARSE = ("verify_rows", "pool_query_tokens", "preempted_requests", "resumed_tokens",
           "recomputed_tokens", "stash_failures", "offload_rows", "resolved_positions",
           "hit_positions", "miss_rows", "admission_failures", "unmatched_rows")
@@ -99,20 +83,22 @@ def runs() -> dict[str, Any]:
     engines = (("plain", {"kv_cache_memory_bytes": PLAIN_KV_BYTES}, True),
                ("spec", {"kv_cache_memory_bytes": PLAIN_KV_BYTES, "speculative_config": SPEC}, False),
                ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
-                            "kv_transfer_config": _sparse_config()}, False))
+                            "kv_transfer_config": sparse_decode_config(
+                                {"topk_buffer_size": HOT, "index_topk": TOPK,
+                                 "dram_size_per_dp_GB": POOL_GB})}, False))
     for name, kw, in_process in engines:
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
                                                                  **kw),
                           in_process=in_process) as eng:
-            d0 = {n: _metric(f"spec_decode_{n}") for n in ("num_drafts", "num_draft_tokens",
+            d0 = {n: registry_value(f"vllm:spec_decode_{n}") for n in ("num_drafts", "num_draft_tokens",
                                                            "num_accepted_tokens")}
             out["tokens"][name] = run_requests(eng, PROMPTS, params)
-            out["spec"][name] = {n: _metric(f"spec_decode_{n}") - v for n, v in d0.items()}
+            out["spec"][name] = {n: registry_value(f"vllm:spec_decode_{n}") - v for n, v in d0.items()}
             out["preempted"][name] = rec.preempted()
             out["peak"][name] = rec.peak_running()
             if name == "offload":
-                out["metrics"] = {n: _metric(f"ascend_offload_sparse_{n}") for n in SPARSE}
+                out["metrics"] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}") for n in SPARSE}
     return out
 
 
