@@ -30,6 +30,17 @@ ARGS = dict(batch=2, context=160, decode_tokens=6, hot=32, index_topk=16, rounds
             device_use_native="off")
 
 
+def _run_bench(tmp_path: Path, argv: list[str]) -> tuple[str, dict[str, Any]]:
+    """``ascend-offload bench sparse-e2e ARGV`` in its own process: stdout and the JSON."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "sparse-e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "ascend_offload.cli", "bench", "sparse-e2e", *argv,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=450, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 def test_sparse_e2e_is_registered_and_skipped_by_bench_all(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.BENCHES["sparse-e2e"] == "ascend_offload.bench.sparse_e2e"
     ran: list[str] = []
@@ -53,15 +64,8 @@ def test_bad_settings_are_refused_before_any_engine_starts() -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(480)
 def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    out = tmp_path / "sparse-e2e.json"
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
-    proc = subprocess.run([sys.executable, "-m", "ascend_offload.cli", "bench", "sparse-e2e", *argv,
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=450, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "step_ratio" in proc.stdout and "decode_device_kv_ratio" in proc.stdout
-    res: dict[str, Any] = json.loads(out.read_text())
+    stdout, res = _run_bench(tmp_path, [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()])
+    assert "step_ratio" in stdout and "decode_device_kv_ratio" in stdout
 
     med = {n: res["step_ms"][n]["median"] for n in ("baseline", "offload", "device")}
     assert all(len(res["step_ms"][n]["rounds"]) == ARGS["rounds"] for n in med)
@@ -140,15 +144,9 @@ def test_tiny_speculating_run_writes_the_spec_keys(tmp_path: Path) -> None:
     """``--spec-tokens``: every engine speculates; the spec keys are the run's ratios, no
     verification row went to the pool, both offload engines verified the same rows."""
     pytest.importorskip("vllm")
-    out = tmp_path / "sparse-e2e-spec.json"
-    argv = ["--batch=2", "--context=160", "--decode-tokens=8", "--index-topk=16", "--rounds=2",
-            "--spec-tokens=3"]
-    proc = subprocess.run([sys.executable, "-m", "ascend_offload.cli", "bench", "sparse-e2e", *argv,
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=450, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "spec_step_ratio" in proc.stdout
-    res: dict[str, Any] = json.loads(out.read_text())
+    stdout, res = _run_bench(tmp_path, ["--batch=2", "--context=160", "--decode-tokens=8",
+                                        "--index-topk=16", "--rounds=2", "--spec-tokens=3"])
+    assert "spec_step_ratio" in stdout
     assert res["config"]["spec_tokens"] == 3 and res["config"]["hot"] == 96  # 5 x 16 -> 3 blocks
     assert res["parity"] is True
     assert res["spec_step_ratio"] == res["step_ratio"]
