@@ -130,6 +130,7 @@ SLOW_FIRST = (
     "tests/e2e/test_store_mooncake_engines.py",
     "tests/e2e/test_pd_e2e.py",
     "tests/e2e/test_sparse_decode_e2e.py",
+    "tests/e2e/test_sparse_spec_e2e.py",
 )
 
 
