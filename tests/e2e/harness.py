@@ -24,6 +24,16 @@ def tiny_model(num_layers: int = 4) -> str:
     return str(make_tiny_llama(MODEL_CACHE / f"tiny-llama-{num_layers}l", num_layers=num_layers))
 
 
+def ngram_sparse_model(index_topk: int = 32) -> str:
+    """Our 4-layer sparse-MLA model with small weights (initializer range 0.02): its greedy
+    text repeats itself often enough that vLLM's n-gram drafts are sometimes accepted,
+    sometimes rejected (the default weights' acceptance is ~0)."""
+    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
+
+    return str(make_tiny_sparse_model(MODEL_CACHE / f"tiny-sparse-mla-4l-ngram-k{index_topk}",
+                                      index_topk=index_topk, initializer_range=0.02))
+
+
 def store_transfer_config(extra: dict[str, Any] | None = None, role: str = "kv_both") -> dict[str, Any]:
     return {
         "kv_connector": "AscendStoreConnector",

@@ -1,7 +1,9 @@
 """P/D: a preempted request on the sparse decode resumes from the host pool without
 recomputing its history (the RD2H decode reuses the colocated connector's objects).
 
-Our 4-layer sparse-MLA model (index_topk 32, hot buffers of 64 rows). Prefill:
+Our 4-layer sparse-MLA model (index_topk 32, hot buffers of 64 rows) with small weights
+(initializer range 0.02: its greedy text repeats itself, so n-gram drafts are accepted
+now and then). Prefill:
 ``SfaRemoteD2HConnector`` producer; decode: the consumer with ``sparse_offload``,
 given so little KV memory (1 MiB: 44 indexer blocks after the hot buffers) that
 decoding requests outgrow it and vLLM preempts: prompts of 150-260 tokens (a
@@ -10,8 +12,8 @@ each, four at a time. The pool
 holds every reservation, so preempted requests keep their rows. The decode speculates
 (vLLM's n-gram proposer, one draft token: verification rows of two query tokens, whose
 top-k union fits the 64-row hot buffer). Greedy tokens
-must equal the prefill engine's own answer (no offload, the same speculation, whose
-accepted-draft count must be equal), no load may have
+must equal the prefill engine's own answer (no offload, the same speculation; both
+accept some drafts and reject others), no load may have
 failed, the decode's preemptions (vLLM's counter) must all have been resumed from the
 stash (``..._rd2h_sparse_resumed_tokens`` > 0, nothing recomputed), every verification
 row must have attended over the hot buffers (none over the pool), and the decode must
@@ -31,8 +33,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
-from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model  # noqa: E402
-from tests.e2e.harness import MODEL_CACHE  # noqa: E402
+from tests.e2e.harness import ngram_sparse_model  # noqa: E402
 from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -58,7 +59,7 @@ BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did no
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    model = str(make_tiny_sparse_model(MODEL_CACHE / "tiny-sparse-mla-4l", index_topk=TOPK))
+    model = ngram_sparse_model(TOPK)
     extra = {"ack_timeout_s": 60, "request_timeout_s": 60, "registration_timeout_s": 30}
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
               "dram_size_per_dp_GB": POOL_GB}
@@ -109,17 +110,22 @@ def test_pd_preempted_requests_resume_from_the_pool(cluster: dict[str, Any]) -> 
     assert m["sparse_resumed_tokens"] >= preemptions, m
     assert m["sparse_recomputed_tokens"] == 0 and m["sparse_stash_failures"] == 0, m
     assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
-    # drafts accepted and rejected; as many accepted as in the prefill engine's own answers
-    # (no offload, no preemption). The draft count itself is not compared: it depends on
-    # the batches vLLM forms (the prefill answered one request at a time, the decode ran
-    # eight at once and preempted: 869-873 drafts there against 860 in runs here)
+    # drafts accepted and rejected, here and in the prefill engine's own speculating
+    # answers. The counts are not compared: they depend on the steps vLLM forms (the
+    # prefill answered one request at a time, the decode ran eight at once as their pulls
+    # landed and preempted; a resumed request's first step has no draft), which differ
+    # from run to run. Equal counts under the same schedule:
+    # tests/e2e/test_sparse_spec_e2e.py (stepped engines).
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
-    assert spec["num_accepted_tokens"] == plain_spec["num_accepted_tokens"], (spec, plain_spec)
+    assert 0 < plain_spec["num_accepted_tokens"] < plain_spec["num_draft_tokens"], plain_spec
     # every verification row (one per request-step with a draft) used the hot buffers
     assert spec["num_drafts"] > 0 and m["sparse_verify_rows"] == spec["num_drafts"], (m, spec)
     assert m["sparse_pool_query_tokens"] == 0, m
     # decode computed the last prompt token and the new ones but the last, once each, and
     # the drafts it verified: a rejected draft's row is written again by the next step
+    # (rows = steps + drafts, tokens = steps + accepted - drafts accepted past max_tokens,
+    # at most one step's drafts per request)
     rows = m["sparse_offload_rows"] / N_LAYERS
     rejected = spec["num_draft_tokens"] - spec["num_accepted_tokens"]
-    assert sum(MAX_TOKENS) <= rows <= sum(MAX_TOKENS) + rejected, (m, spec)
+    past_end = len(PROMPTS) * SPEC["num_speculative_tokens"]
+    assert sum(MAX_TOKENS) <= rows <= sum(MAX_TOKENS) + rejected + past_end, (m, spec)

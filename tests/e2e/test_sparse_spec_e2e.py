@@ -16,7 +16,12 @@ must hold: tokens identical on all three; acceptance strictly between 0 and 1 an
 same with and without offload; every verification row attended over the hot buffers
 (``verify_rows`` = vLLM's draft count; the pool served only prompt tokens); at least
 one preemption, resumed from the stash without recomputation; rolled-back drafts were
-rewritten but not counted as recomputed.
+rewritten but not counted as recomputed. The draft and acceptance counts can be compared
+exactly because the schedules are fixed by the inputs: every request is added before the
+first long prompt's chunks have used up the first steps' token budget, and the offload
+engine's preemptions (measured: 2, in every run here) fall where they do not change any
+request's draft steps. (In P/D, where requests arrive as their pulls land, the counts
+differ from run to run: tests/e2e/test_sparse_preemption_pd_e2e.py.)
 
 The speculating engines run in their own processes: vLLM's n-gram proposer loads numba
 (llvmlite), after which vLLM 0.32's CPU kernel-override scan fails in any engine
@@ -31,8 +36,7 @@ from typing import Any
 import pytest
 
 from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
-from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
-from tests.e2e.harness import MODEL_CACHE, registry_value, sparse_decode_config
+from tests.e2e.harness import ngram_sparse_model, registry_value, sparse_decode_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -68,16 +72,11 @@ SPARSE = ("verify_rows", "pool_query_tokens", "preempted_requests", "resumed_tok
           "hit_positions", "miss_rows", "admission_failures", "unmatched_rows")
 
 
-def ngram_model() -> str:
-    return str(make_tiny_sparse_model(MODEL_CACHE / "tiny-sparse-mla-4l-ngram", index_topk=TOPK,
-                                      initializer_range=0.02))
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     from vllm import SamplingParams
 
-    model = ngram_model()
+    model = ngram_sparse_model(TOPK)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     out: dict[str, Any] = {"tokens": {}, "preempted": {}, "peak": {}, "spec": {}}
     engines = (("plain", {"kv_cache_memory_bytes": PLAIN_KV_BYTES}, True),
