@@ -19,9 +19,9 @@ one preemption, resumed from the stash without recomputation; rolled-back drafts
 rewritten but not counted as recomputed. The draft and acceptance counts can be compared
 exactly because the schedules are fixed by the inputs: every request is added before the
 first long prompt's chunks have used up the first steps' token budget, and the offload
-engine's preemptions (measured: 2, in every run here) fall where they do not change any
-request's draft steps. (In P/D, where requests arrive as their pulls land, the counts
-differ from run to run: tests/e2e/test_sparse_preemption_pd_e2e.py.)
+engine preempted at the same points in every run (2 preemptions; the counts equal the
+speculating engine's in all five runs so far). (In P/D, where requests arrive as their
+pulls land, the counts differ from run to run: tests/e2e/test_sparse_preemption_pd_e2e.py.)
 
 The speculating engines run in their own processes: vLLM's n-gram proposer loads numba
 (llvmlite), after which vLLM 0.32's CPU kernel-override scan fails in any engine
