@@ -38,8 +38,8 @@ outage would turn every lookup into a miss until the next probe; a call that blo
 a reconnect is not retried); when the second try fails too, the client logs one warning
 and marks the service down; while down nothing on the data path calls the service (a
 call then blocks in the library's reconnect), and a background thread probes it every
-``retry_interval_s``; its first answer logs that service resumed. Why a thread: the probe's blocking call releases the GIL, the model thread
-never waits for it.
+``retry_interval_s``; its first answer logs that service resumed. Why a thread: the
+probe's blocking call releases the GIL, the model thread never waits for it.
 """
 
 from __future__ import annotations
