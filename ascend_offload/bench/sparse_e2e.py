@@ -75,7 +75,11 @@ from pathlib import Path
 from typing import Any
 
 from ascend_offload.bench import write_json
-from ascend_offload.harness.engines import explicit_kv_memory, owned_engine
+from ascend_offload.harness.engines import (
+    explicit_kv_memory,
+    ngram_speculative_config,
+    owned_engine,
+)
 
 BLOCK_SIZE = 32
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
@@ -175,26 +179,18 @@ class WorkerProbe:
 # ---------------------------------------------------------------------- engines
 
 
-# The n-gram model's weights: small enough that its greedy text repeats itself
-SPEC_INIT_RANGE = 0.02
-
-
 def _model(index_topk: int, spec: bool = False) -> str:
-    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import (
+        NGRAM_INITIALIZER_RANGE,
+        make_tiny_sparse_model,
+    )
 
     if spec:
         return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}-ngram",
                                           index_topk=index_topk,
-                                          initializer_range=SPEC_INIT_RANGE))
+                                          initializer_range=NGRAM_INITIALIZER_RANGE))
     return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}",
                                       index_topk=index_topk))
-
-
-def _spec_config(a: argparse.Namespace) -> dict[str, Any] | None:
-    if not a.spec_tokens:
-        return None
-    return {"method": "ngram", "num_speculative_tokens": a.spec_tokens, "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1}
 
 
 def _request_blocks(a: argparse.Namespace) -> int:
@@ -231,7 +227,7 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[
     kw: dict[str, Any] = {"kv_cache_memory_bytes": _kv_bytes(a, model)}
     explicit_kv_memory(kw)
     if a.spec_tokens:
-        kw["speculative_config"] = _spec_config(a)
+        kw["speculative_config"] = ngram_speculative_config(a.spec_tokens)
     if backend is not None:
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
                   "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers),

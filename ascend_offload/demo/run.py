@@ -28,6 +28,7 @@ from ascend_offload.demo.footprint import footprint_ratio
 from ascend_offload.demo.prom import Metrics, delta, parse
 from ascend_offload.demo.table import Footprint, RequestResult, render
 from ascend_offload.demo.workload import Request, workload
+from ascend_offload.harness.engines import ngram_speculative_config
 from ascend_offload.harness.servers import Server, free_port, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +39,7 @@ REQUEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 30.0
 # The decode's speculative decoding (vLLM's --speculative-config): n-gram drafts, one per
 # step, whose verification rows of two tokens fit the decode's 64-row hot buffers.
-SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 1,
-                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-# the generated model's weights: small enough that its greedy text repeats itself, so
-# n-gram drafts are sometimes accepted
-INIT_RANGE = 0.02
+SPECULATIVE: dict[str, Any] = ngram_speculative_config(1)
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -273,7 +270,10 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     from tqdm import tqdm
 
     from ascend_offload.check_config import check
-    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import (
+        NGRAM_INITIALIZER_RANGE,
+        make_tiny_sparse_model,
+    )
 
     prefill_cfg, decode_cfg = load_json(prefill_path), load_json(decode_path)
     check(prefill_cfg)
@@ -294,8 +294,9 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
     topk = index_topk(decode_cfg)
     cluster: Cluster | None = None
     try:
-        model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}-ir{INIT_RANGE}",
-                                           index_topk=topk, initializer_range=INIT_RANGE))
+        init = NGRAM_INITIALIZER_RANGE  # n-gram drafts are sometimes accepted
+        model = str(make_tiny_sparse_model(model_dir() / f"tiny-sparse-mla-4l-topk{topk}-ir{init}",
+                                           index_topk=topk, initializer_range=init))
         tick("starting engines")
         cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir, speculative)
         for name in cluster.start(time.monotonic() + startup_s, bar.refresh):

@@ -163,6 +163,13 @@ class StepRecorder:
         return _Logger
 
 
+def ngram_speculative_config(drafts: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for n-gram speculation with ``drafts`` draft tokens
+    (prompt lookup of 1-3 tokens), as the tests, benches and the demo run it."""
+    return {"method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+
+
 def explicit_kv_memory(engine_args: dict[str, Any]) -> None:
     """Let ``kv_cache_memory_bytes`` count: vLLM's CPU platform replaces it with the legacy
     ``VLLM_CPU_KVCACHE_SPACE`` (GiB) whenever that is set, so drop it from the

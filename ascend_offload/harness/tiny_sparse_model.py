@@ -35,6 +35,11 @@ DEFAULTS: dict[str, Any] = dict(
     initializer_range=0.2,
 )
 
+# Weights small enough that the model's greedy text repeats itself, so vLLM's n-gram
+# drafts are sometimes accepted and sometimes rejected (the defaults' acceptance is ~0):
+# the speculative-decoding tests, bench and demo use it.
+NGRAM_INITIALIZER_RANGE = 0.02
+
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model and its shape, in generation order."""

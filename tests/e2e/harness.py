@@ -28,10 +28,14 @@ def ngram_sparse_model(index_topk: int = 32) -> str:
     """Our 4-layer sparse-MLA model with small weights (initializer range 0.02): its greedy
     text repeats itself often enough that vLLM's n-gram drafts are sometimes accepted,
     sometimes rejected (the default weights' acceptance is ~0)."""
-    from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
+    from ascend_offload.harness.tiny_sparse_model import (
+        NGRAM_INITIALIZER_RANGE,
+        make_tiny_sparse_model,
+    )
 
     return str(make_tiny_sparse_model(MODEL_CACHE / f"tiny-sparse-mla-4l-ngram-k{index_topk}",
-                                      index_topk=index_topk, initializer_range=0.02))
+                                      index_topk=index_topk,
+                                      initializer_range=NGRAM_INITIALIZER_RANGE))
 
 
 def store_transfer_config(extra: dict[str, Any] | None = None, role: str = "kv_both") -> dict[str, Any]:

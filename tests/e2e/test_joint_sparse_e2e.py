@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from ascend_offload.harness.engines import ngram_speculative_config
 from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model
 from tests.e2e.harness import (
     BLOCK_SIZE,
@@ -123,8 +124,7 @@ def test_store_on_the_sparse_model_matches_plain(baseline: list[list[int]], laye
 
 HOT = 64
 MAX_SEQS = 4
-SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = ngram_speculative_config(1)
 ROW_BYTES = (64 + 16) * 4  # main row: latent + rope, float32
 MAX_LEN = 4096
 POOL_ROWS = MAX_LEN + 512

@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
+from ascend_offload.harness.engines import ngram_speculative_config  # noqa: E402
 from tests.e2e.harness import ngram_sparse_model  # noqa: E402
 from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config  # noqa: E402
 
@@ -45,8 +46,7 @@ ROW_BYTES = (64 + 16) * 4  # latent + rope, float32
 MAX_SEQS = 4
 MAX_LEN = 512
 DECODE_KV_BYTES = 1 << 20
-SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = ngram_speculative_config(1)
 POOL_ROWS = 12 * MAX_LEN  # every reservation at once
 POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 _rng = random.Random(17)

@@ -35,7 +35,13 @@ from typing import Any
 
 import pytest
 
-from ascend_offload.harness.engines import StepRecorder, owned_engine, run_requests, stepped_engine
+from ascend_offload.harness.engines import (
+    StepRecorder,
+    ngram_speculative_config,
+    owned_engine,
+    run_requests,
+    stepped_engine,
+)
 from tests.e2e.harness import ngram_sparse_model, registry_value, sparse_decode_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -47,8 +53,7 @@ HOT = (1 + DRAFTS) * TOPK
 BLOCK = 32
 ROW_BYTES = (64 + 16) * 4  # latent + rope, float32
 MAX_SEQS = 4
-SPEC = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = ngram_speculative_config(DRAFTS)
 ENGINE_ARGS: dict[str, Any] = dict(
     dtype="float32", block_size=BLOCK, enforce_eager=True, enable_prefix_caching=False, seed=0,
     max_num_batched_tokens=128, max_model_len=800, max_num_seqs=MAX_SEQS)
