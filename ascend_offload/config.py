@@ -298,6 +298,12 @@ class SparseOffloadConfig(_Strict):
     # ops next to the hot buffers: no host synchronization per layer, graph-capturable;
     # exact LRU only; where the device is the host, use_native picks its C++ kernel).
     residency_backend: Literal["host", "device"] = "host"
+    # Decode-side prefix caching: finished requests' full blocks this many blocks of
+    # block_size tokens, kept in the host pool (rows shared by reference) with a host copy
+    # of their indexer rows; a new request with the same leading blocks starts from them.
+    # 0: off. Host memory: this many blocks of the indexer caches (the main-KV rows are
+    # the pool's, evicted least recently used when a reservation needs them).
+    prefix_cache_blocks: int = Field(0, ge=0)
 
     @field_validator("topk_buffer_size")
     @classmethod

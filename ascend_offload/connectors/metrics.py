@@ -119,6 +119,12 @@ SPARSE_COUNTERS: dict[str, str] = {
                        "layer and step; the device resolver: none)",
     "host_reads_new_rows": "device -> host reads of a layer's new main-KV rows (host resolver)",
     "host_reads_step": "device -> host reads of the device resolver's per-step report",
+    "prefix_kept_blocks": "decode-side prefix cache: finished requests' full blocks kept (pool "
+                          "rows retained, indexer rows copied to host)",
+    "prefix_loaded_blocks": "decode-side prefix cache: cached blocks a new request started with "
+                            "(pool rows shared, indexer rows copied to the device)",
+    "prefix_evicted_blocks": "decode-side prefix cache: entries evicted (LRU, reset)",
+    "prefix_load_failures": "decode-side prefix cache: hit blocks not served (recomputed)",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
@@ -128,6 +134,7 @@ SPARSE_GAUGES: dict[str, str] = {
     "device_main_kv_bytes": "device bytes of the sparse main-KV layers (their hot buffers)",
     "device_indexer_kv_bytes": "device bytes of the rest of the KV allocation (indexer cache)",
     "stash_bytes": "host bytes holding preempted requests' indexer rows",
+    "prefix_cache_blocks": "decode-side prefix cache entries held (one pool block each)",
 }
 # A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
 # stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).

@@ -28,6 +28,7 @@ counted as recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -38,6 +39,7 @@ from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
+from ascend_offload.sparse.prefix_cache import PrefixBlocks, PrefixHit, PrefixOp
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,11 @@ class ColocatedSparseDecode:
     """Request bookkeeping and step binding over one :class:`SparseOffloadManager`."""
 
     def __init__(self, manager: SparseOffloadManager, layer_names: Sequence[str],
-                 stash: IndexerStash | None = None, *, query_tokens: int = 1) -> None:
+                 stash: IndexerStash | None = None, *, query_tokens: int = 1,
+                 prefix: PrefixBlocks | None = None) -> None:
         """``stash``: where preempted requests' indexer rows wait (default: none, every
-        preempted request is recomputed). ``query_tokens``: rows of up to this many query
+        preempted request is recomputed). ``prefix``: the decode-side prefix cache (default:
+        none). ``query_tokens``: rows of up to this many query
         tokens attend over the hot buffer (1 + the speculative draft tokens); longer rows
         (prefill chunks, recomputation) over the pool's rows."""
         if query_tokens < 1 or query_tokens * manager.index_topk > manager.hot_size:
@@ -59,6 +63,8 @@ class ColocatedSparseDecode:
                              f"{manager.num_layers} layers")
         self.manager = manager
         self.stash = stash if stash is not None else IndexerStash([], [], manager.block_size, 0)
+        self.prefix = prefix
+        self.load_errors: set[int] = set()  # device blocks vLLM must recompute (taken by the worker)
         self.layer_names = list(layer_names)
         self.query_tokens = query_tokens
         self._layer_of = {n: i for i, n in enumerate(layer_names)}
@@ -80,21 +86,47 @@ class ColocatedSparseDecode:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, req_id: str, max_tokens: int) -> bool:
+    def admit(self, req_id: str, max_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Reserve pool rows for ``max_tokens`` positions and a hot row; ``False`` (logged,
         counted) when the pool or the hot rows are exhausted (the scheduler's ledger
         should have prevented it; its rows then fail in :meth:`plan_step`). A request
-        already admitted (resumed after preemption) keeps its rows."""
+        already admitted (resumed after preemption) keeps its rows.
+
+        ``hit``: the request starts with cached prefix blocks: their indexer rows go into
+        its device blocks now (before the forward) and its table shares their pool rows,
+        so those positions count as pooled. Blocks that cannot be served are the
+        request's own and land in :attr:`load_errors` (vLLM recomputes them)."""
         if req_id in self._pooled:
             return True
+        shared: list[int] = []
+        if hit is not None:
+            if self.prefix is None:
+                failed = list(hit.device_blocks)
+            else:
+                shared = self.prefix.shared_blocks(hit)
+                failed = self.prefix.load(hit, len(shared))
+                shared = shared[:len(hit.device_blocks) - len(failed)]
+            if failed:
+                self._warn(req_id, f"{len(failed)} cached prefix blocks not served: recomputed")
+                self.load_errors.update(failed)
         try:
-            self.manager.admit(req_id, max_tokens)
+            self.manager.admit(req_id, max_tokens, shared)
         except PoolCapacityError as exc:
             self.admission_failures += 1
             self._warn(req_id, f"not admitted to the host pool: {exc}")
             return False
-        self._pooled[req_id] = 0
+        self._pooled[req_id] = self._high[req_id] = len(shared) * self.manager.block_size
         return True
+
+    def apply_prefix(self, ops: Sequence[PrefixOp]) -> None:
+        """The scheduler's prefix cache orders of this step, in order (before finished
+        requests release their rows: a keep takes over some of them)."""
+        if self.prefix is None:
+            if ops:
+                self._warn("prefix cache", f"{len(ops)} orders but no prefix cache here")
+            return
+        for op in ops:
+            self.prefix.apply(op)
 
     def attach(self, req_id: str, max_tokens: int, pooled: int) -> None:
         """A request whose pool rows another party reserved and whose first ``pooled``
@@ -258,6 +290,8 @@ class ColocatedSparseDecode:
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
             "stash_ns": self.stash.counters.stash_ns,
+            **({f"prefix_{k}": v for k, v in dataclasses.asdict(self.prefix.counters).items()
+                if k != "copy_ns"} if self.prefix is not None else {}),
             # device -> host reads on the sparse path (device.host_read) since this object was
             # made, in its process (engines sharing a process share the count): per layer
             # with the host resolver (top-k, new rows), per step with the device one
@@ -269,7 +303,8 @@ class ColocatedSparseDecode:
     def gauges(self) -> dict[str, int]:
         return {"pool_rows_used": self.manager.pool_rows_used,
                 "admitted_requests": len(self._pooled),
-                "stash_bytes": self.stash.bytes_held}
+                "stash_bytes": self.stash.bytes_held,
+                "prefix_cache_blocks": 0 if self.prefix is None else len(self.prefix)}
 
     def _warn(self, who: str, msg: str) -> None:
         if who not in self._warned:

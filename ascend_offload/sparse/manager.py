@@ -173,15 +173,16 @@ class SparseOffloadManager:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, req_id: str, max_tokens: int) -> int:
-        """Reserve host rows for ``max_tokens`` and a hot-buffer row; returns the row."""
+    def admit(self, req_id: str, max_tokens: int, shared: Sequence[int] = ()) -> int:
+        """Reserve host rows for ``max_tokens`` and a hot-buffer row; returns the row.
+        ``shared``: pool blocks of a cached prefix that lead the request's table."""
         if req_id in self._rows:
             raise PoolCapacityError(f"request {req_id!r} is already admitted")
         self._check_positions(req_id, max_tokens)
         if not self._free_rows:
             raise PoolCapacityError(
                 f"no hot-buffer row free for request {req_id!r}: all {self.max_requests} in use")
-        self.pool.admit(req_id, max_tokens)
+        self.pool.admit(req_id, max_tokens, shared)
         row = self._free_rows.pop(0)
         self._rows[req_id] = (row, next(self._tag_counter))
         return row

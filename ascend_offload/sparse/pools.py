@@ -5,6 +5,10 @@ logical token slot, main KV only (the indexer cache stays on the device).
 Rows are handed out in blocks of ``block_size`` tokens; a request reserves
 every block it may ever need at admission, so running out of host memory is an
 explicit :class:`PoolCapacityError` there and never an overwrite later.
+Blocks are reference counted: a decode-side prefix cache entry keeps a finished
+request's full blocks (:meth:`HostKVPool.retain`) and a later request with the
+same prefix takes them as the first blocks of its table (``admit(shared=...)``),
+so a shared row is stored, and counted, once.
 Allocation is deterministic (lowest free blocks first): TP ranks that replay
 the same admissions compute the same block tables for one shared pool.
 
@@ -85,6 +89,7 @@ class HostKVPool:
         self._layers = list(self.kv.unbind(0))  # per-layer views, made once (indexing is a torch op)
         self._free = list(range(self.num_blocks))  # kept sorted: lowest first
         self._tables: dict[str, list[int]] = {}
+        self._refs: dict[int, int] = {}  # held block -> holders (tables naming it + retains)
         self._table_tensors: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shared mapping
@@ -127,19 +132,34 @@ class HostKVPool:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def admit(self, req_id: str, max_tokens: int) -> torch.Tensor:
-        """Reserve blocks for ``max_tokens`` tokens; returns the block table (int32)."""
+    def admit(self, req_id: str, max_tokens: int, shared: Sequence[int] = ()) -> torch.Tensor:
+        """Reserve blocks for ``max_tokens`` tokens; returns the block table (int32).
+
+        ``shared``: blocks another holder keeps (a prefix cache entry's rows, see
+        :mod:`ascend_offload.sparse.prefix_cache`) that become the table's first blocks,
+        by reference: only the rest is taken from the free list."""
         if req_id in self._tables:
             raise PoolCapacityError(f"request {req_id!r} is already admitted")
         if max_tokens <= 0:
             raise ValueError(f"request {req_id!r}: max_tokens={max_tokens} must be > 0")
         need = -(-max_tokens // self.block_size)
-        if need > len(self._free):
+        shared = list(shared)
+        for b in shared:
+            if self._refs.get(b, 0) <= 0:
+                raise KeyError(f"request {req_id!r}: shared block {b} is held by nobody")
+        if len(shared) > need:
+            raise ValueError(f"request {req_id!r}: {len(shared)} shared blocks, {need} needed")
+        own = need - len(shared)
+        if own > len(self._free):
             raise PoolCapacityError(
-                f"host KV pool exhausted: request {req_id!r} needs {need} blocks "
-                f"({max_tokens} tokens), {len(self._free)} of {self.num_blocks} free "
-                f"(raise 'dram_size_per_dp_GB' or admit fewer/shorter requests)")
-        blocks, self._free = self._free[:need], self._free[need:]
+                f"host KV pool exhausted: request {req_id!r} needs {own} blocks "
+                f"({max_tokens} tokens, {len(shared)} shared), {len(self._free)} of "
+                f"{self.num_blocks} free (raise 'dram_size_per_dp_GB' or admit fewer/shorter "
+                "requests)")
+        fresh, self._free = self._free[:own], self._free[own:]
+        blocks = shared + fresh
+        for b in blocks:
+            self._refs[b] = self._refs.get(b, 0) + 1
         self._tables[req_id] = blocks
         self._table_tensors[req_id] = torch.tensor(blocks, dtype=torch.int32)
         return self._table_tensors[req_id]
@@ -149,7 +169,36 @@ class HostKVPool:
         if blocks is None:
             return
         del self._table_tensors[req_id]
-        self._free = sorted(self._free + blocks)
+        self._unref(blocks)
+
+    def retain(self, block: int) -> None:
+        """One more holder of ``block`` besides the requests whose tables name it (a prefix
+        cache entry): it stays out of the free list until :meth:`drop`."""
+        if self._refs.get(block, 0) <= 0:
+            raise KeyError(f"pool block {block} is held by nobody: nothing to retain")
+        self._refs[block] += 1
+
+    def drop(self, block: int) -> None:
+        """Undo one :meth:`retain`; the block is free once nobody holds it."""
+        self._unref([block])
+
+    def refs(self, block: int) -> int:
+        """Holders of ``block`` (request tables and retains; 0: free)."""
+        return self._refs.get(block, 0)
+
+    def _unref(self, blocks: Sequence[int]) -> None:
+        freed = []
+        for b in blocks:
+            n = self._refs.get(b, 0) - 1
+            if n < 0:
+                raise KeyError(f"pool block {b} released more often than held")
+            if n == 0:
+                del self._refs[b]
+                freed.append(b)
+            else:
+                self._refs[b] = n
+        if freed:
+            self._free = sorted(self._free + freed)
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._tables

@@ -96,9 +96,10 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
             return 0, False
         if not self.scheduler.admit(request):
             return None, False  # its host pool rows are not free yet: wait
-        # a resumed preempted request: its history is in the pool and the stash (loaded
-        # before the forward, synchronously)
-        return self.scheduler.resume_offer(request, num_computed_tokens), False
+        # a resumed preempted request: its history is in the pool and the stash; a new one
+        # with cached prefix blocks: their rows (both loaded before the forward, synchronously)
+        resumed = self.scheduler.resume_offer(request, num_computed_tokens)
+        return resumed or self.scheduler.prefix_offer(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -115,8 +116,16 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
-            self.scheduler.finished(request.request_id)
+            self.scheduler.finished(request.request_id, request, block_ids)
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache``: the decode-side prefix cache forgets every entry
+        (those in use once their requests finish)."""
+        if self.scheduler is None or self.scheduler.prefix is None:
+            return None
+        self.scheduler.reset_prefix()
+        return True
 
     # ======================================================================= worker
 

@@ -68,7 +68,8 @@ def check_engine_constraints(vllm_config: VllmConfig) -> None:
         raise ConfigError(
             "key 'sparse_offload.enabled'=True: the main KV is not kept on the device, so "
             "vLLM's device prefix cache cannot share it between requests; set "
-            "enable_prefix_caching=False (--no-enable-prefix-caching) on this instance")
+            "enable_prefix_caching=False (--no-enable-prefix-caching) on this instance, and "
+            "'sparse_offload.prefix_cache_blocks' for the host pool's own prefix cache")
 
 
 # ------------------------------------------------------------------ specs

@@ -12,12 +12,19 @@ stash its indexer rows (its old blocks, remembered here: vLLM freed them before
 this side sees the preemption), and on resumption the stashed tokens are offered
 to vLLM as computed (``get_num_new_matched_tokens``) and loaded into the new
 blocks before the forward.
+
+Decode-side prefix caching (:class:`~ascend_offload.sparse.prefix_cache.PrefixIndex`,
+``sparse_offload.prefix_cache_blocks``): a new request's leading cached blocks are
+offered as external hits and reserved as shared (the ledger counts them once); a
+finished request's full blocks become entries; the orders go to the workers in the
+step's metadata, in the order they were decided.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -32,6 +39,7 @@ from ascend_offload.sparse.preemption import (
     set_load_failure_policy,
     stash_offer_guard,
 )
+from ascend_offload.sparse.prefix_cache import PrefixHit, PrefixIndex, PrefixOp
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -57,6 +65,10 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     resumed: dict[str, ResumeOrder] = dataclasses.field(default_factory=dict)
     # scheduled request -> draft tokens this step verifies (speculative decoding; absent: 0)
     drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # prefix cache orders since the last step, in order (before finishes and admissions)
+    prefix_ops: tuple[PrefixOp, ...] = ()
+    # newly scheduled request -> the cached blocks it starts from
+    prefix_hits: dict[str, PrefixHit] = dataclasses.field(default_factory=dict)
 
 
 class SparseDecodeScheduler:
@@ -76,6 +88,9 @@ class SparseDecodeScheduler:
         set_load_failure_policy(kv_transfer_config, settings.stash_tokens)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._groups_checked = False
+        cap = settings.cfg.prefix_cache_blocks
+        self.prefix = PrefixIndex(cap, settings.block_size) if cap else None
+        self._hits: dict[str, int] = {}  # request -> pinned blocks vLLM took as computed
 
     def _check_groups(self) -> None:
         """Once the KV cache manager is bound: no stash offers to an engine of several KV
@@ -88,16 +103,62 @@ class SparseDecodeScheduler:
             self.preemption.refuse(why)
 
     def admit(self, request: Request) -> bool:
-        """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step)."""
+        """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step).
+        A new request's leading cached blocks (prefix cache) are pinned and reserved as
+        shared; unpinned entries are evicted, least recently used first, when the rest
+        does not fit otherwise."""
+        rid = request.request_id
+        if self.ledger.holds(rid):
+            return True
         sp = request.sampling_params
         prompt = request.prompt_token_ids
         tokens = self.s.reservation(None if prompt is None else len(prompt),
                                     None if sp is None else sp.max_tokens)
-        return self.ledger.reserve(request.request_id, tokens)
+        if self.prefix is None:
+            return self.ledger.reserve(rid, tokens)
+        hit = self.prefix.match(request.block_hashes, request.num_tokens)
+        short = self.ledger.blocks_for(tokens) - len(hit) - self.ledger.free_blocks
+        if 0 < short <= self.prefix.evictable_except(hit):
+            self.ledger.uncache(self.prefix.evict(short, protect=hit))
+        if not self.ledger.reserve(rid, tokens, shared=len(hit)):
+            return False
+        self.prefix.pin(rid, hit)
+        return True
 
-    def finished(self, request_id: str) -> None:
+    def prefix_offer(self, request: Request, num_computed_tokens: int = 0) -> int:
+        """Tokens of a new request served from cached blocks, beyond ``num_computed_tokens``."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.pinned(request.request_id)
+        return max(0, len(hit) * self.s.block_size - num_computed_tokens)
+
+    def finished(self, request_id: str, request: Request | None = None,
+                 block_ids: Sequence[int] = ()) -> None:
+        """vLLM finished or aborted the request: its full blocks with KV become prefix cache
+        entries (``request`` and its computed ``block_ids`` given, the cache on), the rest
+        of its pool rows are free."""
+        if self.prefix is not None:
+            if request is not None and block_ids:
+                done = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0))
+                n = min(len(request.block_hashes), max(0, done) // self.s.block_size,
+                        len(block_ids))
+                kept, evicted = self.prefix.keep(request_id, request.block_hashes[:n],
+                                                 block_ids[:n])
+                self.ledger.uncache(evicted)
+                self.ledger.to_cache(request_id, kept)
+            self._hits.pop(request_id, None)
+            self.ledger.uncache(self.prefix.unpin(request_id))
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
+
+    def reset_prefix(self) -> int:
+        """``reset_prefix_cache``: every entry forgotten (pinned ones once unused);
+        returns the entries evicted now."""
+        if self.prefix is None:
+            return 0
+        evicted = self.prefix.reset()
+        self.ledger.uncache(evicted)
+        return evicted
 
     def resume_offer(self, request: Request, num_computed_tokens: int = 0) -> int:
         """Tokens of a preempted request that vLLM need not recompute, beyond the
@@ -109,8 +170,22 @@ class SparseDecodeScheduler:
         return max(0, self.preemption.offer(rid, request.num_tokens) - num_computed_tokens)
 
     def after_alloc(self, request: Request, num_external_tokens: int) -> bool:
-        """vLLM allocated blocks for ``request``; ``True``: a resumption we load."""
-        return self.preemption.after_alloc(request.request_id, num_external_tokens)
+        """vLLM allocated blocks for ``request``; ``True``: a resumption we load. A new
+        request with pinned cached blocks uses those vLLM took as computed (the rest are
+        unpinned and reserved as its own)."""
+        rid = request.request_id
+        if self.preemption.after_alloc(rid, num_external_tokens):
+            return True
+        if self.prefix is not None and rid not in self._hits:
+            pinned = len(self.prefix.pinned(rid))
+            take = min(pinned, max(0, num_external_tokens) // self.s.block_size)
+            if take < pinned:
+                log.warning("sparse decode prefix cache: request %s: vLLM took %d of %d cached "
+                            "blocks; the rest are computed", rid, take, pinned)
+                self.ledger.grow(rid, pinned - take)
+                self.ledger.uncache(self.prefix.unpin(rid, keep=take))
+            self._hits[rid] = take
+        return False
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
         self._check_groups()
@@ -122,7 +197,14 @@ class SparseDecodeScheduler:
                      if rid not in scheduler_output.finished_req_ids}
         new: dict[str, int] = {}
         computed: dict[str, int] = {}
+        hits: dict[str, PrefixHit] = {}
+        assert self.kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
         for r in scheduler_output.scheduled_new_reqs:
+            take = self._hits.get(r.req_id, 0)
+            if take and self.prefix is not None:
+                blocks = self.kv_cache_manager.get_block_ids(r.req_id)[self.s.group]
+                hits[r.req_id] = PrefixHit(self.prefix.pinned(r.req_id)[:take],
+                                           tuple(blocks[:take]))
             computed[r.req_id] = r.num_computed_tokens
             sp = r.sampling_params
             new[r.req_id] = self.s.reservation(
@@ -131,7 +213,6 @@ class SparseDecodeScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         keys: dict[int, str] = {}
-        assert self.kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
         bs = self.s.block_size
         resumed: dict[str, ResumeOrder] = {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -147,5 +228,7 @@ class SparseDecodeScheduler:
         drafts = {rid: len(t) for rid, t in
                   (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()
                   if t}
+        ops = self.prefix.take_ops() if self.prefix is not None else ()
         return SparseDecodeMetadata(new, keys, finished,
-                                    {r: computed[r] for r in new}, preempted, resumed, drafts)
+                                    {r: computed[r] for r in new}, preempted, resumed, drafts,
+                                    ops, hits)

@@ -62,6 +62,21 @@ def speculative_tokens(vllm_config: VllmConfig, cfg: SparseOffloadConfig, index_
     return k
 
 
+def prefix_cache_checks(cfg: SparseOffloadConfig, *, paged: bool, pool_blocks: int,
+                        groups: int) -> None:
+    """Where the decode-side prefix cache cannot work, refused at startup naming the key."""
+    key = f"key 'sparse_offload.prefix_cache_blocks'={cfg.prefix_cache_blocks}"
+    if paged:
+        raise ConfigError(f"{key}: the engine keeps the main KV paged on the device (vllm-ascend), "
+                          "where vLLM's own prefix cache applies; accepted: 0")
+    if groups > 1:
+        raise ConfigError(f"{key}: the engine has {groups} KV cache groups; the cache copies one "
+                          "group's indexer blocks (accepted: 0 for this model)")
+    if cfg.prefix_cache_blocks > pool_blocks:
+        raise ConfigError(f"{key}: every entry holds one host pool block and the pool has "
+                          f"{pool_blocks} (at most that, or raise 'dram_size_per_dp_GB')")
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedMainKV:
     """Main-KV facts of an engine allocation that keeps the main KV paged on the device.
@@ -164,6 +179,9 @@ class SparseDecodeSettings:
             num_blocks = int(kv_cache_config.num_blocks)
             rows = rows_for_budget(cfg.dram_size_per_dp_GB * GiB, len(layers), row_bytes, block)
             pool_blocks = rows // block
+            if cfg.prefix_cache_blocks:
+                prefix_cache_checks(cfg, paged=paged, pool_blocks=pool_blocks,
+                                    groups=len(kv_cache_config.kv_cache_groups))
             if rows < max_len:
                 raise ConfigError(
                     f"key 'sparse_offload.dram_size_per_dp_GB'={cfg.dram_size_per_dp_GB}: the host "

@@ -26,6 +26,7 @@ from ascend_offload.sparse.colocated import ColocatedSparseDecode
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
 from ascend_offload.sparse.preemption import IndexerStash, block_major
+from ascend_offload.sparse.prefix_cache import PrefixBlocks
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +159,20 @@ class SparseDecodeWorker:
                 f"{self.manager.residency.kind} residency table indexes "
                 f"{self.manager.residency.max_positions} positions, less than "
                 f"max_model_len={settings.max_model_len}")
-        self.decode = ColocatedSparseDecode(self.manager, names,
-                                            self._indexer_stash(settings, kv_caches),
+        stash = self._indexer_stash(settings, kv_caches)
+        prefix = None
+        if settings.cfg.prefix_cache_blocks:
+            if not stash.caches:
+                raise ConfigError(
+                    f"key 'sparse_offload.prefix_cache_blocks'={settings.cfg.prefix_cache_blocks}: "
+                    "the engine's indexer caches are not block-addressable here, so cached "
+                    "blocks' indexer rows cannot be kept (accepted: 0)")
+            prefix = PrefixBlocks(self.manager.pool, stash.caches, settings.cfg.prefix_cache_blocks)
+        self.decode = ColocatedSparseDecode(self.manager, names, stash,
                                             # the paged main KV (vllm-ascend's SFA path)
                                             # serves multi-token rows itself
                                             query_tokens=1 if settings.paged
-                                            else settings.query_tokens)
+                                            else settings.query_tokens, prefix=prefix)
         self._applied: object = None
         self._preempts_handled: object = None
         self._load_errors: set[int] = set()
@@ -209,12 +218,14 @@ class SparseDecodeWorker:
 
     def take_load_errors(self) -> set[int]:
         """Blocks of resumed requests whose stash could not be loaded (vLLM recomputes them)."""
-        out, self._load_errors = self._load_errors, set()
+        out, self._load_errors = self._load_errors | self.decode.load_errors, set()
+        self.decode.load_errors.clear()
         return out
 
     def apply(self, meta: SparseDecodeMetadata) -> None:
         """This step's facts, once: preemptions (if vLLM did not hand them over first),
-        finishes (their rows are free again), admissions, then resumptions (their stashed
+        prefix cache orders, finishes (their rows are free again), admissions (cached
+        prefix blocks loaded), then resumptions (their stashed
         indexer rows into the new blocks, before the forward)."""
         if meta is self._applied:
             return
@@ -225,6 +236,9 @@ class SparseDecodeWorker:
             # every reader has mapped the pool by now: drop the name (the mappings stay).
             self._unlink_pending = False
             self.manager.pool.unlink()
+        # prefix cache orders first: a keep takes over rows of a request finished below,
+        # an eviction frees rows an admission below may need
+        self.decode.apply_prefix(meta.prefix_ops)
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():
@@ -232,7 +246,7 @@ class SparseDecodeWorker:
                 self.decode.attach(rid, min(max_tokens, self.manager.pool.capacity(rid)),
                                    meta.computed.get(rid, 0))
             else:
-                self.decode.admit(rid, max_tokens)
+                self.decode.admit(rid, max_tokens, meta.prefix_hits.get(rid))
         for rid, order in meta.resumed.items():
             self._load_errors.update(self.decode.resume(rid, order))
         self.decode.begin(meta, meta.keys, meta.drafts)
