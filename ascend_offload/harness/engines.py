@@ -197,19 +197,25 @@ def stepped_engine(recorder: StepRecorder, **engine_args: Any) -> Any:
                                       stat_loggers=[recorder.logger_factory()])
 
 
-def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any]
-                 ) -> list[list[int]]:
-    """Submit every prompt at once, step the engine until all finish; tokens in order."""
+def run_requests(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any],
+                 after_step: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Submit every prompt at once, step the engine until all finish; tokens in order.
+    ``after_step(i)`` runs after the ``i``-th step (0-based), e.g. to reset a cache with
+    work in flight."""
     if len(prompts) != len(params):
         raise ValueError(f"{len(prompts)} prompts, {len(params)} sampling params")
     ids = [f"req-{next(_ids)}" for _ in prompts]
     for rid, prompt, sp in zip(ids, prompts, params, strict=True):
         engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
     done: dict[str, list[int]] = {}
+    step = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
+        if after_step is not None:
+            after_step(step)
+        step += 1
     missing = [rid for rid in ids if rid not in done]
     if missing:
         raise RuntimeError(f"engine finished without output for {missing}")

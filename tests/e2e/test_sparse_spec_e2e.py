@@ -1,18 +1,26 @@
-"""Speculative decoding (vLLM's n-gram proposer) with sparse decode offload: real vLLM
-CPU engines (colocated ``AscendSparseDecodeConnector``), float32.
+"""Speculative decoding (vLLM's n-gram proposer) and decode-side prefix caching with
+sparse decode offload, each alone and together: real vLLM CPU engines (colocated
+``AscendSparseDecodeConnector``), float32.
 
 Our 4-layer sparse-MLA model (index_topk 32) with small weights (initializer range
 0.02: its greedy text repeats itself often enough that n-gram drafts are sometimes
-accepted, sometimes rejected). Three engines, the same prompts, greedy:
+accepted, sometimes rejected). Four engines, the same prompts, greedy:
 
 * ``plain``: no speculation, no connector (the reference tokens);
+* ``prefix``: sparse decode offload with the decode-side prefix cache
+  (``prefix_cache_blocks``), no speculation;
 * ``spec``: n-gram speculation (3 draft tokens), no connector;
-* ``offload``: the same speculation with sparse decode offload, hot buffers of
-  4 x 32 = 128 rows (a verification row of 1 + 3 query tokens resolves the union of
-  its top-k sets at once), so little KV memory that vLLM preempts decoding requests.
+* ``offload``: the same speculation with sparse decode offload and the prefix cache,
+  hot buffers of 4 x 32 = 128 rows (a verification row of 1 + 3 query tokens resolves
+  the union of its top-k sets at once), so little KV memory that vLLM preempts decoding
+  requests.
 
-32 prompts, 16 of them 512-700 tokens (>= 4x the hot buffer), at most 4 running. What
-must hold: tokens identical on all three; acceptance strictly between 0 and 1 and the
+32 prompts in 8 shared-prefix groups (a group's prompts start with the same 5-11
+blocks, cut to leave each prompt a tail of its own), 16 of them 512-700 tokens (>= 4x
+the hot buffer), at most 4 running: a group's later prompts start from the blocks its
+finished ones left in the cache. What must hold: tokens identical on all four; cached
+blocks served (external prefix hits, rows shared in the pool, indexer rows loaded) with
+no load failure; acceptance strictly between 0 and 1 and the
 same with and without offload; every verification row attended over the hot buffers
 (``verify_rows`` = vLLM's draft count; the pool served only prompt tokens); at least
 one preemption, resumed from the stash without recomputation; rolled-back drafts were
@@ -66,15 +74,37 @@ PLAIN_KV_BYTES = 256 * 2**20
 POOL_BLOCKS = 32 * 26  # every reservation at once: preemption never frees pool rows
 POOL_GB = POOL_BLOCKS * BLOCK * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 
+PREFIX_CACHE_BLOCKS = 256
+
 _rng = random.Random(17)
 LENGTHS = [_rng.randrange(512, 701) if i % 2 == 0 else _rng.randrange(40, 300) for i in range(32)]
 MAX_TOKENS = [_rng.randrange(12, 33) for _ in LENGTHS]
-PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+GROUPS = [[_rng.randrange(3, 512) for _ in range(BLOCK * _rng.randrange(5, 12))] for _ in range(8)]
+# prompt i: the start of its group's prefix (at most all but 8 of its tokens), then its own
+PROMPTS = [GROUPS[i % 8][:n - 8] + [_rng.randrange(3, 512) for _ in range(n - len(GROUPS[i % 8][:n - 8]))]
+           for i, n in enumerate(LENGTHS)]
 
 
-SPARSE = ("verify_rows", "pool_query_tokens", "preempted_requests", "resumed_tokens",
+SPARSE = ("prefix_kept_blocks", "prefix_loaded_blocks", "prefix_load_failures", "verify_rows", "pool_query_tokens", "preempted_requests", "resumed_tokens",
           "recomputed_tokens", "stash_failures", "offload_rows", "resolved_positions",
           "hit_positions", "miss_rows", "admission_failures", "unmatched_rows")
+
+
+RESET_STEP = 120  # the prefix engine's cache is reset after this step, requests running
+
+
+def _reset_once(eng: Any, out: dict[str, Any]) -> Any:
+    def after(step: int) -> None:
+        if step == RESET_STEP:
+            out["reset"] = {"ok": eng.reset_prefix_cache(reset_connector=True),
+                            "entries": registry_value("vllm:ascend_offload_sparse_prefix_cache_blocks"),
+                            "evicted": registry_value(
+                                "vllm:ascend_offload_sparse_prefix_evicted_blocks"),
+                            "running": eng.get_num_unfinished_requests()}
+        elif step == RESET_STEP + 2:
+            out["reset"]["evicted_after"] = registry_value(
+                "vllm:ascend_offload_sparse_prefix_evicted_blocks")
+    return after
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +113,17 @@ def runs() -> dict[str, Any]:
 
     model = ngram_sparse_model(TOPK)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    out: dict[str, Any] = {"tokens": {}, "preempted": {}, "peak": {}, "spec": {}}
+    out: dict[str, Any] = {"tokens": {}, "preempted": {}, "peak": {}, "spec": {}, "metrics": {},
+                           "hits": {}}
+    offload = sparse_decode_config({"topk_buffer_size": HOT, "index_topk": TOPK,
+                                    "dram_size_per_dp_GB": POOL_GB,
+                                    "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})
     engines = (("plain", {"kv_cache_memory_bytes": PLAIN_KV_BYTES}, True),
+               ("prefix", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES,
+                           "kv_transfer_config": offload}, True),
                ("spec", {"kv_cache_memory_bytes": PLAIN_KV_BYTES, "speculative_config": SPEC}, False),
                ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
-                            "kv_transfer_config": sparse_decode_config(
-                                {"topk_buffer_size": HOT, "index_topk": TOPK,
-                                 "dram_size_per_dp_GB": POOL_GB})}, False))
+                            "kv_transfer_config": offload}, False))
     for name, kw, in_process in engines:
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
@@ -97,12 +131,17 @@ def runs() -> dict[str, Any]:
                           in_process=in_process) as eng:
             d0 = {n: registry_value(f"vllm:spec_decode_{n}") for n in ("num_drafts", "num_draft_tokens",
                                                            "num_accepted_tokens")}
-            out["tokens"][name] = run_requests(eng, PROMPTS, params)
+            h0 = {n: registry_value(f"vllm:external_prefix_cache_{n}") for n in ("queries", "hits")}
+            out["tokens"][name] = run_requests(eng, PROMPTS, params, after_step=(
+                _reset_once(eng, out) if name == "prefix" else None))
             out["spec"][name] = {n: registry_value(f"vllm:spec_decode_{n}") - v for n, v in d0.items()}
             out["preempted"][name] = rec.preempted()
             out["peak"][name] = rec.peak_running()
-            if name == "offload":
-                out["metrics"] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}") for n in SPARSE}
+            out["hits"][name] = {n: registry_value(f"vllm:external_prefix_cache_{n}") - v
+                                 for n, v in h0.items()}
+            if name in ("prefix", "offload"):
+                out["metrics"][name] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}")
+                                        for n in SPARSE}
     return out
 
 
@@ -111,8 +150,34 @@ def test_greedy_tokens_identical_with_speculation_and_offload(runs: dict[str, An
     assert len(PROMPTS) >= 30 and sum(n >= 4 * HOT for n in LENGTHS) >= 16
     assert [len(t) for t in toks["offload"]] == MAX_TOKENS
     assert toks["spec"] == toks["plain"]
+    assert toks["prefix"] == toks["plain"]
     assert toks["offload"] == toks["plain"]
     assert len({tuple(t) for t in toks["plain"]}) == len(PROMPTS)
+
+
+def test_cached_prefix_blocks_served_with_and_without_speculation(runs: dict[str, Any]) -> None:
+    """The groups' later prompts started from blocks their finished ones left: vLLM counted
+    them as external hits, the workers shared their pool rows and loaded their indexer
+    rows (one block per hit block), and none was recomputed."""
+    print(f"\nprefix hits {runs['hits']}")
+    for name in ("prefix", "offload"):
+        m, h = runs["metrics"][name], runs["hits"][name]
+        assert m["prefix_load_failures"] == 0 and m["recomputed_tokens"] == 0, (name, m)
+        assert m["prefix_kept_blocks"] > 0 and m["prefix_loaded_blocks"] > 0, (name, m)
+        assert h["hits"] == BLOCK * m["prefix_loaded_blocks"] > 0, (name, h, m)
+        # the pool served the prompt tokens that were computed: fewer than every prompt token
+        assert m["pool_query_tokens"] <= N_LAYERS * (sum(LENGTHS) - h["hits"]), (name, m, h)
+    assert runs["hits"]["plain"]["hits"] == runs["hits"]["spec"]["hits"] == 0
+
+
+def test_reset_with_requests_in_flight_drops_the_entries(runs: dict[str, Any]) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` mid-run: the connector's cache drops its
+    entries (those of running requests once they finish) and the run still ends with the
+    reference tokens (the greedy test above)."""
+    r = runs["reset"]
+    print(f"\nreset {r}")
+    assert r["running"] > 0 and r["entries"] > 0, r
+    assert r["evicted_after"] - r["evicted"] > 0, r
 
 
 def test_acceptance_between_0_and_1_and_equal_with_and_without_offload(
@@ -126,7 +191,7 @@ def test_acceptance_between_0_and_1_and_equal_with_and_without_offload(
 
 
 def test_every_verification_row_went_through_the_hot_buffers(runs: dict[str, Any]) -> None:
-    m, s = runs["metrics"], runs["spec"]["offload"]
+    m, s = runs["metrics"]["offload"], runs["spec"]["offload"]
     print(f"\nsparse metrics {m}")
     assert m["admission_failures"] == 0 and m["unmatched_rows"] == 0, m
     # one verification row per request-step with drafts, each resolved in the hot buffers
@@ -137,7 +202,7 @@ def test_every_verification_row_went_through_the_hot_buffers(runs: dict[str, Any
 
 
 def test_preempted_requests_resumed_without_recomputation(runs: dict[str, Any]) -> None:
-    m, pre = runs["metrics"], runs["preempted"]
+    m, pre = runs["metrics"]["offload"], runs["preempted"]
     assert pre["offload"] > 0 and pre["plain"] == pre["spec"] == 0, pre
     assert runs["peak"]["offload"] >= 2, runs["peak"]
     assert m["preempted_requests"] == pre["offload"], (m, pre)
@@ -145,5 +210,7 @@ def test_preempted_requests_resumed_without_recomputation(runs: dict[str, Any]) 
     # rejected drafts' positions were written again by later steps: not a recomputation
     assert m["recomputed_tokens"] == 0, m
     # every layer wrote each computed position once, plus the rewrites of rejected drafts
+    # (cached prefix blocks are shared, not written)
     computed = sum(n + k - 1 for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
+    computed -= runs["hits"]["offload"]["hits"]
     assert m["offload_rows"] >= N_LAYERS * computed, m
