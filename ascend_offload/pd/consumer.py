@@ -178,7 +178,7 @@ class Consumer:
         return blocks
 
     def expect_pool(self, request_id: str, pool: BlockPool, *, prompt_tokens: int, max_tokens: int,
-                    index_blocks: Sequence[int] | None = None) -> bool:
+                    index_blocks: Sequence[int] | None = None, shared: Sequence[int] = ()) -> bool:
         """Reserve the request's rows in the host pool and expect its prompt KV there.
 
         ``max_tokens`` (prompt + max new tokens) is reserved now, so decode
@@ -189,6 +189,10 @@ class Consumer:
         whether the request is expected. The caller releases the pool rows
         (``pool.release``) when decode finished with them and this request's
         outcome arrived (no read into them in flight).
+
+        ``shared``: pool blocks of cached prefix blocks the table starts with (the pool's
+        prefix cache): the prompt's first ``len(shared)`` blocks are not read, the wire
+        (and ``index_blocks``, all of the prompt's) starts after them.
         """
         with self._lock:
             if request_id in self._requests:  # before admission: a refused duplicate must not fail the original
@@ -197,15 +201,17 @@ class Consumer:
             raise ValueError(f"request {request_id!r}: need 0 < prompt_tokens={prompt_tokens} <= "
                              f"max_tokens={max_tokens}")
         try:
-            table = pool.admit(request_id, max_tokens)
+            table = pool.admit(request_id, max_tokens, shared)
         except Exception as exc:  # PoolCapacityError and friends: this request only
             reason = f"host KV pool admission failed for request {request_id!r}: {exc}"
             log.error("%s", reason)
             self.fail(request_id, reason)
             return False
         nblocks = -(-prompt_tokens // pool.block_size)
+        skip = len(shared)
         try:
-            self.expect(request_id, [int(b) for b in table[:nblocks]], index_blocks=index_blocks)
+            self.expect(request_id, [int(b) for b in table[skip:nblocks]],
+                        index_blocks=None if index_blocks is None else index_blocks[skip:])
         except ValueError:
             pool.release(request_id)
             raise

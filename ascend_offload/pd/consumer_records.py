@@ -6,6 +6,7 @@ own; these are plain data with no behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ class BlockPool(Protocol):
 
     block_size: int
 
-    def admit(self, req_id: str, max_tokens: int) -> Any: ...
+    def admit(self, req_id: str, max_tokens: int, shared: Sequence[int] = ()) -> Any: ...
     def block_table(self, req_id: str) -> Any: ...
     def release(self, req_id: str) -> None: ...
 

@@ -23,6 +23,15 @@ from ascend_offload.pd.registration import DecodeRegistration, Registrar
 log = logging.getLogger(__name__)
 
 
+class CachedBlocks(Protocol):
+    """The prompt's leading blocks a decode-side cache serves instead of the pull
+    (:class:`~ascend_offload.sparse.prefix_cache.PrefixHit`; duck-typed so ``pd`` does not
+    import ``sparse``)."""
+
+    @property
+    def device_blocks(self) -> tuple[int, ...]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class RecvJob:
     """One request a decode worker starts pulling this step."""
@@ -32,6 +41,9 @@ class RecvJob:
     # Sparse offload only: the whole prompt goes to the host pool, reserved for max_tokens.
     prompt_tokens: int = 0
     max_tokens: int = 0
+    # Sparse offload with the decode-side prefix cache: the prompt's leading blocks served
+    # from cached entries (not pulled: the wire starts after them)
+    prefix: CachedBlocks | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +116,13 @@ class DecodeRequests:
                 return count, True
         return 0, False
 
-    def after_alloc(self, request: DecodeRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def after_alloc(self, request: DecodeRequest, block_ids: Sequence[int], num_external_tokens: int,
+                    cached: Callable[[Sequence[int]], CachedBlocks | None] | None = None) -> None:
         """Blocks are allocated: register with the metaserver and expect the request.
 
         ``block_ids``: all of the request's blocks (local prefix hits first).
+        ``cached(block_ids)``: sparse offload's decode-side prefix cache, the prompt's
+        leading blocks it serves (their device blocks), or ``None``; those are not pulled.
         """
         params = request.kv_transfer_params
         if params is None or not wants_remote_prefill(params):
@@ -122,10 +137,13 @@ class DecodeRequests:
         dst = tuple(block_ids[first:first + n])  # loaded externally: the load-error set
         wire_first, wire_dst = first, dst
         if self.sparse:
-            # The host pool needs the whole prompt: local prefix hits are device blocks, not pool rows.
-            wire_first, wire_dst = 0, tuple(block_ids[:first + n])
+            # The host pool needs the whole prompt: local prefix hits are device blocks, not pool
+            # rows; the blocks the pool's own prefix cache serves are not pulled.
+            hit = cached(block_ids) if cached is not None else None
+            skip = 0 if hit is None else len(hit.device_blocks)
+            wire_first, wire_dst = skip, tuple(block_ids[skip:first + n])
             reserve = self.reservation(request.num_prompt_tokens, request.max_tokens)
-            self._new.append(RecvJob(rid, dst, request.num_prompt_tokens, reserve))
+            self._new.append(RecvJob(rid, dst, request.num_prompt_tokens, reserve, hit))
         else:
             self._new.append(RecvJob(rid, dst))
         self._recving.add(rid)

@@ -98,17 +98,7 @@ class ColocatedSparseDecode:
         request's own and land in :attr:`load_errors` (vLLM recomputes them)."""
         if req_id in self._pooled:
             return True
-        shared: list[int] = []
-        if hit is not None:
-            if self.prefix is None:
-                failed = list(hit.device_blocks)
-            else:
-                shared = self.prefix.shared_blocks(hit)
-                failed = self.prefix.load(hit, len(shared))
-                shared = shared[:len(hit.device_blocks) - len(failed)]
-            if failed:
-                self._warn(req_id, f"{len(failed)} cached prefix blocks not served: recomputed")
-                self.load_errors.update(failed)
+        shared = self.take_prefix(req_id, hit) if hit is not None else []
         try:
             self.manager.admit(req_id, max_tokens, shared)
         except PoolCapacityError as exc:
@@ -117,6 +107,22 @@ class ColocatedSparseDecode:
             return False
         self._pooled[req_id] = self._high[req_id] = len(shared) * self.manager.block_size
         return True
+
+    def take_prefix(self, req_id: str, hit: PrefixHit) -> list[int]:
+        """Serve a request's cached prefix blocks: their indexer rows into its device blocks
+        (now, before any forward of it); returns the pool blocks its table must start with.
+        Blocks that cannot be served land in :attr:`load_errors` (vLLM recomputes them)."""
+        if self.prefix is None:
+            shared: list[int] = []
+            failed = list(hit.device_blocks)
+        else:
+            shared = self.prefix.shared_blocks(hit)
+            failed = self.prefix.load(hit, len(shared))
+            shared = shared[:len(hit.device_blocks) - len(failed)]
+        if failed:
+            self._warn(req_id, f"{len(failed)} cached prefix blocks not served: recomputed")
+            self.load_errors.update(failed)
+        return shared
 
     def apply_prefix(self, ops: Sequence[PrefixOp]) -> None:
         """The scheduler's prefix cache orders of this step, in order (before finished

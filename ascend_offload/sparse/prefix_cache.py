@@ -167,7 +167,7 @@ class PrefixIndex:
         """Evict up to ``n`` unpinned entries, least recently used first, never one of
         ``protect``; returns how many."""
         keep = set(protect)
-        victims = []
+        victims: list[BlockHash] = []
         for h, pins in self._pins.items():
             if len(victims) >= n:
                 break

@@ -16,8 +16,13 @@ layer; in layerwise mode an indexer cache follows its main layer's buffer.
   (vLLM's n-gram proposer, one draft token: verification rows of two query tokens through
   the device resolver). The producer-first order here (the demo runs the
   other) gives the plain engine's tokens, the store serves prefix hits, decode pulls.
+* Multi-turn on the same cluster, the decode's prefix cache on
+  (``prefix_cache_blocks``): a second turn (the first turn's prompt and answer, then a
+  follow-up) pulls only the blocks the decode lacks; run with the cache reset before it
+  and with the first turn's entries in it, the bytes pulled differ by exactly the cached
+  blocks' bytes, and the decode's time to first token is printed for both.
 * The same cluster at load: 32 prompts, 6 at a time, decode running at most 4, the
-  pool too small for all of them at once; tokens equal, every decode row resolved
+  pool too small for all of them at once (cache entries evicted as reservations need rows); tokens equal, every decode row resolved
   through the hot buffers, no load failed, and the decode's worker read no top-k and
   no new row back to the host (the device resolver's per-step report only), and every
   verification row attended over the hot buffers.
@@ -64,6 +69,10 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
+# A second conversation turn: the first turn's prompt and answer, then a follow-up.
+_mt = random.Random(53)
+TURN1 = [[_mt.randrange(3, 512) for _ in range(n)] for n in (230, 410, 520, 305, 590, 380)]
+FOLLOW_UPS = [[_mt.randrange(3, 512) for _ in range(n)] for n in (40, 75, 21, 60, 33, 90)]
 
 
 def sparse_model() -> str:
@@ -74,8 +83,12 @@ def sparse_model() -> str:
 def plain_tokens() -> dict[str, list[list[int]]]:
     """Tokens of a plain engine of the same model (no connector), for both prompt sets."""
     with make_engine(model=sparse_model(), core=0) as llm:
-        return {"families": tokens(generate(llm, PROMPTS, MAX_TOKENS)),
-                "load": tokens(generate(llm, LOAD_PROMPTS, LOAD_MAX_TOKENS))}
+        out = {"families": tokens(generate(llm, PROMPTS, MAX_TOKENS)),
+               "load": tokens(generate(llm, LOAD_PROMPTS, LOAD_MAX_TOKENS)),
+               "turn1": tokens(generate(llm, TURN1, MAX_TOKENS))}
+        out["turn2_prompts"] = [p + a + f for p, a, f in zip(TURN1, out["turn1"], FOLLOW_UPS, strict=True)]
+        out["turn2"] = tokens(generate(llm, out["turn2_prompts"], MAX_TOKENS))
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +142,10 @@ ROW_BYTES = (64 + 16) * 4  # main row: latent + rope, float32
 MAX_LEN = 4096
 POOL_ROWS = MAX_LEN + 512
 POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
+# One block of every layer over RD2H: main rows to the pool, indexer keys (index_head_dim 32)
+# to device blocks, float32
+WIRE_BLOCK_BYTES = N_LAYERS * BLOCK_SIZE * (ROW_BYTES + 32 * 4)
+PREFIX_CACHE_BLOCKS = 128  # of the pool's 144: entries are evicted when reservations need rows
 BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did not read", "cannot send",
        "cannot receive", "Traceback", "has no reuse-gate token", "admission failed")
 
@@ -167,13 +184,16 @@ def joint_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
 
     extra = {"ack_timeout_s": 30, "request_timeout_s": 60, "registration_timeout_s": 30}
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB, "residency_backend": "device"}
+              "dram_size_per_dp_GB": POOL_GB, "residency_backend": "device",
+              "prefix_cache_blocks": PREFIX_CACHE_BLOCKS}
     with pd_cluster(sparse_model(), tmp_path_factory.mktemp("joint-sparse"),
                     lambda port: joint_prefill_config(port, extra, producer_first=True),
                     lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
                     prefill_args=("--disable-hybrid-kv-cache-manager",),
                     decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS),
-                                 "--speculative-config", json.dumps(SPEC))) as c:
+                                 "--speculative-config", json.dumps(SPEC)),
+                    # the dev endpoints: POST /reset_prefix_cache?reset_external=true
+                    decode_env={"VLLM_SERVER_DEV_MODE": "1"}) as c:
         yield c
 
 
@@ -237,7 +257,7 @@ def _decode_counters(url: str) -> dict[str, float]:
     import httpx
 
     out = {n: _counter(url, f"rd2h_{n}") for n in (
-        "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
+        "layers_pulled", "bytes_pulled", "sparse_resolved_positions", "sparse_hit_positions", "sparse_miss_rows",
         "sparse_offload_rows", "sparse_admission_failures", "sparse_unmatched_rows",
         "sparse_host_reads_topk", "sparse_host_reads_new_rows", "sparse_host_reads_step",
         "sparse_verify_rows", "sparse_pool_query_tokens")}
@@ -293,3 +313,73 @@ def test_pd_sparse_decode_at_concurrency_matches_plain(load_baseline: list[list[
     assert new <= rows <= new + m["num_draft_tokens"] - m["num_accepted_tokens"] + past_end, m
     # the pool holds far less than every request at once
     assert POOL_ROWS // BLOCK_SIZE * BLOCK_SIZE < sum(LOAD_LENGTHS) + LOAD_MAX_TOKENS * len(LOAD_LENGTHS)
+
+
+# ------------------------------------------------------------------ multi-turn, decode-side prefix cache
+
+
+def _ttft(url: str) -> tuple[float, float]:
+    """The decode engine's time-to-first-token histogram: (sum of seconds, count)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    return total("vllm:time_to_first_token_seconds_sum"), total("vllm:time_to_first_token_seconds_count")
+
+
+def test_multi_turn_pulls_only_the_blocks_decode_lacks(plain_tokens: dict[str, Any],
+                                                       joint_cluster: dict[str, Any]) -> None:
+    """The second turn with and without the first turn's blocks in the decode's cache: the
+    same answers (the plain engine's), and the bytes pulled over RD2H differ by the cached
+    blocks (one block of every layer's main and indexer rows each) exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes
+
+    c = joint_cluster
+    since = log_sizes(c)
+
+    def reset() -> None:
+        r = httpx.post(f"{c['decode']}/reset_prefix_cache", params={"reset_external": "true"},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+
+    def run(prompts: list[list[int]], want: list[list[int]]) -> dict[str, float]:
+        before = _decode_counters(c["decode"])
+        loaded0 = _counter(c["decode"], "rd2h_sparse_prefix_loaded_blocks")
+        ttft0 = _ttft(c["decode"])
+        req = [body(c["model"], p, False, MAX_TOKENS, return_token_ids=True) for p in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            got = [list(a.token_ids or ()) for a in pool.map(lambda r: complete(c["proxy"], r), req)]
+        assert got == want
+        pulled = before["layers_pulled"] + len(prompts) * N_LAYERS  # one read per layer
+        deadline = time.monotonic() + 30
+        while _counter(c["decode"], "rd2h_layers_pulled") < pulled and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = _decode_counters(c["decode"])
+        ttft = _ttft(c["decode"])
+        return {"bytes": after["bytes_pulled"] - before["bytes_pulled"],
+                "loaded": _counter(c["decode"], "rd2h_sparse_prefix_loaded_blocks") - loaded0,
+                "ttft_s": (ttft[0] - ttft0[0]) / max(1.0, ttft[1] - ttft0[1])}
+
+    turn2 = plain_tokens["turn2_prompts"]
+    reset()
+    run(TURN1, plain_tokens["turn1"])
+    reset()  # the second turn finds nothing cached
+    without = run(turn2, plain_tokens["turn2"])
+    reset()
+    run(TURN1, plain_tokens["turn1"])  # its finished blocks stay in the cache
+    with_cache = run(turn2, plain_tokens["turn2"])
+    print(f"\nmulti-turn, second turn: without the decode prefix cache {without}, with {with_cache}")
+    assert without["loaded"] == 0, without
+    # every first turn's full blocks (prompt and answer but the last token) served the second
+    want_blocks = sum(min((len(p) + MAX_TOKENS - 1) // BLOCK_SIZE, (len(q) - 1) // BLOCK_SIZE)
+                      for p, q in zip(TURN1, turn2, strict=True))
+    assert with_cache["loaded"] == want_blocks, (with_cache, want_blocks)
+    assert without["bytes"] - with_cache["bytes"] == want_blocks * WIRE_BLOCK_BYTES, (without, with_cache)
+    assert [line for b in BAD for line in log_lines(c, since, b)] == []

@@ -127,6 +127,15 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache`` with the external caches: a sparse decode's prefix
+        cache forgets every entry (those in use once their requests finish)."""
+        sparse = None if self.scheduler is None else self.scheduler.sparse
+        if sparse is None or sparse.prefix is None:
+            return None
+        sparse.reset_prefix()
+        return True
+
     # ======================================================================= worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

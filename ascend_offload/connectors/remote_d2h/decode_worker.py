@@ -35,6 +35,7 @@ from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
 from ascend_offload.pd.layout import pool_layer_descs
 from ascend_offload.pd.protocol import LayerDesc
 from ascend_offload.pd.topology import decode_port
+from ascend_offload.sparse.prefix_cache import PrefixHit
 
 if TYPE_CHECKING:
     from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
@@ -141,16 +142,25 @@ class DecodeWorker:
         if self.consumer is None:
             return
         if self.pool is not None and meta.sparse is not None:
-            # vLLM finished these last step: free their rows before this step admits others
+            assert self.sparse is not None
+            # prefix cache orders first (a keep takes over rows of a request finished below,
+            # an eviction frees rows a pull below may need); then vLLM's finishes of last
+            # step free their rows before this step admits others
+            self.sparse.apply_prefix(meta.sparse)
             for rid in meta.sparse.finished:
                 self._finish_pool(rid)
         for job in meta.recv:
             try:
                 if self.pool is not None:
+                    assert self.sparse is not None
                     # Admission failure ends the request as a failed outcome (load errors below).
                     self._pool_jobs[job.request_id] = job.block_ids
+                    # cached prefix blocks: rows shared, indexer rows loaded now, not pulled
+                    shared = (self.sparse.decode.take_prefix(job.request_id, job.prefix)
+                              if isinstance(job.prefix, PrefixHit) else [])
                     self.consumer.expect_pool(job.request_id, self.pool, prompt_tokens=job.prompt_tokens,
-                                              max_tokens=job.max_tokens, index_blocks=job.block_ids)
+                                              max_tokens=job.max_tokens, index_blocks=job.block_ids,
+                                              shared=shared)
                 else:
                     self.consumer.expect(job.request_id, job.block_ids)
             except ValueError as exc:

@@ -67,8 +67,10 @@ class RemoteD2HScheduler:
         if self.sparse is not None and not self.sparse.admit(request):
             return None, False  # its host pool rows are not free yet: wait
         count, load_async = self.decode.num_new_matched_tokens(request, num_computed_tokens)
-        if count == 0 and self.sparse is not None:  # a resumed preempted request
-            return self.sparse.resume_offer(request, num_computed_tokens), False
+        if count == 0 and self.sparse is not None:
+            # a resumed preempted request, or one prefilled here from cached prefix blocks
+            resumed = self.sparse.resume_offer(request, num_computed_tokens)
+            return resumed or self.sparse.prefix_offer(request, num_computed_tokens), False
         return count, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -83,7 +85,9 @@ class RemoteD2HScheduler:
                 # All of the request's blocks; before the manager is bound, this allocation's.
                 found = self._block_ids(request.request_id)
                 ids = found if found is not None else list(blocks.get_block_ids()[0])
-            self.decode.after_alloc(request, ids, num_external_tokens)
+            sparse = self.sparse
+            self.decode.after_alloc(request, ids, num_external_tokens, cached=None if sparse is None
+                                    else lambda blocks: sparse.recv_hit(request.request_id, blocks))
         elif self.prefill is not None and wants_remote_decode(params):
             self.prefill.after_alloc(request, params)
 
@@ -108,7 +112,7 @@ class RemoteD2HScheduler:
             if pulling:  # a read may still write its pool rows: the worker frees them once stopped
                 self._ledger_after_pull.add(rid)
             else:
-                self.sparse.finished(rid)
+                self.sparse.finished(rid, request, block_ids)
         return pulling or reading, error
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

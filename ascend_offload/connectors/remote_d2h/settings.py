@@ -59,11 +59,6 @@ def check_sparse_role(cfg: RemoteD2HConfig, *, is_producer: bool, is_consumer: b
             "decode-side feature (accepted here: False; set it in the kv_consumer's config)")
     if not is_consumer:
         raise ConfigError("key 'sparse_offload.enabled'=True needs kv_role 'kv_consumer' (accepted: False)")
-    if cfg.sparse_offload.prefix_cache_blocks:
-        raise ConfigError(
-            f"key 'sparse_offload.prefix_cache_blocks'={cfg.sparse_offload.prefix_cache_blocks} "
-            "on an SfaRemoteD2HConnector decode: the decode-side prefix cache runs with "
-            "AscendSparseDecodeConnector (colocated) only; accepted here: 0")
 
 
 def check_debug_role(cfg: RemoteD2HConfig, *, is_producer: bool) -> None:

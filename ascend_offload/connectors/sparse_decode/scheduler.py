@@ -187,6 +187,15 @@ class SparseDecodeScheduler:
             self._hits[rid] = take
         return False
 
+    def recv_hit(self, request_id: str, block_ids: Sequence[int]) -> PrefixHit | None:
+        """A remote-D2H decode request whose prompt is pulled into the pool: the cached
+        blocks it starts from (their device blocks ``block_ids[:n]``), which are not pulled.
+        Handed to the workers with the pull, not at scheduling."""
+        take = self._hits.pop(request_id, 0)
+        if not take or self.prefix is None:
+            return None
+        return PrefixHit(self.prefix.pinned(request_id)[:take], tuple(block_ids[:take]))
+
     def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
         self._check_groups()
         finished = tuple(sorted(scheduler_output.finished_req_ids))

@@ -175,6 +175,7 @@ class SparseDecodeWorker:
                                             else settings.query_tokens, prefix=prefix)
         self._applied: object = None
         self._preempts_handled: object = None
+        self._prefix_applied: object = None
         self._load_errors: set[int] = set()
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
@@ -238,7 +239,7 @@ class SparseDecodeWorker:
             self.manager.pool.unlink()
         # prefix cache orders first: a keep takes over rows of a request finished below,
         # an eviction frees rows an admission below may need
-        self.decode.apply_prefix(meta.prefix_ops)
+        self.apply_prefix(meta)
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():
@@ -250,6 +251,13 @@ class SparseDecodeWorker:
         for rid, order in meta.resumed.items():
             self._load_errors.update(self.decode.resume(rid, order))
         self.decode.begin(meta, meta.keys, meta.drafts)
+
+    def apply_prefix(self, meta: SparseDecodeMetadata) -> None:
+        """The step's prefix cache orders, once (the remote-D2H decode applies them before
+        its pulls are admitted, then :meth:`apply` runs the rest)."""
+        if meta is not self._prefix_applied:
+            self._prefix_applied = meta
+            self.decode.apply_prefix(meta.prefix_ops)
 
     def end_step(self) -> None:
         self.decode.end_step()
