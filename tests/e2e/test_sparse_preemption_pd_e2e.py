@@ -19,6 +19,13 @@ stash (``..._rd2h_sparse_resumed_tokens`` > 0, nothing recomputed), every verifi
 row must have attended over the hot buffers (none over the pool), and the decode must
 have written only the rows of the tokens it computed (the last prompt token, the new
 ones and the drafts it verified): no main-KV history moved on resumption.
+
+The decode's prefix cache is on (``prefix_cache_blocks``): a second batch of 24 prompts,
+three per first-batch prompt, starts with 2-6 blocks of that prompt (its blocks are in
+the cache once the first batch finished) and goes on with a tail of its own, 8 at a
+time. Tokens must equal the prefill engine's own answers again, with preemptions, with
+cached blocks served (rows shared in the pool, indexer rows loaded, not pulled) and none
+failing, nothing recomputed.
 """
 
 from __future__ import annotations
@@ -48,11 +55,16 @@ MAX_LEN = 512
 DECODE_KV_BYTES = 1 << 20
 SPEC = ngram_speculative_config(1)
 POOL_ROWS = 12 * MAX_LEN  # every reservation at once
+PREFIX_CACHE_BLOCKS = 96
 POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 _rng = random.Random(17)
 LENGTHS = [_rng.randrange(150, 260) for _ in range(8)]
 MAX_TOKENS = [_rng.randrange(180, 240) for _ in LENGTHS]
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+# second batch: three per first-batch prompt, its first 2-6 blocks then a tail of their own
+SHARED = [PROMPTS[i // 3][:32 * min(_rng.randrange(2, 7), (LENGTHS[i // 3] - 1) // 32)]
+          + [_rng.randrange(3, 512) for _ in range(_rng.randrange(60, 140))] for i in range(24)]
+SHARED_MAX_TOKENS = [_rng.randrange(100, 160) for _ in SHARED]
 BAD = ("Recovered from KV load failure", "blocks failed to load", "decode did not read", "cannot send",
        "cannot receive", "Traceback", "admission failed", "not stashed", "stash not loaded")
 
@@ -62,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     model = ngram_sparse_model(TOPK)
     extra = {"ack_timeout_s": 60, "request_timeout_s": 60, "registration_timeout_s": 30}
     sparse = {"enabled": True, "topk_buffer_size": HOT, "index_topk": TOPK,
-              "dram_size_per_dp_GB": POOL_GB}
+              "dram_size_per_dp_GB": POOL_GB, "prefix_cache_blocks": PREFIX_CACHE_BLOCKS}
     with pd_cluster(model, tmp_path_factory.mktemp("pd-sparse-preempt-e2e"),
                     lambda port: rd2h_config("kv_producer", port, extra),
                     lambda port: rd2h_config("kv_consumer", port, {**extra, "sparse_offload": sparse}),
@@ -129,3 +141,36 @@ def test_pd_preempted_requests_resume_from_the_pool(cluster: dict[str, Any]) -> 
     rejected = spec["num_draft_tokens"] - spec["num_accepted_tokens"]
     past_end = len(PROMPTS) * SPEC["num_speculative_tokens"]
     assert sum(MAX_TOKENS) <= rows <= sum(MAX_TOKENS) + rejected + past_end, (m, spec)
+
+
+def test_pd_shared_prefixes_served_from_the_cache_with_preemption(cluster: dict[str, Any]) -> None:
+    """After the first batch: its prompts' blocks are cached on the decode; the second
+    batch starts from them (not pulled) while vLLM preempts, and answers as the prefill."""
+    model = cluster["model"]
+    since = log_sizes(cluster)
+    names = ("sparse_prefix_loaded_blocks", "sparse_prefix_load_failures", "sparse_preempted_requests",
+             "sparse_recomputed_tokens", "sparse_stash_failures", "sparse_admission_failures",
+             "sparse_pool_query_tokens", "sparse_resumed_tokens")
+
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
+        out = {n: _metric(text, f"vllm:ascend_offload_rd2h_{n}_total") for n in names}
+        out["preemptions"] = _metric(text, "vllm:num_preemptions_total")
+        return out
+
+    bodies = [body(model, p, False, k, return_token_ids=True)
+              for p, k in zip(SHARED, SHARED_MAX_TOKENS, strict=True)]
+    with ThreadPoolExecutor(4) as pool:
+        baseline = list(pool.map(lambda b: complete(cluster["prefill"], b), bodies))
+    before = counters()
+    with ThreadPoolExecutor(8) as pool:
+        pd = list(pool.map(lambda b: complete(cluster["proxy"], b), bodies))
+    assert [a.token_ids for a in pd] == [a.token_ids for a in baseline]
+    assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
+    after = counters()
+    m = {k: after[k] - before[k] for k in after}
+    print(f"\nP/D shared prefixes from the decode's cache, with preemption: {m}")
+    assert m["preemptions"] > 0 and m["sparse_preempted_requests"] == m["preemptions"], m
+    assert m["sparse_prefix_loaded_blocks"] > 0 and m["sparse_prefix_load_failures"] == 0, m
+    assert m["sparse_recomputed_tokens"] == 0 and m["sparse_stash_failures"] == 0, m
+    assert m["sparse_admission_failures"] == 0 and m["sparse_pool_query_tokens"] == 0, m
