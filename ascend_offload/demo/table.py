@@ -87,9 +87,14 @@ def gate_waits(m: Mapping[str, float]) -> float | None:
     return value(m, STORE + "layerwise_gate_waits")
 
 
+def cached_blocks(m: Mapping[str, float]) -> float | None:
+    """Prompt blocks the decode served from its own prefix cache (not pulled)."""
+    return value(m, SPARSE + "prefix_loaded_blocks")
+
+
 COLUMNS = (("#", 3), ("prompt", 6), ("prefix", 6), ("mode", 6), ("TTFT ms", 7), ("TPOT ms", 7),
-           ("E2E ms", 7), ("store hit", 9), ("RD2H KiB", 8), ("new->pool", 9), ("pool->hot", 9),
-           ("hot hit", 7), ("accept", 6), ("gate", 4), ("same", 4))
+           ("E2E ms", 7), ("store hit", 9), ("D cached", 8), ("RD2H KiB", 8), ("new->pool", 9),
+           ("pool->hot", 9), ("hot hit", 7), ("accept", 6), ("gate", 4), ("same", 4))
 
 
 def _row(cells: Sequence[str]) -> str:
@@ -100,7 +105,8 @@ def request_row(r: RequestResult) -> str:
     return _row([
         str(r.index), str(r.prompt_tokens), r.prefix, "stream" if r.stream else "full",
         _f(r.ttft_s, ".0f", 1e3), _f(r.tpot_s, ".1f", 1e3), f"{r.e2e_s * 1e3:.0f}",
-        store_hits(r.prefill), _kib(value(r.decode, RD2H + "bytes_pulled")),
+        store_hits(r.prefill), _f(cached_blocks(r.decode), ".0f"),
+        _kib(value(r.decode, RD2H + "bytes_pulled")),
         _kib(value(r.decode, SPARSE + "offload_bytes")), _kib(value(r.decode, SPARSE + "miss_bytes")),
         _pct(hot_hit_rate(r.decode)), accepted(r.decode), _f(gate_waits(r.prefill), ".0f"),
         "yes" if r.identical else "NO",
@@ -150,6 +156,9 @@ def render(results: Sequence[RequestResult], footprint: Footprint) -> str:
         f"{_kib(_sum(results, 'decode', SPARSE + 'offload_bytes'))} KiB | pool->hot buffer "
         f"{_kib(_sum(results, 'decode', SPARSE + 'miss_bytes'))} KiB",
         f"store         prefix hits {hits}; {store_bytes}",
+        f"decode cache  {_f(_sum(results, 'decode', SPARSE + 'prefix_loaded_blocks'), '.0f')} prompt "
+        f"blocks served from the decode's prefix cache (not pulled), "
+        f"{_f(_sum(results, 'decode', SPARSE + 'prefix_kept_blocks'), '.0f')} kept",
         f"gate waits    {_f(_sum(results, 'prefill', STORE + 'layerwise_gate_waits'), '.0f')} (layerwise reuse gate)"
         f" | RD2H gate holds {_f(_sum(results, 'prefill', RD2H + 'gate_holds'), '.0f')}",
         f"hot buffer    hit rate {_pct(hot)} of {_f(resolved, '.0f')} top-k positions resolved",

@@ -168,3 +168,12 @@ def test_a_failed_request_is_reported_not_raised(capsys: pytest.CaptureFixture[s
         assert run._attempt(client, "http://p", {"stream": True}, 4)[0] is None
     err = capsys.readouterr().err
     assert "request 3 via http://p failed: http://p: HTTP 500: boom" in err and "request 4" in err
+
+
+def test_decode_prefix_cache_column_and_totals() -> None:
+    decode = {RD2H + "sparse_prefix_loaded_blocks": 7.0, RD2H + "sparse_prefix_kept_blocks": 3.0}
+    cells = request_row(_result(1, True, {}, decode)).split()
+    assert cells[8] == "7"  # the "D cached" column, after the store's
+    out = render([_result(1, True, {}, decode), _result(2, True, {}, decode)], Footprint(1.0, 0.3))
+    assert "decode cache  14 prompt blocks served from the decode's prefix cache (not pulled), 6 kept" in out
+    assert "decode cache  n/a" in render([_result(1, True, {}, {})], Footprint(1.0, 0.3))
