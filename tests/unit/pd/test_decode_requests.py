@@ -83,6 +83,27 @@ def test_sparse_pulls_the_whole_prompt_and_reserves_max_tokens() -> None:
     assert reqs.take_step().recv == [RecvJob("r", (3, 5, 6, 2), 70, 79)]  # load errors: external only
 
 
+def test_sparse_blocks_the_decode_cache_serves_are_not_pulled() -> None:
+    from ascend_offload.sparse.prefix_cache import PrefixHit
+
+    reqs, reg = _requests(sparse=True)
+    hit = PrefixHit((b"h0", b"h1"), (7, 4))
+    seen: list[list[int]] = []
+
+    def cached(blocks: Any) -> PrefixHit:
+        seen.append(list(blocks))
+        return hit
+
+    reqs.after_alloc(Req("r", 70, max_tokens=9, kv_transfer_params=_params()), [7, 4, 5, 6, 2], 70,
+                     cached=cached)
+    assert seen == [[7, 4, 5, 6, 2]]  # the cache picks its blocks from the request's own
+    sent = reg.submitted[0][3]
+    # the prefill sends from the first block the decode lacks
+    assert sent.remote_block_offset == 2 and sent.remote_block_ids == [5, 6, 2]
+    # the load-error set stays every prompt block; the job carries the cached blocks
+    assert reqs.take_step().recv == [RecvJob("r", (7, 4, 5, 6, 2), 70, 79, hit)]
+
+
 def test_unusable_requests_fail_without_registering() -> None:
     reqs, reg = _requests()
     reqs.after_alloc(Req("short", 70, kv_transfer_params=_params()), [8, 3], 54)  # needs 4 blocks
