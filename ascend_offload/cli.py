@@ -26,10 +26,11 @@ BENCHES: dict[str, str] = {
     "sparse-e2e": "ascend_offload.bench.sparse_e2e",
     "sparse-admission": "ascend_offload.bench.sparse_admission",
     "sparse-scale": "ascend_offload.bench.sparse_scale",
+    "sparse-multiturn": "ascend_offload.bench.sparse_multiturn",
 }
 # minutes long (real vLLM engines): ``bench all`` skips them; run them by name
 SLOW_BENCHES = frozenset({"e2e-pd", "sparse-e2e", "sparse-admission", "store-ssd",
-                          "sparse-scale"})
+                          "sparse-scale", "sparse-multiturn"})
 
 USAGE = (
     "usage: ascend-offload {plan,check-config,demo,bench} ...\n"
