@@ -39,6 +39,7 @@ def owned_engine(factory: Callable[[], T], *, in_process: bool = False) -> Itera
     old = os.environ.get(_MP_ENV)
     if in_process:
         os.environ[_MP_ENV] = "0"
+        _engine_core_hook()
     try:
         engine: Any = factory()
     finally:
@@ -58,6 +59,17 @@ def owned_engine(factory: Callable[[], T], *, in_process: bool = False) -> Itera
 
 
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def _engine_core_hook() -> None:
+    """Our plugin's engine-core hook (layerwise layout, sparse KV cut) in this process, as
+    the plugin installs it in every engine-core process it registers in. An in-process
+    engine shares the process with whatever ran before it, and the plugin registers once
+    per process: a test that patched and restored vLLM's engine-core function (or started
+    before the plugin registered) must not leave the next engine without the hook."""
+    from ascend_offload.connectors.kv_layout_hook import install_layout_hook
+
+    install_layout_hook()  # idempotent; a no-op for engines that configure neither
 
 
 def _restore_env(key: str, value: str | None) -> None:
