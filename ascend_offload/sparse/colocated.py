@@ -163,6 +163,18 @@ class ColocatedSparseDecode:
             self._detached.add(req_id)
         return self.stash.save(req_id, order)
 
+    def unshare(self, req_id: str, blocks: int) -> None:
+        """A request that started from cached blocks is recomputed (preempted without a
+        stash): its first ``blocks`` pool blocks become its own before it writes them, so
+        the cache's rows are never written over. Logged (and left shared) when the pool
+        has no free blocks for them."""
+        if not self.manager.pool.holds(req_id):
+            return
+        try:
+            self.manager.unshare(req_id, blocks)
+        except PoolCapacityError as exc:
+            self._warn(req_id, f"cached blocks not replaced before its recomputation: {exc}")
+
     def resume(self, req_id: str, order: ResumeOrder) -> list[int]:
         """vLLM scheduled a preempted request again: load its stash into its new blocks
         (``order``), and give it a hot row whose contents start invalid (a new residency

@@ -221,6 +221,19 @@ class SparseOffloadManager:
         self._rows[req_id] = (row, next(self._tag_counter))
         return row
 
+    def unshare(self, req_id: str, n: int) -> int:
+        """The request's first ``n`` pool blocks become its own (rows copied from the shared
+        ones by the writing rank), before it recomputes them; returns how many changed."""
+        pairs = self.pool.unshare(req_id, n)
+        if pairs and self.tp_rank == 0:
+            bs = self.block_size
+            old = torch.tensor([b * bs + o for b, _ in pairs for o in range(bs)])
+            new = torch.tensor([b * bs + o for _, b in pairs for o in range(bs)])
+            for layer in range(self.num_layers):
+                rows = self.pool.layer(layer)
+                rows[new] = rows[old]
+        return len(pairs)
+
     def finish(self, req_id: str) -> None:
         """Free the request's host blocks, hot-buffer row and residency state (idempotent)."""
         if self.detach(req_id):

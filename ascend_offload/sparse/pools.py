@@ -171,6 +171,27 @@ class HostKVPool:
         del self._table_tensors[req_id]
         self._unref(blocks)
 
+    def unshare(self, req_id: str, n: int) -> list[tuple[int, int]]:
+        """Give the request blocks of its own for the first ``n`` of its table where it
+        shares them (another holder keeps them): about to be recomputed, its rows must not
+        be written over the holders'. Returns the ``(old, new)`` block pairs (the caller
+        copies the rows); refused naming the request when the free blocks do not suffice."""
+        blocks = self._tables[req_id]
+        swap = [i for i in range(min(n, len(blocks))) if self._refs.get(blocks[i], 0) > 1]
+        if len(swap) > len(self._free):
+            raise PoolCapacityError(f"request {req_id!r}: {len(swap)} shared blocks to replace, "
+                                    f"{len(self._free)} free")
+        pairs = []
+        for i in swap:
+            new = self._free.pop(0)
+            self._refs[new] = 1
+            pairs.append((blocks[i], new))
+            blocks[i] = new
+        self._unref([old for old, _ in pairs])
+        if pairs:
+            self._table_tensors[req_id] = torch.tensor(blocks, dtype=torch.int32)
+        return pairs
+
     def retain(self, block: int) -> None:
         """One more holder of ``block`` besides the requests whose tables name it (a prefix
         cache entry): it stays out of the free list until :meth:`drop`."""

@@ -69,6 +69,9 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     prefix_ops: tuple[PrefixOp, ...] = ()
     # newly scheduled request -> the cached blocks it starts from
     prefix_hits: dict[str, PrefixHit] = dataclasses.field(default_factory=dict)
+    # resumed request recomputed from position 0 (no stash) -> its leading blocks shared
+    # with prefix cache entries, to be replaced by blocks of its own before it writes them
+    unshare: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class SparseDecodeScheduler:
@@ -151,6 +154,23 @@ class SparseDecodeScheduler:
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
 
+    def _unshare(self, request_id: str) -> int:
+        """A request that shares cached blocks is recomputed from position 0: it needs its
+        own blocks for them (reserved here, unpinned entries evicted first if the pool is
+        short), and no longer pins the entries. Returns the blocks to replace."""
+        if self.prefix is None:
+            return 0
+        n = len(self.prefix.pinned(request_id))
+        if not n:
+            return 0
+        short = n - self.ledger.free_blocks
+        if short > 0:
+            self.ledger.uncache(self.prefix.evict(short))
+        self.ledger.grow(request_id, n)
+        self.ledger.uncache(self.prefix.unpin(request_id))
+        self._hits.pop(request_id, None)
+        return n
+
     def reset_prefix(self) -> int:
         """``reset_prefix_cache``: every entry forgotten (pinned ones once unused);
         returns the entries evicted now."""
@@ -222,6 +242,7 @@ class SparseDecodeScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         keys: dict[int, str] = {}
+        unshare: dict[str, int] = {}
         bs = self.s.block_size
         resumed: dict[str, ResumeOrder] = {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -232,6 +253,10 @@ class SparseDecodeScheduler:
                 keys[blocks[last]] = req_id
             if req_id in cached.resumed_req_ids:
                 resumed[req_id] = self.preemption.resumed(req_id, groups)
+                if resumed[req_id].tokens == 0:
+                    n = self._unshare(req_id)
+                    if n:
+                        unshare[req_id] = n
             self.preemption.scheduled(req_id, computed[req_id] + n, groups)
         self.preemption.step_built()
         drafts = {rid: len(t) for rid, t in
@@ -240,4 +265,4 @@ class SparseDecodeScheduler:
         ops = self.prefix.take_ops() if self.prefix is not None else ()
         return SparseDecodeMetadata(new, keys, finished,
                                     {r: computed[r] for r in new}, preempted, resumed, drafts,
-                                    ops, hits)
+                                    ops, hits, unshare)

@@ -248,6 +248,8 @@ class SparseDecodeWorker:
                                    meta.computed.get(rid, 0))
             else:
                 self.decode.admit(rid, max_tokens, meta.prefix_hits.get(rid))
+        for rid, blocks in meta.unshare.items():  # recomputed from 0: own rows first
+            self.decode.unshare(rid, blocks)
         for rid, order in meta.resumed.items():
             self._load_errors.update(self.decode.resume(rid, order))
         self.decode.begin(meta, meta.keys, meta.drafts)

@@ -115,3 +115,43 @@ def test_a_reservation_evicts_unpinned_entries_and_reset_drops_the_rest() -> Non
     _run_step(worker, meta, [BatchRow(15, 41, 1)])
     assert len(worker.decode.prefix or ()) == 0
     assert worker.manager.pool.free_blocks == sched.ledger.free_blocks == 1
+
+
+def test_a_request_recomputed_from_zero_gets_its_own_blocks_first() -> None:
+    """Preempted without a stash (here: stashes refused), a request that started from cached
+    blocks is recomputed from position 0; the cache's rows must not be written over."""
+    sched, worker, _, blocks = _setup()
+    pool = worker.manager.pool
+    a = _req("a", [b"x", b"y"], 9)
+    assert sched.admit(a)
+    blocks.ids["a"] = [3, 7, 2]
+    _run_step(worker, sched.build_meta(_output({"a": 9}, new=(a,))), [BatchRow(2, 9, 9)])
+    a.num_computed_tokens = 9
+    sched.finished("a", a, [3, 7, 2])
+    cached = list(pool.block_list("a"))[:2]
+    b = _req("b", [b"x", b"y", b"z"], 12)
+    assert sched.admit(b) and not sched.after_alloc(b, 8)
+    del blocks.ids["a"]
+    blocks.ids["b"] = [5, 9, 11]
+    out = _output({"b": 4}, new=(b,), finished=frozenset({"a"}))
+    out.scheduled_new_reqs[0].num_computed_tokens = 8
+    _run_step(worker, sched.build_meta(out), [BatchRow(11, 12, 4)])
+    assert pool.block_list("b")[:2] == cached
+    want = pool.kv[:, [c * BS for c in cached]].clone()
+    # b is preempted and cannot be stashed: recomputed from position 0 when resumed
+    sched.preemption.refuse("stashes refused in this test")
+    del blocks.ids["b"]
+    meta = sched.build_meta(_output({}, preempted=frozenset({"b"})))
+    worker.handle_preemptions(meta)
+    worker.apply(meta)
+    worker.end_step()
+    blocks.ids["b"] = [4, 6, 8]
+    meta = sched.build_meta(_output({"b": 12}, cached={"b": 0}, resumed=frozenset({"b"})))
+    assert meta.unshare == {"b": 2} and sched.prefix is not None and sched.prefix.pinned("b") == ()
+    _run_step(worker, meta, [BatchRow(8, 12, 12)])  # the recompute writes positions 0..11
+    own = pool.block_list("b")[:2]
+    assert not set(own) & set(cached) and all(pool.refs(c) == 1 for c in cached)
+    # the entries' rows are untouched (the recompute wrote ones into b's own blocks)
+    assert torch.equal(pool.kv[:, [c * BS for c in cached]], want)
+    assert torch.equal(pool.kv[:, [o * BS for o in own]], torch.ones_like(want))
+    assert pool.free_blocks == sched.ledger.free_blocks
