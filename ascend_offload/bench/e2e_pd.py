@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ascend_offload.bench import run_server_bench
 from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -460,10 +460,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.mooncake_proxy:
@@ -471,19 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts < 1 or args.output_tokens < 2 or args.rounds < 1:
         print("--prompts and --rounds must be >= 1, --output-tokens >= 2", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM tears servers down like Ctrl-C
-    try:
-        res = run(args)
-    except KeyboardInterrupt:
-        print("[e2e-pd] interrupted; servers stopped", file=sys.stderr)
-        return 130
-    except (RuntimeError, ValueError) as e:
-        print(f"[e2e-pd] failed: {e}", file=sys.stderr)
-        return 1
-    print(report(res))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    res = run_server_bench("e2e-pd", lambda: run(args), report, args.json)
+    if isinstance(res, int):
+        return res
     bad = any(s.get("parity", "").split("/")[0] != s.get("parity", "").split("/")[-1] or s["errors"]
               for s in res["setups"].values())
     return 1 if bad else 0

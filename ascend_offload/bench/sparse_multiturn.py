@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ascend_offload.bench import run_server_bench
 from ascend_offload.bench.e2e_pd import ROOT, _body, _pct, _stream_one
 from ascend_offload.demo.prom import delta, parse
 from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
@@ -248,29 +248,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.conversations < 1 or args.turns < 2 or args.output_tokens < 2 or args.cache_blocks < 1:
         print("--conversations >= 1, --turns >= 2, --output-tokens >= 2, --cache-blocks >= 1",
               file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        res = run(args)
-    except KeyboardInterrupt:
-        print("[sparse-multiturn] interrupted; servers stopped", file=sys.stderr)
-        return 130
-    except (RuntimeError, ValueError) as e:
-        print(f"[sparse-multiturn] failed: {e}", file=sys.stderr)
-        return 1
-    print(report(res))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    res = run_server_bench("sparse-multiturn", lambda: run(args), report, args.json)
+    if isinstance(res, int):
+        return res
     total = res["parity"].split("/")
     ok = total[0] == total[1] and res["bytes_saved_equal_cached"] and not res["bad_log_lines"]
     return 0 if ok else 1
