@@ -129,8 +129,10 @@ class SparseDecodeScheduler:
         return True
 
     def prefix_offer(self, request: Request, num_computed_tokens: int = 0) -> int:
-        """Tokens of a new request served from cached blocks, beyond ``num_computed_tokens``."""
-        if self.prefix is None:
+        """Tokens of a new request served from cached blocks, beyond ``num_computed_tokens``.
+        None for a preempted one: only a new request's blocks are loaded from the cache (a
+        resumed one is served by its stash, or recomputed from position 0)."""
+        if self.prefix is None or self.preemption.state(request.request_id) is not PreemptState.RUNNING:
             return 0
         hit = self.prefix.pinned(request.request_id)
         return max(0, len(hit) * self.s.block_size - num_computed_tokens)

@@ -145,6 +145,10 @@ def test_a_request_recomputed_from_zero_gets_its_own_blocks_first() -> None:
     worker.handle_preemptions(meta)
     worker.apply(meta)
     worker.end_step()
+    # vLLM asks again on resumption: nothing is offered, from the stash or from the cache
+    b.num_tokens = 13
+    assert sched.admit(b) and sched.resume_offer(b) == 0 and sched.prefix_offer(b) == 0
+    assert not sched.after_alloc(b, 0)
     blocks.ids["b"] = [4, 6, 8]
     meta = sched.build_meta(_output({"b": 12}, cached={"b": 0}, resumed=frozenset({"b"})))
     assert meta.unshare == {"b": 2} and sched.prefix is not None and sched.prefix.pinned("b") == ()
