@@ -41,7 +41,8 @@ from typing import Any
 
 from ascend_offload.bench import run_server_bench
 from ascend_offload.bench.e2e_pd import ROOT, _body, _pct, _stream_one
-from ascend_offload.demo.prom import delta, parse
+from ascend_offload.demo.prom import delta
+from ascend_offload.demo.run import settled
 from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
 
 BLOCK_SIZE = 32
@@ -105,21 +106,6 @@ def _cluster(model: str, log_dir: Path, cache_blocks: int, startup_s: float
         stop_all(servers)
 
 
-def _settled(client: Any, url: str) -> dict[str, float]:
-    """The decode's metrics once it is idle and two scrapes 0.2 s apart agree."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    last: dict[str, float] | None = None
-    while True:
-        now = parse(client.get(f"{url}/metrics", timeout=10).text)
-        idle = now.get("vllm:num_requests_running", 0) == 0 and now.get("vllm:num_requests_waiting", 0) == 0
-        if idle and now == last:
-            return now
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"decode not idle {IDLE_TIMEOUT_S:.0f} s after a request")
-        last = now
-        time.sleep(0.2)
-
-
 def conversations(n: int, seed: int = SEED) -> tuple[list[list[int]], list[list[list[int]]]]:
     """``n`` first prompts (200-800 tokens) and, per conversation, its follow-ups (30-120)."""
     rng = random.Random(seed)
@@ -144,11 +130,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sizes = {s.name: len(s.text()) for s in servers}
 
         def send(prompt: list[int]) -> tuple[Any, dict[str, float]]:
-            before = _settled(client, decode)
+            before = settled(client, [decode], IDLE_TIMEOUT_S)[0]
             r = _stream_one(client, proxy, _body(model, prompt, args.output_tokens))
             if r.error:
                 raise RuntimeError(f"request failed: {r.error}")
-            return r, delta(before, _settled(client, decode))
+            return r, delta(before, settled(client, [decode], IDLE_TIMEOUT_S)[0])
 
         def reset() -> None:
             resp = client.post(f"{decode}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)

@@ -160,10 +160,11 @@ def scrape(client: httpx.Client, url: str) -> Metrics:
     return parse(r.text)
 
 
-def settled(client: httpx.Client, urls: list[str]) -> list[Metrics]:
+def settled(client: httpx.Client, urls: list[str], timeout_s: float = IDLE_TIMEOUT_S
+            ) -> list[Metrics]:
     """The servers' metrics once no request runs or waits and two scrapes 0.2 s apart agree
     (a step's counters reach ``/metrics`` with that step's output; async saves a bit later)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     last: list[Metrics] | None = None
     while True:
         now = [scrape(client, u) for u in urls]
@@ -172,7 +173,7 @@ def settled(client: httpx.Client, urls: list[str]) -> list[Metrics]:
         if idle and now == last:
             return now
         if time.monotonic() > deadline:
-            raise RuntimeError(f"servers not idle {IDLE_TIMEOUT_S:.0f} s after a request")
+            raise RuntimeError(f"servers not idle {timeout_s:.0f} s after a request")
         last = now
         time.sleep(0.2)
 
