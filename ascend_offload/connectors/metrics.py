@@ -125,6 +125,7 @@ SPARSE_COUNTERS: dict[str, str] = {
                             "(pool rows shared, indexer rows copied to the device)",
     "prefix_evicted_blocks": "decode-side prefix cache: entries evicted (LRU, reset)",
     "prefix_load_failures": "decode-side prefix cache: hit blocks not served (recomputed)",
+    "prefix_copy_seconds": "host time copying cached blocks' indexer rows to host and back",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",

@@ -308,8 +308,8 @@ class ColocatedSparseDecode:
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
             "stash_ns": self.stash.counters.stash_ns,
-            **({f"prefix_{k}": v for k, v in dataclasses.asdict(self.prefix.counters).items()
-                if k != "copy_ns"} if self.prefix is not None else {}),
+            **({f"prefix_{k}": v for k, v in dataclasses.asdict(self.prefix.counters).items()}
+               if self.prefix is not None else {}),
             # device -> host reads on the sparse path (device.host_read) since this object was
             # made, in its process (engines sharing a process share the count): per layer
             # with the host resolver (top-k, new rows), per step with the device one

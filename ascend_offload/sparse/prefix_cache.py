@@ -79,15 +79,6 @@ class PrefixHit:
     device_blocks: tuple[int, ...]
 
 
-@dataclasses.dataclass
-class PrefixIndexCounters:
-    lookups: int = 0  # new requests looked up
-    hit_blocks: int = 0  # blocks offered as external hits
-    kept_blocks: int = 0  # entries created
-    evicted_blocks: int = 0  # entries dropped (LRU, reset)
-    full_skips: int = 0  # blocks not kept: the cache was full of pinned entries
-
-
 class PrefixIndex:
     """Scheduler side: which block hashes are cached, their pins and LRU order."""
 
@@ -100,7 +91,7 @@ class PrefixIndex:
         self._doomed: set[BlockHash] = set()  # reset while pinned: evicted when unpinned
         self._held: dict[str, tuple[BlockHash, ...]] = {}  # request -> entries it pins
         self._ops: list[PrefixOp] = []
-        self.counters = PrefixIndexCounters()
+        self.full_skips = 0  # blocks not kept: the cache was full of pinned entries
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -119,7 +110,6 @@ class PrefixIndex:
         """The leading cached blocks of a request of ``num_tokens`` tokens with block
         ``hashes``; at most ``(num_tokens - 1) // block_size`` blocks, so at least one
         token is computed and the request never writes a shared block."""
-        self.counters.lookups += 1
         limit = min(len(hashes), max(0, num_tokens - 1) // self.block_size)
         out: list[BlockHash] = []
         for h in hashes[:limit]:
@@ -141,7 +131,6 @@ class PrefixIndex:
             self._pins[h] += 1
         self._touch(hashes)
         self._held[req_id] = tuple(hashes)
-        self.counters.hit_blocks += len(hashes)
 
     def pinned(self, req_id: str) -> tuple[BlockHash, ...]:
         return self._held.get(req_id, ())
@@ -194,7 +183,7 @@ class PrefixIndex:
             evicted = self.evict(over, protect=seen)
             room = self.capacity - len(self._pins)
             if room < len(new):
-                self.counters.full_skips += len(new) - room
+                self.full_skips += len(new) - room
                 new = new[:room]
         if not new:
             return 0, evicted
@@ -202,7 +191,6 @@ class PrefixIndex:
             self._pins[h] = 0
         self._touch([h for _, h in new])
         self._ops.append(KeepOrder(req_id, tuple(new), tuple(int(device_blocks[i]) for i, _ in new)))
-        self.counters.kept_blocks += len(new)
         return len(new), evicted
 
     def reset(self) -> int:
@@ -230,7 +218,6 @@ class PrefixIndex:
             del self._pins[h]
             self._doomed.discard(h)
         self._ops.append(EvictOrder(tuple(hashes)))
-        self.counters.evicted_blocks += len(hashes)
 
 
 # --------------------------------------------------------------------------- worker

@@ -19,7 +19,7 @@ from ascend_offload.connectors.metrics import SPARSE_COUNTERS as COUNTERS
 from ascend_offload.connectors.metrics import SPARSE_GAUGES as GAUGES
 from ascend_offload.connectors.metrics import CounterPromMetrics, CounterStats
 
-_NS = ("offload_ns", "resolve_ns", "copy_ns", "stash_ns")
+_NS = ("offload_ns", "resolve_ns", "copy_ns", "stash_ns", "prefix_copy_ns")
 
 
 @dataclasses.dataclass

@@ -168,6 +168,9 @@ class SparseDecodeWorker:
                     "the engine's indexer caches are not block-addressable here, so cached "
                     "blocks' indexer rows cannot be kept (accepted: 0)")
             prefix = PrefixBlocks(self.manager.pool, stash.caches, settings.cfg.prefix_cache_blocks)
+            log.info("sparse decode prefix cache: up to %d blocks, their indexer rows in %.1f MiB "
+                     "of host memory (main-KV rows shared in the pool)", prefix.capacity,
+                     prefix.nbytes / 2**20)
         self.decode = ColocatedSparseDecode(self.manager, names, stash,
                                             # the paged main KV (vllm-ascend's SFA path)
                                             # serves multi-token rows itself

@@ -102,7 +102,7 @@ def test_keep_skips_cached_blocks_and_evicts_unpinned_chains_from_their_tail() -
     # pinned entries are never evicted: with every other entry pinned, nothing is kept
     idx.pin("s", _h(1, 2, 5))
     idx.pin("t", _h(7))
-    assert idx.keep("d", _h(8), [5]) == (0, 0) and idx.counters.full_skips == 1
+    assert idx.keep("d", _h(8), [5]) == (0, 0) and idx.full_skips == 1
     assert idx.evictable_except() == 0 and idx.evict(3) == 0
     idx.unpin("s")
     assert idx.evictable_except() == 1 and idx.evictable_except(_h(5)) == 0
