@@ -304,6 +304,16 @@ class SparseOffloadConfig(_Strict):
     # 0: off. Host memory: this many blocks of the indexer caches (the main-KV rows are
     # the pool's, evicted least recently used when a reservation needs them).
     prefix_cache_blocks: int = Field(0, ge=0)
+    # Hybrid residency: a request's main KV stays on the device, in blocks borrowed from
+    # vLLM's free KV blocks, while vLLM's pool has room (no resolve, no miss copy); under
+    # pressure the longest-running resident requests move to the host pool and decode from
+    # the hot buffers. Off: every request decodes from the host pool.
+    hybrid: bool = False
+    # Share of vLLM's KV blocks never borrowed for resident main KV (room for new requests'
+    # and growing requests' indexer blocks before anything has to move).
+    hybrid_free_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    # At most this many requests resident at once (0: no limit but the blocks).
+    hybrid_max_resident: int = Field(0, ge=0)
 
     @field_validator("topk_buffer_size")
     @classmethod

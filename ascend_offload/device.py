@@ -215,6 +215,7 @@ def record_after_compute() -> Any:
 TOPK_READ = "sparse.topk"  # per layer: an indexer top-k handed to the host resolver
 STEP_READ = "sparse.step"  # per step: the device resolver's error flags and totals
 NEW_ROWS_READ = "sparse.new_rows"  # per layer: new main-KV rows for the host scatter
+MOVE_READ = "sparse.move"  # per layer of a hybrid move: a request's resident rows to the pool
 _reads: dict[str, int] = {}
 _reads_lock = threading.Lock()
 

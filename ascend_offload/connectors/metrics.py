@@ -126,6 +126,12 @@ SPARSE_COUNTERS: dict[str, str] = {
     "prefix_evicted_blocks": "decode-side prefix cache: entries evicted (LRU, reset)",
     "prefix_load_failures": "decode-side prefix cache: hit blocks not served (recomputed)",
     "prefix_copy_seconds": "host time copying cached blocks' indexer rows to host and back",
+    "resident_rows": "hybrid residency: main-KV rows written to resident device rows (per layer)",
+    "resident_query_tokens": "hybrid residency: query tokens attended over resident device rows "
+                             "(summed over layers; no resolve, no miss copy)",
+    "moved_requests": "hybrid residency: resident requests moved to the host pool under pressure",
+    "moved_bytes": "hybrid residency: bytes moved device -> host pool by those moves",
+    "placed_requests": "hybrid residency: requests that started resident on the device",
 }
 SPARSE_GAUGES: dict[str, str] = {
     "pool_rows_used": "host pool rows reserved by admitted requests (per layer)",
@@ -136,6 +142,7 @@ SPARSE_GAUGES: dict[str, str] = {
     "device_indexer_kv_bytes": "device bytes of the rest of the KV allocation (indexer cache)",
     "stash_bytes": "host bytes holding preempted requests' indexer rows",
     "prefix_cache_blocks": "decode-side prefix cache entries held (one pool block each)",
+    "resident_requests": "hybrid residency: requests whose main KV is on the device",
 }
 # A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
 # stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).

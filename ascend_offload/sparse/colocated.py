@@ -36,6 +36,7 @@ import torch
 
 from ascend_offload import device as dev
 from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
+from ascend_offload.sparse.hybrid import GrowOp, HybridOp, MoveOp
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
@@ -82,6 +83,8 @@ class ColocatedSparseDecode:
         self.unmatched_rows = 0
         self.recomputed_tokens = 0  # positions written again after they had been pooled
         self.verify_rows = 0  # decode rows of several query tokens (speculative verification)
+        self.placed_requests = 0  # hybrid: requests that started resident
+        self.moved_requests = 0  # hybrid: resident requests moved to the host pool
         self._reads0 = dev.host_reads()  # device.host_read totals are per process
 
     # ------------------------------------------------------------------ requests
@@ -134,6 +137,27 @@ class ColocatedSparseDecode:
         for op in ops:
             self.prefix.apply(op)
 
+    def apply_hybrid(self, ops: Sequence[HybridOp]) -> None:
+        """The scheduler's hybrid residency orders of this step, in order: rows of borrowed
+        blocks join a resident request, or a resident request's rows move to its pool rows
+        (before the forward: vLLM may hand its blocks out from the next step on)."""
+        area = self.manager.area
+        if area is None:
+            if ops:
+                self._warn("hybrid", f"{len(ops)} residency orders but hybrid residency is off here")
+            return
+        for op in ops:
+            if isinstance(op, GrowOp):
+                self.placed_requests += int(not area.holds(op.req_id))
+                area.grow(op.req_id, op.blocks)
+            elif isinstance(op, MoveOp) and area.holds(op.req_id):
+                self.manager.move_to_pool(op.req_id, self._pooled.get(op.req_id, 0))
+                self.moved_requests += 1
+
+    def resident(self, req_id: str) -> bool:
+        """Hybrid residency: the request's main KV is on the device."""
+        return self.manager.area is not None and self.manager.area.holds(req_id)
+
     def attach(self, req_id: str, max_tokens: int, pooled: int) -> None:
         """A request whose pool rows another party reserved and whose first ``pooled``
         positions it filled (remote-D2H prompt KV): take a hot row for it."""
@@ -149,6 +173,8 @@ class ColocatedSparseDecode:
         self._high.pop(req_id, None)
         self._warned.discard(req_id)
         self.stash.drop(req_id)
+        if self.manager.area is not None:
+            self.manager.area.drop(req_id)
         if req_id in self._detached:  # preempted: no hot row, its pool rows are still held
             self._detached.discard(req_id)
             self.manager.pool.release(req_id)
@@ -183,6 +209,8 @@ class ColocatedSparseDecode:
         failed = self.stash.load(req_id, order) if order.tokens else []
         if not order.tokens:
             self.stash.drop(req_id)
+        if self.manager.area is not None:
+            self.manager.area.drop(req_id)
         if req_id in self._detached:
             self.manager.attach(req_id, self.manager.pool.capacity(req_id))
             self._detached.discard(req_id)
@@ -237,9 +265,16 @@ class ColocatedSparseDecode:
                        f"is request {req!r}, which holds no host pool rows")
                     + "; the device has no main KV to attend over instead")
             first = min(self._pooled[req], row.num_tokens - row.num_new)
+            resident = self.resident(req)
+            if resident and self.manager.area.capacity(req) < row.num_tokens:  # type: ignore[union-attr]
+                raise RuntimeError(
+                    f"sparse decode: request {req!r} is resident with "
+                    f"{self.manager.area.capacity(req)} device rows, "  # type: ignore[union-attr]
+                    f"fewer than its {row.num_tokens} tokens this step")
             index.append(len(entries))
             start.append(first)
-            decode.append(1 <= row.num_new <= self.query_tokens)
+            # resident rows attend over their device rows (context_rows), not the hot buffer
+            decode.append(not resident and 1 <= row.num_new <= self.query_tokens)
             self.verify_rows += int(decode[-1] and self._drafts.get(req, 0) > 0)
             # positions written this step are not trusted in the hot buffer (recomputation,
             # rewritten rejected drafts): the stable-length rule
@@ -304,6 +339,11 @@ class ColocatedSparseDecode:
             "unmatched_rows": self.unmatched_rows,
             "recomputed_tokens": self.recomputed_tokens,
             "verify_rows": self.verify_rows,
+            "resident_rows": st.resident_rows,
+            "resident_query_tokens": st.resident_query_tokens,
+            "placed_requests": self.placed_requests,
+            "moved_requests": self.moved_requests,
+            "moved_bytes": st.moved_bytes,
             "preempted_requests": self.stash.counters.preempted_requests,
             "resumed_tokens": self.stash.counters.resumed_tokens,
             "stash_failures": self.stash.counters.stash_failures,
@@ -322,7 +362,8 @@ class ColocatedSparseDecode:
         return {"pool_rows_used": self.manager.pool_rows_used,
                 "admitted_requests": len(self._pooled),
                 "stash_bytes": self.stash.bytes_held,
-                "prefix_cache_blocks": 0 if self.prefix is None else len(self.prefix)}
+                "prefix_cache_blocks": 0 if self.prefix is None else len(self.prefix),
+                "resident_requests": 0 if self.manager.area is None else len(self.manager.area)}
 
     def _warn(self, who: str, msg: str) -> None:
         if who not in self._warned:

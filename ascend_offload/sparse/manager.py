@@ -36,6 +36,7 @@ from ascend_offload.sparse.device_residency import (
     DeviceResidency,
     scatter_new_rows,
 )
+from ascend_offload.sparse.hybrid import ResidentArea
 from ascend_offload.sparse.pools import (
     HostKVPool,
     HotBuffers,
@@ -74,6 +75,12 @@ class SparseStats:
     copy_ns: int = 0  # onload_topk: miss rows H2D (issue time off CPU)
     context_rows: int = 0  # rows copied H2D for multi-token rows (0 when the pool is host-addressable)
     pool_query_tokens: int = 0  # query tokens attended over the pool (context_rows calls)
+    # hybrid residency: rows written to / query tokens attended over resident device rows,
+    # and resident rows moved to the pool
+    resident_rows: int = 0
+    resident_query_tokens: int = 0
+    moved_rows: int = 0
+    moved_bytes: int = 0
 
     @property
     def hits(self) -> int:
@@ -94,10 +101,11 @@ class SparseOffloadManager:
                  tp_rank: int = 0, fence_timeout_s: float = 30.0, nthreads: int = 1,
                  residency: Residency | DeviceResidency | None = None,
                  hot_buffers: Sequence[torch.Tensor] | None = None,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, area: ResidentArea | None = None) -> None:
         """``max_positions``: the most positions one request reaches (the engine's
         ``max_model_len``; default the pool's rows): the width of the device residency's
-        position map. ``residency``: a table to use instead of the config's."""
+        position map. ``residency``: a table to use instead of the config's. ``area``:
+        hybrid residency's device rows (requests it holds write and attend there)."""
         if not cfg.enabled:
             raise ConfigError("key 'enabled'=False: sparse offload is off (the default); "
                               "set it to true to build the offload manager")
@@ -155,6 +163,11 @@ class SparseOffloadManager:
         self._batch: dict[str, torch.Tensor] = {}
         self._step_lens: list[int] = []
         self._step_blocks: list[list[int]] = []
+        self.area = area
+        # this step's resident entries (hybrid), and their new rows split from the pool's
+        self._resident: list[bool] = []
+        self._split: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._split_of: torch.Tensor | None = None
         self.stats = SparseStats()
 
     def _no_device_path(self) -> str | None:
@@ -291,6 +304,9 @@ class SparseOffloadManager:
         for i, t in enumerate(tables):
             bt[i, : t.numel()] = t
         self._step = list(entries)
+        self._resident = [self.area is not None and self.area.holds(e.req_id) for e in entries]
+        self._split = None
+        self._split_of = None
         self._step_lens = lens
         self._step_blocks = [self.pool.block_list(e.req_id) for e in entries]
         self._step_no += 1
@@ -333,8 +349,15 @@ class SparseOffloadManager:
 
         ``new_kv`` is ``[N, *row_shape]`` (N scheduled tokens, batch order);
         ``positions`` is ``[N, 2]`` int (batch index, logical position). With
-        TP only rank 0 writes; it publishes the layer for the other ranks.
+        TP only rank 0 writes; it publishes the layer for the other ranks. Rows of
+        resident requests (hybrid residency) go to their device rows instead, on every
+        rank (each holds its own).
         """
+        if self._split is not None or any(self._resident):
+            rest = self._write_resident(layer, new_kv, positions)
+            if rest is None:
+                return
+            new_kv, positions = rest
         if self.tp_rank != 0:
             return
         t0 = time.perf_counter_ns()
@@ -359,6 +382,84 @@ class SparseOffloadManager:
         self.stats.offload_rows += int(dst.numel())
         self.stats.offload_bytes += int(dst.numel()) * self.pool.row_bytes
         self.stats.offload_ns += time.perf_counter_ns() - t0
+
+    def _write_resident(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Write resident entries' new rows to their device rows; returns the rest (rows
+        and positions, the same tensors every layer) for the pool, ``None`` if none."""
+        assert self.area is not None
+        if self._split is None or self._split_of is not positions:
+            self._split = self._split_rows(positions)
+            self._split_of = positions
+        area_sel, area_dst, pool_sel, pool_pos = self._split
+        n = area_sel.numel()
+        if n:
+            rows = new_kv if n == new_kv.shape[0] else new_kv.index_select(0, area_sel)
+            self.area.view(layer).index_copy_(0, area_dst, rows.to(self.area.view(layer).dtype))
+            self.stats.resident_rows += n
+        if not pool_sel.numel():
+            return None
+        return new_kv.index_select(0, pool_sel), pool_pos
+
+    def _split_rows(self, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's new rows split: (resident indices, their device rows, pool indices,
+        their positions)."""
+        assert self.area is not None
+        area_sel: list[int] = []
+        area_dst: list[int] = []
+        pool_sel: list[int] = []
+        tables: dict[int, torch.Tensor] = {}
+        pos = positions.tolist()
+        for i, (b, p) in enumerate(pos):
+            if not 0 <= b < len(self._step):
+                raise IndexError("new-KV batch index outside the step batch")
+            if not self._resident[b]:
+                pool_sel.append(i)
+                continue
+            if not 0 <= p < self._step_lens[b]:
+                raise IndexError(f"new-KV position {p} of batch entry {b} is outside "
+                                 f"[0, num_tokens={self._step_lens[b]})")
+            rows = tables.get(b)
+            if rows is None:
+                rows = tables[b] = self.area.rows(self._step[b].req_id)
+            if p >= rows.numel():
+                raise IndexError(f"request {self._step[b].req_id!r}: position {p} beyond its "
+                                 f"{rows.numel()} resident rows")
+            area_sel.append(i)
+            area_dst.append(int(rows[p]))
+        dev_ = self.hot.device
+        sel = torch.tensor(pool_sel, dtype=torch.int64)
+        return (torch.tensor(area_sel, dtype=torch.int64, device=dev_),
+                torch.tensor(area_dst, dtype=torch.int64, device=dev_),
+                sel.to(dev_), positions[sel] if pool_sel else positions[:0])
+
+    def move_to_pool(self, req_id: str, tokens: int) -> int:
+        """Hybrid residency: copy a resident request's first ``tokens`` rows of every layer
+        from its device rows to its host pool rows (rank 0 writes the pool) and forget its
+        device rows; returns the bytes moved per rank. The request keeps its hot row and
+        decodes from the pool from now on (its hot rows start empty)."""
+        assert self.area is not None
+        if not self.area.holds(req_id):
+            return 0
+        src = self.area.rows(req_id)[:tokens]
+        moved = 0
+        if self.tp_rank == 0 and tokens:
+            if src.numel() < tokens:
+                raise IndexError(f"request {req_id!r}: {tokens} positions to move, "
+                                 f"{src.numel()} resident rows")
+            blocks = torch.tensor(self.pool.block_list(req_id), dtype=torch.int64)
+            p = torch.arange(tokens)
+            dst = blocks[p // self.block_size] * self.block_size + p % self.block_size
+            for layer in range(self.num_layers):
+                rows = dev.host_read(self.area.view(layer).index_select(0, src),
+                                     reason=dev.MOVE_READ)
+                dev.scatter_rows(rows, dst, self.pool.layer(layer))
+            moved = tokens * self.num_layers * self.pool.row_bytes
+            self.stats.moved_rows += tokens
+            self.stats.moved_bytes += moved
+        self.area.drop(req_id)
+        return moved
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:
@@ -475,6 +576,8 @@ class SparseOffloadManager:
         if not 0 <= batch_index < len(self._step):
             raise IndexError(f"batch index {batch_index} outside the step batch of "
                              f"{len(self._step)}")
+        if self._resident and self._resident[batch_index]:
+            return self._resident_rows(layer, batch_index, positions)
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
         self.stats.pool_query_tokens += int(positions.shape[0])
@@ -497,6 +600,18 @@ class SparseOffloadManager:
         gathered = src.index_select(0, uniq).to(self.hot.device)
         self.stats.context_rows += int(uniq.numel())
         return gathered, rows.to(self.hot.device)
+
+    def _resident_rows(self, layer: int, batch_index: int, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A resident entry's rows of ``positions`` in its layer's device rows (hybrid)."""
+        assert self.area is not None
+        rows = self.area.rows(self._step[batch_index].req_id)
+        pos = positions.to(rows.device, torch.int64)
+        if pos.numel() and int(pos.max()) >= min(rows.numel(), self._step_lens[batch_index]):
+            raise IndexError(f"context positions beyond num_tokens={self._step_lens[batch_index]} "
+                             f"or the {rows.numel()} resident rows")
+        self.stats.resident_query_tokens += int(positions.shape[0])
+        return self.area.view(layer), torch.where(pos >= 0, rows[pos.clamp(min=0)], -1)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ascend_offload.config import RemoteD2HConfig
+from ascend_offload.config import ConfigError, RemoteD2HConfig
 from ascend_offload.connectors.logging_setup import wire_logging
 from ascend_offload.connectors.metrics import (
     ConnectorMetrics,
@@ -78,6 +78,11 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         if self.settings.sparse and self.settings.is_consumer:
             self.sparse_settings = SparseDecodeSettings.from_vllm(
                 vllm_config, self.cfg.sparse_offload, kv_cache_config)
+            if self.cfg.sparse_offload.hybrid:
+                raise ConfigError("key 'sparse_offload.hybrid'=True: hybrid residency runs in "
+                                  "AscendSparseDecodeConnector (colocated) only; a remote-D2H "
+                                  "decode lands every pulled prompt in the host pool "
+                                  "(accepted: False)")
         self.is_producer = self.settings.is_producer
         self.is_consumer = self.settings.is_consumer
         self.scheduler: RemoteD2HScheduler | None = None

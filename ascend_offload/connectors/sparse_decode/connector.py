@@ -50,6 +50,7 @@ from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -96,10 +97,21 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
             return 0, False
         if not self.scheduler.admit(request):
             return None, False  # its host pool rows are not free yet: wait
+        if self.scheduler.hybrid_wait(request, num_computed_tokens):
+            return None, False  # resident requests give blocks back at the end of this step
         # a resumed preempted request: its history is in the pool and the stash; a new one
         # with cached prefix blocks: their rows (both loaded before the forward, synchronously)
         resumed = self.scheduler.resume_offer(request, num_computed_tokens)
         return resumed or self.scheduler.prefix_offer(request, num_computed_tokens), False
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self.scheduler is not None:
+            self.scheduler.bind_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        """Hybrid residency: blocks borrowed for resident main KV go back at the end of
+        this step, so vLLM waits instead of preempting."""
+        return self.scheduler is not None and self.scheduler.pending_frees()
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

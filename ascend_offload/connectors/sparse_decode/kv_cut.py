@@ -184,7 +184,9 @@ def cut_kv_cache_config(vllm_config: VllmConfig, config: Any, available_memory: 
         tensors.append(KVCacheTensor(size=size, layers=[name], layer_stride=region,
                                      block_stride=elem, offset=base + i * region))
     out = dataclasses.replace(config, num_blocks=phys.num_blocks, kv_cache_tensors=tensors)
-    mark_cut(out, CutFacts(tuple(mains), hot.row_bytes, region))
+    pages = {int(sp.page_size_bytes) for g in rest for sp in _layer_specs(g).values()}
+    mark_cut(out, CutFacts(tuple(mains), hot.row_bytes, region,
+                           pages.pop() if len(pages) == 1 else 0))
     return out
 
 
@@ -201,6 +203,9 @@ class CutFacts:
     layers: tuple[str, ...]  # main-KV layers, group order
     row_bytes: int
     region_bytes: int  # device bytes per main-KV layer (its hot buffer)
+    # one block's page of each indexer layer (0: they differ): where hybrid residency
+    # fits resident main-KV rows
+    index_page: int = 0
 
 
 _FACTS = "ascend_offload_sparse_cut"

@@ -13,6 +13,12 @@ this side sees the preemption), and on resumption the stashed tokens are offered
 to vLLM as computed (``get_num_new_matched_tokens``) and loaded into the new
 blocks before the forward.
 
+Hybrid residency (:class:`~ascend_offload.sparse.hybrid.ResidentBook`,
+``sparse_offload.hybrid``): newly scheduled requests are placed in blocks borrowed from
+vLLM's block pool while it has spare ones, resident requests grow with them, and when
+vLLM needs blocks back (a waiting request does not fit, a running one cannot grow:
+``has_pending_block_frees``) the longest-running residents move to the host pool.
+
 Decode-side prefix caching (:class:`~ascend_offload.sparse.prefix_cache.PrefixIndex`,
 ``sparse_offload.prefix_cache_blocks``): a new request's leading cached blocks are
 offered as external hits and reserved as shared (the ledger counts them once); a
@@ -31,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.sparse.admission import PoolLedger
+from ascend_offload.sparse.hybrid import HybridOp, ResidentBook
 from ascend_offload.sparse.preemption import (
     PreemptionBook,
     PreemptState,
@@ -42,7 +49,9 @@ from ascend_offload.sparse.preemption import (
 from ascend_offload.sparse.prefix_cache import PrefixHit, PrefixIndex, PrefixOp
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -72,6 +81,34 @@ class SparseDecodeMetadata(KVConnectorMetadata):
     # resumed request recomputed from position 0 (no stash) -> its leading blocks shared
     # with prefix cache entries, to be replaced by blocks of its own before it writes them
     unshare: dict[str, int] = dataclasses.field(default_factory=dict)
+    # hybrid residency orders of this step, in order (before finishes and admissions)
+    hybrid_ops: tuple[HybridOp, ...] = ()
+
+
+class PoolBlocks:
+    """Blocks borrowed from vLLM's block pool for resident main KV (hybrid residency).
+
+    Why the pool directly: a borrowed block is one vLLM will not hand out (reference
+    count 1), counted as used in its usage and free-block figures, and returned with
+    ``free_blocks`` like any request's."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._held: dict[int, KVCacheBlock] = {}
+
+    def num_free(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def take(self) -> int:
+        block = self.pool.get_new_blocks(1)[0]
+        self._held[block.block_id] = block
+        return block.block_id
+
+    def give(self, blocks: Sequence[int]) -> None:
+        self.pool.free_blocks([self._held.pop(b) for b in blocks])
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class SparseDecodeScheduler:
@@ -94,6 +131,37 @@ class SparseDecodeScheduler:
         cap = settings.cfg.prefix_cache_blocks
         self.prefix = PrefixIndex(cap, settings.block_size) if cap else None
         self._hits: dict[str, int] = {}  # request -> pinned blocks vLLM took as computed
+        self.hybrid: ResidentBook | None = None  # bound with vLLM's block pool
+        self._last_batch = 1  # requests scheduled by the last step (hybrid demand estimate)
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """vLLM's block pool, once built: hybrid residency borrows from it."""
+        if self.s.hybrid is not None and self.hybrid is None:
+            self.hybrid = ResidentBook(self.s.hybrid, PoolBlocks(pool),
+                                       keep_free=self.s.hybrid_keep_free,
+                                       max_resident=self.s.cfg.hybrid_max_resident)
+            log.info("sparse decode hybrid residency: main KV resident in borrowed blocks "
+                     "(%d to %d rows a block), %d of %d blocks never borrowed",
+                     self.s.hybrid.min_rows, self.s.hybrid.min_rows + 1, self.hybrid.keep_free,
+                     self.s.num_blocks)
+
+    def hybrid_wait(self, request: Request, num_computed_tokens: int) -> bool:
+        """A waiting request that does not fit in vLLM's free blocks while residents hold
+        borrowed ones: ``True`` = wait a step; the residents that give the blocks back move
+        at the end of this step (:meth:`build_meta`)."""
+        if self.hybrid is None or not len(self.hybrid):
+            return False
+        tokens = min(request.num_tokens - num_computed_tokens, self.s.max_batched_tokens
+                     or request.num_tokens)
+        need = -(-max(tokens, 1) // self.s.block_size) + 1
+        if self.hybrid.source.num_free() >= need:
+            return False
+        return self.hybrid.want(need)
+
+    def pending_frees(self) -> bool:
+        """vLLM could not allocate for a running request: residents can give blocks back
+        (so it waits a step instead of preempting)."""
+        return self.hybrid is not None and self.hybrid.want(self._last_batch)
 
     def _check_groups(self) -> None:
         """Once the KV cache manager is bound: no stash offers to an engine of several KV
@@ -155,6 +223,8 @@ class SparseDecodeScheduler:
             self.ledger.uncache(self.prefix.unpin(request_id))
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
+        if self.hybrid is not None:
+            self.hybrid.release(request_id)
 
     def _unshare(self, request_id: str) -> int:
         """A request that shares cached blocks is recomputed from position 0: it needs its
@@ -267,4 +337,23 @@ class SparseDecodeScheduler:
         ops = self.prefix.take_ops() if self.prefix is not None else ()
         return SparseDecodeMetadata(new, keys, finished,
                                     {r: computed[r] for r in new}, preempted, resumed, drafts,
-                                    ops, hits, unshare)
+                                    ops, hits, unshare,
+                                    self._hybrid_step(scheduler_output, computed, preempted))
+
+    def _hybrid_step(self, scheduler_output: SchedulerOutput, computed: dict[str, int],
+                     preempted: dict[str, StashOrder]) -> tuple[HybridOp, ...]:
+        """Hybrid residency after vLLM scheduled the step: preempted residents move, new
+        requests are placed, residents grow, then vLLM gets back what it asked for."""
+        if self.hybrid is None:
+            return ()
+        for rid in preempted:
+            self.hybrid.move(rid)
+        new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            if rid in new:
+                self.hybrid.place(rid, computed[rid] + n)
+            elif self.hybrid.holds(rid):
+                self.hybrid.grow(rid, computed[rid] + n)
+        self.hybrid.relieve()
+        self._last_batch = max(1, len(scheduler_output.num_scheduled_tokens))
+        return self.hybrid.take_ops()

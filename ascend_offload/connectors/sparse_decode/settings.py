@@ -5,10 +5,12 @@ decode side). Every role runs them, so a bad config fails at startup everywhere.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from ascend_offload.config import ConfigError, SparseOffloadConfig
 from ascend_offload.kv_layout import layer_order
+from ascend_offload.sparse.hybrid import AreaGeometry
 from ascend_offload.sparse.pools import GiB, rows_for_budget
 
 if TYPE_CHECKING:
@@ -77,6 +79,38 @@ def prefix_cache_checks(cfg: SparseOffloadConfig, *, paged: bool, pool_blocks: i
                           f"{pool_blocks} (at most that, or raise 'dram_size_per_dp_GB')")
 
 
+def hybrid_geometry(cfg: SparseOffloadConfig, kv_cache_config: KVCacheConfig, *,
+                    mains: tuple[str, ...], indexers: list[str], row_bytes: int, paged: bool,
+                    index_page: int) -> AreaGeometry:
+    """Where resident main-KV rows fit in borrowed indexer blocks; refused at startup,
+    naming the key, where hybrid residency cannot work."""
+    key = "key 'sparse_offload.hybrid'=True"
+    if paged:
+        raise ConfigError(f"{key}: the engine keeps the main KV paged on the device (vllm-ascend); "
+                          "it is resident there already (accepted: False)")
+    if cfg.prefix_cache_blocks:
+        raise ConfigError(f"{key} with 'sparse_offload.prefix_cache_blocks'="
+                          f"{cfg.prefix_cache_blocks}: the prefix cache keeps host pool rows, "
+                          "which resident requests do not write (use one of them)")
+    if len(kv_cache_config.kv_cache_groups) != 1 or len(indexers) != len(mains):
+        raise ConfigError(f"{key}: resident rows live in the paired indexer layer's borrowed "
+                          f"blocks, one indexer layer per main-KV layer in one KV cache group; "
+                          f"this engine has {len(kv_cache_config.kv_cache_groups)} groups, "
+                          f"{len(indexers)} indexer and {len(mains)} main-KV layers (accepted: False)")
+    places = {(t.block_stride, t.layer_stride) for t in kv_cache_config.kv_cache_tensors
+              if any(n in indexers for n in t.layers)}
+    page = index_page
+    if len(places) != 1 or not page:
+        raise ConfigError(f"{key}: the indexer layers have {len(places)} block layouts and "
+                          f"{'one page size' if page else 'several page sizes'}; one of each is "
+                          "needed (accepted: False)")
+    geometry = AreaGeometry(places.pop()[0], page, row_bytes)
+    if geometry.min_rows < 1:
+        raise ConfigError(f"{key}: an indexer block page of {page} B cannot hold two main-KV rows "
+                          f"of {row_bytes} B; raise the block size (accepted: False)")
+    return geometry
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedMainKV:
     """Main-KV facts of an engine allocation that keeps the main KV paged on the device.
@@ -134,6 +168,14 @@ class SparseDecodeSettings:
     # draft tokens a speculative step verifies per request (0: no speculation): a decode
     # row then has up to 1 + spec_tokens query tokens, resolved into the hot buffer at once
     spec_tokens: int = 0
+    # hybrid residency: how resident rows fit in borrowed indexer blocks (None: off)
+    hybrid: AreaGeometry | None = None
+    max_batched_tokens: int = 0  # vLLM's per-step token budget
+
+    @property
+    def hybrid_keep_free(self) -> int:
+        """vLLM blocks hybrid residency never borrows."""
+        return math.ceil(self.cfg.hybrid_free_fraction * self.num_blocks)
 
     @property
     def query_tokens(self) -> int:
@@ -159,6 +201,7 @@ class SparseDecodeSettings:
         group, row_bytes, pool_blocks, paged = 0, 0, 0, False
         indexers: list[tuple[str, int]] = []
         num_blocks = 0
+        hybrid: AreaGeometry | None = None
         if kv_cache_config is not None:
             from ascend_offload.connectors.sparse_decode.kv_cut import cut_facts
 
@@ -182,6 +225,11 @@ class SparseDecodeSettings:
             if cfg.prefix_cache_blocks:
                 prefix_cache_checks(cfg, paged=paged, pool_blocks=pool_blocks,
                                     groups=len(kv_cache_config.kv_cache_groups))
+            if cfg.hybrid:
+                hybrid = hybrid_geometry(cfg, kv_cache_config, mains=tuple(layers),
+                                         indexers=layer_order(n for n, _ in indexers),
+                                         row_bytes=row_bytes, paged=paged,
+                                         index_page=getattr(facts, "index_page", 0))
             if rows < max_len:
                 raise ConfigError(
                     f"key 'sparse_offload.dram_size_per_dp_GB'={cfg.dram_size_per_dp_GB}: the host "
@@ -189,7 +237,8 @@ class SparseDecodeSettings:
                     f"one request of max_model_len={max_len}; raise it or lower max_model_len")
         return cls(cfg, topk, block, max_len, vllm_config.scheduler_config.max_num_seqs,
                    tuple(layers), group, row_bytes, pool_blocks, paged, tuple(indexers),
-                   num_blocks, spec_tokens)
+                   num_blocks, spec_tokens, hybrid,
+                   int(vllm_config.scheduler_config.max_num_batched_tokens))
 
     def reservation(self, prompt_tokens: int | None, max_tokens: int | None) -> int:
         """Positions a request may ever need (prompt + new tokens, capped). With

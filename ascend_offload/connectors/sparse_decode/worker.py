@@ -22,7 +22,9 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.sparse_decode.kv_cut import HOT_ALIGN, hot_buffer_view
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
+from ascend_offload.kv_layout import layer_order
 from ascend_offload.sparse.colocated import ColocatedSparseDecode
+from ascend_offload.sparse.hybrid import ResidentArea, area_views
 from ascend_offload.sparse.manager import SparseOffloadManager
 from ascend_offload.sparse.pools import HostKVPool, pool_rows_from_config
 from ascend_offload.sparse.preemption import IndexerStash, block_major
@@ -141,6 +143,7 @@ class SparseDecodeWorker:
             row, dtype = main_kv_rows(kv_caches, names)
             rows = settings.max_num_seqs * settings.cfg.topk_buffer_size
             hot = [hot_buffer_view(kv_caches[n], rows) for n in names]
+        area = self._resident_area(settings, kv_caches, row, dtype) if settings.hybrid else None
         if shared_pool is not None and pool is None:
             pool = shared_tp_pool(settings, num_layers=len(names), row=row, dtype=dtype,
                                   tp_rank=tp_rank, name=shared_pool)
@@ -149,7 +152,7 @@ class SparseDecodeWorker:
             settings.cfg, num_layers=len(names), row_shape=(row,), dtype=dtype,
             block_size=settings.block_size, max_requests=settings.max_num_seqs,
             index_topk=settings.index_topk, pool=pool, device=where, hot_buffers=hot,
-            tp_rank=tp_rank, max_positions=settings.max_model_len)
+            tp_rank=tp_rank, max_positions=settings.max_model_len, area=area)
         if self.manager.pool.num_blocks != settings.pool_blocks and (pool is None or shared_pool):
             raise ConfigError(f"host pool of {self.manager.pool.num_blocks} blocks, the scheduler "
                               f"counts {settings.pool_blocks}: the roles disagree on the config")
@@ -191,6 +194,24 @@ class SparseDecodeWorker:
                  self.manager.residency.kind, settings.cfg.residency_policy,
                  f"; pool shared by the TP ranks ({shared_pool}), rank {tp_rank} "
                  f"{'writes' if tp_rank == 0 else 'reads'}" if self.manager.pool.shared_name else "")
+
+    @staticmethod
+    def _resident_area(settings: SparseDecodeSettings, kv_caches: Mapping[str, Any], row: int,
+                       dtype: torch.dtype) -> ResidentArea:
+        """Hybrid residency's rows: main-KV layer ``i`` in indexer layer ``i``'s borrowed
+        blocks (both in model order)."""
+        assert settings.hybrid is not None
+        names = layer_order(n for n, _ in settings.indexer_layers)
+        try:
+            caches = block_major(kv_caches, names, settings.num_blocks)
+            views = area_views(caches, settings.hybrid, settings.num_blocks, dtype, row)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"key 'sparse_offload.hybrid'=True: the indexer caches cannot hold "
+                              f"resident main-KV rows here ({exc}); accepted: False") from exc
+        log.info("sparse decode hybrid residency: resident main-KV rows in borrowed blocks of "
+                 "%d indexer layers (%d-%d rows of %d B a block)", len(views),
+                 settings.hybrid.min_rows, settings.hybrid.min_rows + 1, settings.hybrid.row_bytes)
+        return ResidentArea(views, settings.hybrid)
 
     @staticmethod
     def _indexer_stash(settings: SparseDecodeSettings, kv_caches: Mapping[str, Any]) -> IndexerStash:
@@ -243,6 +264,7 @@ class SparseDecodeWorker:
         # prefix cache orders first: a keep takes over rows of a request finished below,
         # an eviction frees rows an admission below may need
         self.apply_prefix(meta)
+        self.decode.apply_hybrid(meta.hybrid_ops)
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():
