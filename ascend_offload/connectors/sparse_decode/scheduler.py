@@ -350,10 +350,10 @@ class SparseDecodeScheduler:
             self.hybrid.move(rid)
         new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            if rid in new:
-                self.hybrid.place(rid, computed[rid] + n)
-            elif self.hybrid.holds(rid):
+            if self.hybrid.holds(rid):  # placed earlier (also: before a remote-D2H pull)
                 self.hybrid.grow(rid, computed[rid] + n)
+            elif rid in new:
+                self.hybrid.place(rid, computed[rid] + n)
         self.hybrid.relieve()
         self._last_batch = max(1, len(scheduler_output.num_scheduled_tokens))
         return self.hybrid.take_ops()
