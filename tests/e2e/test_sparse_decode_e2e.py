@@ -27,6 +27,12 @@ device tensor ops): its tokens must equal the baseline's, and in every engine st
 its worker read no top-k and no row back to the host (``device.host_read``'s counter,
 reported per step through the connector stats), while the host resolver's engine
 read the top-k every layer of every decode step.
+
+Then hybrid residency (``hybrid: true``), the same 38 prompts at concurrency 4 on two
+more engines: with the same KV memory every request stays resident (no miss, nothing
+written to the pool, nothing moved); with ~100 indexer blocks the residents' borrowed
+blocks run out, the longest-running move to the host pool (counted) and decode from the
+hot buffers. Tokens equal the baseline's on both, every borrowed block goes back.
 """
 
 from __future__ import annotations
@@ -262,3 +268,88 @@ def test_device_resolver_reads_nothing_back_per_step(runs: dict[str, Any]) -> No
           f"0 top-k / row reads per step; host resolver: "
           f"{sum(d.get('host_reads_topk', 0) for d in host_steps)} top-k reads in "
           f"{len(host_decode)} decode steps; device hit rate {hits / resolved:.3f}")
+
+
+# ---------------------------------------------------------------- hybrid residency
+
+# KV memory of the tight hybrid engine: ~100 indexer blocks, so the residents' borrowed
+# blocks run out while batch A runs (a long resident request needs ~45 of them)
+HYBRID_TIGHT_KV = 2_000_000
+
+
+class _HybridSteps(_ConnectorSteps):
+    """Also vLLM's KV usage of every step (borrowed blocks count as used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.usage: list[float] = []
+
+    def add(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        super().add(scheduler_stats, iteration_stats)
+        if scheduler_stats is not None:
+            self.usage.append(float(scheduler_stats.kv_cache_usage))
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(model_dir: str, runs: dict[str, Any]) -> dict[str, Any]:
+    """Hybrid residency on, after the other engines: with the same KV memory (every request
+    stays resident) and with a tight one (residents move to the pool under pressure)."""
+    cfg = sparse_decode_config({"topk_buffer_size": HOT, "index_topk": TOPK,
+                                "dram_size_per_dp_GB": POOL_GB, "hybrid": True})
+    out: dict[str, Any] = {}
+    for name, kv in (("roomy", KV_BYTES), ("tight", HYBRID_TIGHT_KV)):
+        rec = _HybridSteps()
+        args = {**ENGINE_ARGS, "kv_cache_memory_bytes": kv}
+        with owned_engine(lambda rec=rec, args=args: stepped_engine(
+                rec, model=model_dir, kv_transfer_config=cfg, **args), in_process=True) as eng:
+            m = rec.mark()
+            toks = _run(eng, PROMPTS_A, MAX_TOKENS_A)
+            peak = rec.peak_running(m)
+            toks += _run(eng, PROMPTS_B, MAX_TOKENS_B)
+            steps = rec.connector
+            out[name] = {"tokens": toks, "peak_a": peak, "usage": rec.usage, "steps": steps,
+                         "blocks": eng.vllm_config.cache_config.num_gpu_blocks,
+                         "sum": {k: sum(d.get(k, 0) for d in steps) for k in (
+                             "placed_requests", "moved_requests", "moved_bytes", "resident_rows",
+                             "resident_query_tokens", "miss_rows", "offload_rows",
+                             "admission_failures", "unmatched_rows")}}
+    out["baseline"] = runs["tokens"]["baseline"]
+    return out
+
+
+def test_hybrid_residency_tokens_identical_resident_while_memory_suffices(
+        hybrid_runs: dict[str, Any]) -> None:
+    """Roomy: every request starts resident and stays so: no resolve, no miss, nothing
+    written to the host pool, nothing moved."""
+    r = hybrid_runs["roomy"]
+    assert r["tokens"] == hybrid_runs["baseline"]
+    s = r["sum"]
+    assert s["placed_requests"] == len(LENGTHS), s
+    assert s["moved_requests"] == 0 and s["miss_rows"] == 0 and s["offload_rows"] == 0, s
+    computed = sum(n + k - 1 for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
+    assert s["resident_rows"] == N_LAYERS * computed, s
+    assert s["admission_failures"] == 0 and s["unmatched_rows"] == 0, s
+    assert r["peak_a"] == MAX_SEQS
+    assert r["usage"][-1] == 0.0  # every borrowed block went back
+    assert r["steps"][-1].get("resident_requests", 0) <= 1
+
+
+def test_hybrid_residency_moves_residents_under_pressure_tokens_identical(
+        hybrid_runs: dict[str, Any]) -> None:
+    """Tight: requests start resident, some move to the host pool when vLLM needs blocks
+    (counted, their rows copied once), all finish with the model's tokens."""
+    r = hybrid_runs["tight"]
+    assert r["tokens"] == hybrid_runs["baseline"]
+    assert [len(t) for t in r["tokens"]] == MAX_TOKENS
+    s = r["sum"]
+    assert s["placed_requests"] >= len(LENGTHS) // 2, s
+    assert 0 < s["moved_requests"] < s["placed_requests"], s
+    assert s["moved_bytes"] > 0 and s["moved_bytes"] % (N_LAYERS * ROW_BYTES) == 0, s
+    # moved requests decode through the hot buffers from the pool they were moved to
+    assert s["miss_rows"] > 0 and s["offload_rows"] > 0, s
+    assert s["admission_failures"] == 0 and s["unmatched_rows"] == 0, s
+    assert r["peak_a"] == MAX_SEQS, r["peak_a"]
+    assert r["usage"][-1] == 0.0  # every borrowed block went back
+    # the tight engine really ran out of spare blocks (10 % are never borrowed)
+    assert max(r["usage"]) > 0.85, max(r["usage"])
+    print(f"\nhybrid residency, {r['blocks']} blocks: {s}")
