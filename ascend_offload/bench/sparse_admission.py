@@ -52,7 +52,11 @@ MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offlo
 # DeepSeek-V3.2's cache rows (elements): MLA latent + rope, indexer key
 ROWS = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
 TARGET_RATIO = 5.0
-ENGINES = ("baseline", "offload")
+HYBRID_TARGET_SHARE = 0.95  # hybrid_admitted_ratio >= this x admitted_ratio
+ENGINES = ("baseline", "offload", "hybrid")
+# the hybrid engine's connector counters (vllm:ascend_offload_sparse_*)
+HYBRID_COUNTERS = ("placed_requests", "moved_requests", "moved_bytes", "resident_rows",
+                   "resident_query_tokens", "miss_rows", "pool_query_tokens")
 
 
 def _model(a: argparse.Namespace) -> str:
@@ -92,8 +96,10 @@ def plan(a: argparse.Namespace) -> dict[str, Any]:
             "admitted_ratio_limit": limit}
 
 
-def _engine_args(a: argparse.Namespace, p: dict[str, Any], model: str, offload: bool
+def _engine_args(a: argparse.Namespace, p: dict[str, Any], model: str, kind: str
                  ) -> dict[str, Any]:
+    """``kind``: ``baseline`` (no connector), ``offload`` or ``hybrid`` (the same with hybrid
+    residency on)."""
     max_len = a.context + a.decode_tokens + BLOCK_SIZE
     args: dict[str, Any] = dict(
         model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
@@ -101,25 +107,27 @@ def _engine_args(a: argparse.Namespace, p: dict[str, Any], model: str, offload: 
         # whole prompts only: a request admitted holds all its prompt's blocks
         enable_chunked_prefill=False, max_num_batched_tokens=a.prefills_per_step * max_len,
         kv_cache_memory_bytes=p["kv_cache_memory_bytes"])
-    if offload:
+    if kind != "baseline":
         rows = p["max_num_seqs"] * p["request_blocks"] * BLOCK_SIZE
         pool_gb = rows * a.layers * p["main_row_bytes"] / 2**30 + 1e-6
         args["kv_transfer_config"] = {
             "kv_connector": "AscendSparseDecodeConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"sparse_offload": {
                 "enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
-                "dram_size_per_dp_GB": pool_gb}}}
+                "dram_size_per_dp_GB": pool_gb, **({"hybrid": True} if kind == "hybrid" else {})}}}
     return args
 
 
 def _gauge(name: str) -> float:
+    """``vllm:ascend_offload_sparse_<name>`` (a gauge, or a counter's ``_total``) of this
+    process's registry, where the engine created last exports."""
     from prometheus_client import REGISTRY
 
-    want = f"vllm:ascend_offload_sparse_{name}"
-    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name == want)
+    want = {f"vllm:ascend_offload_sparse_{name}", f"vllm:ascend_offload_sparse_{name}_total"}
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples if s.name in want)
 
 
-def _measure(a: argparse.Namespace, p: dict[str, Any], model: str, offload: bool,
+def _measure(a: argparse.Namespace, p: dict[str, Any], model: str, kind: str,
              prompts: list[list[int]]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -132,14 +140,17 @@ def _measure(a: argparse.Namespace, p: dict[str, Any], model: str, offload: bool
 
     rec = StepRecorder()
     sp = SamplingParams(max_tokens=a.decode_tokens, temperature=0.0, ignore_eos=True)
-    args = _engine_args(a, p, model, offload)
+    args = _engine_args(a, p, model, kind)
     with owned_engine(lambda: stepped_engine(rec, **args)) as eng:
         blocks = int(eng.vllm_config.cache_config.num_gpu_blocks)
         t0 = time.perf_counter()
         toks = run_requests(eng, prompts, [sp] * len(prompts))
         wall = time.perf_counter() - t0
         gauges = ({n: int(_gauge(n)) for n in ("device_kv_bytes", "device_main_kv_bytes",
-                                               "device_indexer_kv_bytes")} if offload else {})
+                                               "device_indexer_kv_bytes")}
+                  if kind != "baseline" else {})
+        if kind == "hybrid":
+            gauges["counters"] = {n: int(_gauge(n)) for n in HYBRID_COUNTERS}
     return {"num_gpu_blocks": blocks, "peak_running": rec.peak_running(),
             "preempted": rec.preempted(), "steps": len(rec.steps), "wall_s": wall,
             "tokens": toks, **gauges}
@@ -165,13 +176,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(a.context)] for _ in range(n)]
     t_start = time.time()
-    res = {name: _measure(a, p, model, name == "offload", prompts) for name in ENGINES}
-    base, off = res["baseline"], res["offload"]
+    res = {name: _measure(a, p, model, name, prompts) for name in ENGINES}
+    base, off, hyb = res["baseline"], res["offload"], res["hybrid"]
     page_main = BLOCK_SIZE * p["main_row_bytes"]
     base_main_alloc = base["num_gpu_blocks"] * page_main * a.layers
     # vLLM's paged main KV for max_num_seqs requests of the stated context
     base_main_ctx = p["max_num_seqs"] * p["request_blocks"] * page_main * a.layers
     admitted = off["peak_running"] / max(base["peak_running"], 1)
+    hybrid_admitted = hyb["peak_running"] / max(base["peak_running"], 1)
     return {
         "bench": "sparse-admission",
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
@@ -181,7 +193,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        "kv_cache_memory_bytes", "max_num_seqs", "main_row_bytes",
                        "indexer_row_bytes", "request_blocks")}},
         "peak_running": {k: res[k]["peak_running"] for k in ENGINES},
-        "expected_running": p["expected_running"],
+        # the hybrid engine admits by the same blocks as the offload engine
+        "expected_running": {**p["expected_running"],
+                             "hybrid": p["expected_running"]["offload"]},
         "preempted": {k: res[k]["preempted"] for k in ENGINES},
         "num_gpu_blocks": {k: res[k]["num_gpu_blocks"] for k in ENGINES},
         "admitted_ratio": admitted,
@@ -189,6 +203,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "target_admitted_ratio": TARGET_RATIO,
         "target_met": admitted >= TARGET_RATIO,
         "parity": base["tokens"] == off["tokens"],
+        # hybrid residency at the same memory: resident requests borrow vLLM's free blocks
+        # and give them back (moving to the host pool) when vLLM needs them
+        "hybrid_admitted_ratio": hybrid_admitted,
+        "hybrid_admitted_share": hybrid_admitted / admitted if admitted else 0.0,
+        "hybrid_target_share": HYBRID_TARGET_SHARE,
+        "hybrid_target_met": hybrid_admitted >= HYBRID_TARGET_SHARE * admitted,
+        "hybrid_parity": base["tokens"] == hyb["tokens"],
+        "hybrid_counters": hyb["counters"],
         "decode_device_kv_ratio": off["device_main_kv_bytes"] / base_main_ctx,
         "main_kv_device_bytes": {
             "offload": off["device_main_kv_bytes"],

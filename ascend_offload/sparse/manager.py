@@ -603,13 +603,17 @@ class SparseOffloadManager:
 
     def _resident_rows(self, layer: int, batch_index: int, positions: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A resident entry's rows of ``positions`` in its layer's device rows (hybrid)."""
+        """A resident entry's rows of ``positions`` in its layer's device rows (hybrid):
+        tensor ops only. The rows cover the entry's tokens (checked when the step was
+        planned); positions on the host are checked against them here, device ones are
+        not (that would synchronize per layer)."""
         assert self.area is not None
         rows = self.area.rows(self._step[batch_index].req_id)
-        pos = positions.to(rows.device, torch.int64)
-        if pos.numel() and int(pos.max()) >= min(rows.numel(), self._step_lens[batch_index]):
+        if dev.is_host(positions) and positions.numel() and int(positions.max()) >= min(
+                rows.numel(), self._step_lens[batch_index]):
             raise IndexError(f"context positions beyond num_tokens={self._step_lens[batch_index]} "
                              f"or the {rows.numel()} resident rows")
+        pos = positions.to(rows.device, torch.int64)
         self.stats.resident_query_tokens += int(positions.shape[0])
         return self.area.view(layer), torch.where(pos >= 0, rows[pos.clamp(min=0)], -1)
 
