@@ -285,6 +285,18 @@ class ResidentArea:
         return self.views[layer]
 
 
+def resident_slots(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of a resident request's ``positions`` (``-1`` padded, any shape) given its
+    position -> row table ``rows``: one gather, static shapes, no host synchronization
+    (what a captured decode graph runs instead of the resolve)."""
+    return torch.where(positions >= 0, rows[positions.clamp(min=0)], -1)
+
+
+def write_resident(view: torch.Tensor, dst: torch.Tensor, new_rows: torch.Tensor) -> None:
+    """A step's new main-KV rows into a layer's resident rows ``dst`` (one device scatter)."""
+    view.index_copy_(0, dst, new_rows.to(view.dtype))
+
+
 def area_views(caches: Sequence[torch.Tensor], geometry: AreaGeometry, num_blocks: int,
                dtype: torch.dtype, row: int) -> list[torch.Tensor]:
     """Per indexer cache (block dimension first), a ``[rows, row]`` view of ``dtype`` rows
@@ -312,4 +324,5 @@ def area_views(caches: Sequence[torch.Tensor], geometry: AreaGeometry, num_block
 
 
 __all__: Sequence[str] = ["AreaGeometry", "BlockSource", "GrowOp", "HybridCounters", "HybridOp",
-                          "MoveOp", "ResidentArea", "ResidentBook", "area_views"]
+                          "MoveOp", "ResidentArea", "ResidentBook", "area_views", "resident_slots",
+                          "write_resident"]

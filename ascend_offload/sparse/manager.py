@@ -36,7 +36,7 @@ from ascend_offload.sparse.device_residency import (
     DeviceResidency,
     scatter_new_rows,
 )
-from ascend_offload.sparse.hybrid import ResidentArea
+from ascend_offload.sparse.hybrid import ResidentArea, resident_slots, write_resident
 from ascend_offload.sparse.pools import (
     HostKVPool,
     HotBuffers,
@@ -395,7 +395,7 @@ class SparseOffloadManager:
         n = area_sel.numel()
         if n:
             rows = new_kv if n == new_kv.shape[0] else new_kv.index_select(0, area_sel)
-            self.area.view(layer).index_copy_(0, area_dst, rows.to(self.area.view(layer).dtype))
+            write_resident(self.area.view(layer), area_dst, rows)
             self.stats.resident_rows += n
         if not pool_sel.numel():
             return None
@@ -615,7 +615,7 @@ class SparseOffloadManager:
                              f"or the {rows.numel()} resident rows")
         pos = positions.to(rows.device, torch.int64)
         self.stats.resident_query_tokens += int(positions.shape[0])
-        return self.area.view(layer), torch.where(pos >= 0, rows[pos.clamp(min=0)], -1)
+        return self.area.view(layer), resident_slots(rows, pos)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

@@ -214,3 +214,27 @@ def test_area_views_refuse_a_layout_the_scheduler_did_not_plan() -> None:
     (view,) = area_views([idx], GEO, NB, torch.float32, ROW)
     assert view.untyped_storage().data_ptr() == idx.untyped_storage().data_ptr()
     assert view.shape == (GEO.span_rows(NB), ROW)
+
+
+def test_the_resident_layer_path_compiles_as_one_graph() -> None:
+    """What a resident request does per layer (new rows in, selected rows out, attention
+    input gathered) is tensor ops only: ``fullgraph=True`` raises on any graph break."""
+    from ascend_offload.sparse.hybrid import resident_slots, write_resident
+
+    def layer(view: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, new: torch.Tensor,
+              topk: torch.Tensor) -> torch.Tensor:
+        write_resident(view, dst, new)
+        slots = resident_slots(rows, topk)
+        return view.index_select(0, slots.clamp(min=0).flatten()).view(*slots.shape, -1)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    idx = torch.zeros(NB, BS, IDX)
+    (view,) = area_views([idx], GEO, NB, torch.float32, ROW)
+    rows = torch.tensor([r for b in (2, 7) for r in GEO.rows_of(b)])
+    new = torch.randn(2, ROW)
+    topk = torch.tensor([[0, 3, 9, -1]])
+    out = compiled(view, rows, rows[[8, 9]], new, topk)
+    assert torch.equal(out[0, 2], new[1]) and torch.equal(view[rows[8]], new[0])
+    eager_view = torch.zeros_like(view)
+    eager_view.copy_(view)
+    assert torch.equal(out, layer(eager_view, rows, rows[[8, 9]], new, topk))
