@@ -1,7 +1,7 @@
 """``ascend-offload bench sparse-admission``: concurrent long requests admitted at the same
 device KV budget, with sparse decode offload vs without.
 
-Two real vLLM CPU engines of the tiny sparse-MLA model with DeepSeek-V3.2's cache
+Three real vLLM CPU engines of the tiny sparse-MLA model with DeepSeek-V3.2's cache
 row proportions (main row ``kv_lora_rank`` 512 + rope 64, indexer row
 ``index_head_dim`` 128: main : indexer = 4.5 : 1; float32 both), one after the
 other, with the same engine config and the same ``kv_cache_memory_bytes``: the
@@ -15,6 +15,15 @@ with its whole prompt's blocks. vLLM reports its running and waiting requests
 after every step (a stat logger, :mod:`ascend_offload.harness.engines`); the
 peak running count is what each engine admitted at once, and the greedy tokens
 of the two must be identical.
+
+The third engine is the offload engine with hybrid residency on (``sparse_offload.hybrid``)
+at the same memory: a request's main KV starts in blocks borrowed from vLLM's free KV
+blocks while they last, and moves to the host pool when vLLM needs them back (a waiting
+request does not fit, a running one cannot grow). ``hybrid_admitted_ratio`` is its peak
+running count / the baseline's, next to ``admitted_ratio`` of the same run (goal: at least
+0.95 of it: borrowing must not cost admission); its greedy tokens must equal the
+baseline's too, and its connector counters (requests placed resident, moved, bytes
+moved) are reported.
 
 ``max_num_seqs`` (both engines) is, by default, the largest request count the
 offload engine can hold at that budget: hot buffers are reserved per request
@@ -227,6 +236,7 @@ def report(res: dict[str, Any]) -> str:
     c = res["config"]
     pk, ex = res["peak_running"], res["expected_running"]
     kv = res["main_kv_device_bytes"]
+    hc = res["hybrid_counters"]
     verdict = "met" if res["target_met"] else "NOT met"
     return "\n".join([
         f"sparse-admission: {c['requests']} requests x {c['context']}-token prompts, "
@@ -236,11 +246,20 @@ def report(res: dict[str, Any]) -> str:
         f"each, max_num_seqs {c['max_num_seqs']}",
         f"  peak running requests: baseline {pk['baseline']} (expected {ex['baseline']}, "
         f"{res['num_gpu_blocks']['baseline']} blocks), offload {pk['offload']} (expected "
-        f"{ex['offload']}, {res['num_gpu_blocks']['offload']} indexer blocks); preempted "
-        f"{res['preempted']['baseline']} / {res['preempted']['offload']}",
+        f"{ex['offload']}, {res['num_gpu_blocks']['offload']} indexer blocks), hybrid "
+        f"{pk['hybrid']} ({res['num_gpu_blocks']['hybrid']} indexer blocks); preempted "
+        f"{res['preempted']['baseline']} / {res['preempted']['offload']} / "
+        f"{res['preempted']['hybrid']}",
         f"  admitted_ratio {res['admitted_ratio']:.2f}x (limit for these rows and hot/context: "
         f"{res['admitted_ratio_limit']:.2f}x); target >= {res['target_admitted_ratio']:.1f}x: "
         f"{verdict}; greedy tokens identical: {res['parity']}",
+        f"  hybrid_admitted_ratio {res['hybrid_admitted_ratio']:.2f}x = "
+        f"{res['hybrid_admitted_share']:.3f} x admitted_ratio {res['admitted_ratio']:.2f}x "
+        f"(target >= {res['hybrid_target_share']:.2f} x: "
+        f"{'met' if res['hybrid_target_met'] else 'NOT met'}); placed "
+        f"{hc['placed_requests']}, moved {hc['moved_requests']} ({hc['moved_bytes']} B), "
+        f"resident query tokens {hc['resident_query_tokens']}, miss rows {hc['miss_rows']}; "
+        f"greedy tokens identical: {res['hybrid_parity']}",
         f"  decode_device_kv_ratio {res['decode_device_kv_ratio']:.4f}: main KV on the device "
         f"{kv['offload']} B (hot buffers, read from the engine) vs {kv['baseline_for_context']} B "
         f"(paged, {c['max_num_seqs']} requests x {c['request_blocks']} blocks); the baseline "

@@ -1,6 +1,6 @@
 """``ascend-offload bench sparse-e2e``: decode step time with sparse decode offload vs without.
 
-Three real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
+Four real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
 engine config, same process, all alive for the whole run): the baseline has no
 connector, the other two run ``AscendSparseDecodeConnector`` (colocated mode: the
 engine prefills, then one-token rows attend over per-layer hot buffers filled
@@ -11,7 +11,11 @@ host``, the native table) and ``device`` with the device resolver
 at once with greedy ``max_tokens=--decode-tokens``; ``max_num_batched_tokens``
 fits every prompt in one prefill step, so every later step is a pure decode
 step of the whole batch. Rounds alternate the engines' order (forward, then
-backward) so slow drift of the shared machine hits all alike.
+backward) so slow drift of the shared machine hits all alike. The fourth engine,
+``hybrid``, is ``offload`` with hybrid residency on (``sparse_offload.hybrid``) and KV
+memory enough for every request of the batch to stay resident (:func:`_hybrid_kv_bytes`):
+its main-KV rows live in device blocks borrowed from vLLM's free blocks and attention
+reads them directly (no resolve, no miss copy).
 
 Step time: per request ``(last_token_ts - first_token_ts) / (n - 1)`` from
 vLLM's own per-request engine-core timestamps (``RequestOutput.metrics``); a
@@ -49,6 +53,17 @@ attended over the host pool instead of the hot buffers (the connector's
 was served from the hot buffers. ``spec`` holds the verification rows and the last
 engine's (the device resolver's) vLLM draft and acceptance counts. The breakdown's
 model timers then cover rows of up to ``1 + k`` query tokens.
+
+``hybrid_step_ratio``: per batch size of ``--hybrid-batches`` (default 1 and
+``--batch``), the median over its paired rounds of the hybrid engine's step time / the
+baseline's. At ``--batch`` the rounds of all four engines serve; every other size runs
+``--rounds`` rounds of its own, the baseline and the hybrid engine only (alternating
+order, fresh prompts). Per batch size the JSON (``hybrid``) also has the hybrid engine's
+miss rows, resolved positions and pool query tokens (all 0 while every request is
+resident), moved and placed requests, the resident rows written and query tokens
+attended by the decode steps (prefill pass subtracted: ``layers x batch x (decode_tokens
+- 1)`` per round without speculation), parity with the baseline and both engines'
+breakdowns.
 
 ``decode_device_kv_ratio``: main-KV bytes on the device with / without offload
 for the stated batch and context. With: the offload engine's own allocation

@@ -7,6 +7,7 @@ with another model, dtype or block size fails the read instead of scribbling.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,55 @@ def extents(layers: Iterable[LayerDesc]) -> list[tuple[int, int]]:
         else:
             merged.append([lo, hi])
     return [(lo, hi - lo) for lo, hi in merged]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowArea:
+    """One layer's per-token destination rows: row ``r`` is ``row_bytes`` at
+    ``base_addr + r * row_bytes`` (hybrid residency's resident main-KV rows, which lie
+    inside the layer's indexer cache: memory the layout already registers)."""
+
+    base_addr: int
+    row_bytes: int
+    num_rows: int
+
+    @property
+    def end(self) -> int:
+        return self.base_addr + self.num_rows * self.row_bytes
+
+
+def row_area_error(area: RowArea, layers: Iterable[LayerDesc], *, block_size: int,
+                   main_block_bytes: int) -> str | None:
+    """Why ``area`` cannot take a layer's main KV (None if it can): its rows must hold
+    exactly one token of a main-KV block of ``main_block_bytes`` at ``block_size`` tokens,
+    and lie wholly inside the registered extents of ``layers`` (the transfer engine only
+    writes registered memory)."""
+    if area.row_bytes * block_size != main_block_bytes:
+        return (f"rows of {area.row_bytes} B, but a main-KV block of {main_block_bytes} B holds "
+                f"{block_size} tokens")
+    if area.num_rows <= 0 or area.base_addr < 0:
+        return f"no rows ({area.num_rows} at {area.base_addr:#x})"
+    if not any(lo <= area.base_addr and area.end <= lo + n for lo, n in extents(layers)):
+        return (f"rows [{area.base_addr:#x}, {area.end:#x}) are not inside the registered KV "
+                "regions")
+    return None
+
+
+def row_runs(rows: Sequence[int], block_size: int) -> list[tuple[int, int, int, int]]:
+    """A row table (destination row of each wire position) as read runs: ``(wire block,
+    first token in that block, first row, rows)``, consecutive rows within one source block
+    merged (the transfer engine's coalescing merges runs that also continue across blocks)."""
+    out: list[tuple[int, int, int, int]] = []
+    for k in range(0, len(rows), block_size):
+        seg = rows[k:k + block_size]
+        j = 0
+        while j < len(seg):
+            e = j + 1
+            while e < len(seg) and seg[e] == seg[e - 1] + 1:
+                e += 1
+            out.append((k // block_size, j, int(seg[j]), e - j))
+            j = e
+    return out
 
 
 def incompatibility(src: LayerDesc, dst: LayerDesc, *, pool_block_size: int | None = None) -> str | None:

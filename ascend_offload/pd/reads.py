@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ascend_offload.pd import protocol as P
-from ascend_offload.pd.layout import block_capacity, incompatibility, out_of_range
+from ascend_offload.pd.layout import RowArea, block_capacity, incompatibility, out_of_range
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp
 
@@ -76,13 +76,24 @@ def affected_blocks(topology: Topology, desc: P.LayerDesc, p_rank: int, dst_bloc
 
 def build_ops(src: P.LayerDesc, dst: P.LayerDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
               main: bool, index_range: tuple[int, int],
-              index_blocks: Sequence[int] | None = None) -> list[ReadOp]:
+              index_blocks: Sequence[int] | None = None,
+              row_runs: Sequence[tuple[int, int, int, int]] | None = None,
+              row_area: RowArea | None = None) -> list[ReadOp]:
     """Read descriptors for one contributor's share of one layer (before coalescing).
 
     ``index_blocks`` is the indexer's destination when it is not ``dst_blocks``
-    (main KV into a host pool, indexer into device blocks)."""
+    (main KV into a host pool, indexer into device blocks). ``row_runs`` (from
+    :func:`~ascend_offload.pd.layout.row_runs`) with ``row_area``: the main KV goes to
+    per-token rows instead of blocks (one main tensor; a run copies ``n`` tokens of one
+    source block, starting at token ``j``, to rows ``r..r+n-1``), and only the positions
+    the row table names are read (no row past the prompt is written)."""
     ops: list[ReadOp] = []
-    if main:
+    if main and row_runs is not None:
+        assert row_area is not None and len(src.main) == 1, "row destination: one main tensor"
+        s_t, rb = src.main[0], row_area.row_bytes
+        ops += [ReadOp(row_area.base_addr + r * rb, s_t.block_addr(src_blocks[k]) + j * rb, n * rb)
+                for k, j, r, n in row_runs]
+    elif main:
         for s_t, d_t in zip(src.main, dst.main, strict=True):
             ops += [ReadOp(d_t.block_addr(d), s_t.block_addr(s), d_t.block_bytes)
                     for s, d in zip(src_blocks, dst_blocks, strict=True)]

@@ -1,11 +1,14 @@
-"""``bench sparse-e2e`` with tiny settings: three real vLLM CPU engines (a few minutes).
+"""``bench sparse-e2e`` with tiny settings: four real vLLM CPU engines (a few minutes).
 
 Checks what the JSON promises rather than any timing: the ratios are medians of the
 paired rounds, all engines generated the same greedy tokens, every decode row of
 every layer was resolved through the hot buffers (exact count over the whole run)
 by both resolvers, the device resolver's worker read no top-k back to the host, the
 breakdown has the offload phases only for the offload engines, and the offload
-engine's main-KV device bytes are exactly its hot buffers.
+engine's main-KV device bytes are exactly its hot buffers; the hybrid engine kept
+every request resident (every decode query token of every layer attended over its
+device rows, nothing resolved, copied, moved or written to the pool) at both batch
+sizes, with its ratio per batch size.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def test_bad_settings_are_refused_before_any_engine_starts() -> None:
         sparse_e2e.main(["--context", "32", "--index-topk", "32"])
     with pytest.raises(SystemExit, match="decode-tokens"):
         sparse_e2e.main(["--decode-tokens", "1"])
+    with pytest.raises(SystemExit, match="hybrid-batches"):
+        sparse_e2e.main(["--hybrid-batches", "1,9"])  # above --batch 8
+    with pytest.raises(SystemExit, match="hybrid-batches"):
+        sparse_e2e.main(["--hybrid-batches", "one"])
 
 
 @pytest.mark.bench
@@ -125,6 +132,46 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
         <= LAYERS * decode_rows, reads
     assert res["device_counters"]["host_reads_step"] > 0
     assert res["device_residency"] == {"kind": "device", "kernel": "ops"}
+    _check_hybrid(res, b, dt, query_tokens=1)
+
+
+def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int) -> None:
+    """The hybrid engine at batch 1 and ``batch`` (the default ``--hybrid-batches``): its
+    ratio is the median of its own paired rounds (at ``batch`` those of all engines),
+    every request stayed resident, tokens equal the baseline's."""
+    assert res["config"]["hybrid_batches"] == [1, batch]
+    assert res["config"]["hybrid_kv_cache_memory_bytes"] >= res["config"]["kv_cache_memory_bytes"]
+    assert set(res["hybrid_step_ratio"]) == set(res["hybrid"]) == {"1", str(batch)}
+    main = res["hybrid"][str(batch)]["step_ms"]
+    assert main["hybrid"]["rounds"] == res["step_ms"]["hybrid"]["rounds"]
+    assert main["baseline"]["rounds"] == res["step_ms"]["baseline"]["rounds"]
+    rounds = ARGS["rounds"]
+    for key, h in res["hybrid"].items():
+        b = int(key)
+        assert h["batch"] == b and h["rounds"] == rounds and h["parity"] is True, h
+        ratios = [x / y for x, y in zip(h["step_ms"]["hybrid"]["rounds"],
+                                        h["step_ms"]["baseline"]["rounds"], strict=True)]
+        assert res["hybrid_step_ratio"][key] == h["step_ratio"] == pytest.approx(
+            statistics.median(ratios), rel=1e-3)
+        c = h["counters"]
+        assert c["miss_rows"] == c["resolved_positions"] == c["pool_query_tokens"] == 0, c
+        assert c["offload_rows"] == c["moved_requests"] == c["moved_bytes"] == 0, c
+        assert c["placed_requests"] == 2 * b * rounds, c  # the prefill pass and the round
+        assert res["hybrid_miss_rows"][key] == res["hybrid_moved_requests"][key] == 0
+        assert res["hybrid_resident_query_tokens"][key] == c["resident_query_tokens"]
+        if query_tokens == 1:
+            want = LAYERS * b * rounds * (dt - 1)
+            assert h["expected_decode_resident_query_tokens"] == want
+            assert c["resident_query_tokens"] == c["resident_rows"] == want, c
+        else:
+            assert c["resident_query_tokens"] >= LAYERS * b * rounds * (dt - 1), c
+        assert res["hybrid_target_met"][key] == (h["step_ratio"] <= 1.02)
+        bd = h["breakdown_ms_per_step"]["hybrid"]
+        assert bd["resolve"] == bd["miss_copy"] == bd["offload"] == 0, bd
+    assert res["hybrid_parity"] is True
+    hc = res["hybrid_counters"]
+    assert hc["admission_failures"] == hc["unmatched_rows"] == hc["host_reads_topk"] == 0, hc
+    assert res["hybrid_gauges"]["resident_requests"] == 0  # all finished: blocks given back
 
 
 def test_a_hot_buffer_too_small_for_the_drafts_is_refused_before_any_engine_starts() -> None:
@@ -157,3 +204,5 @@ def test_tiny_speculating_run_writes_the_spec_keys(tmp_path: Path) -> None:
     vllm_counts = res["spec"]["device_engine_vllm"]
     assert vllm_counts["num_drafts"] == rows["device"], res["spec"]
     assert 0 <= vllm_counts["num_accepted_tokens"] <= vllm_counts["num_draft_tokens"]
+    # the hybrid engine speculates too: its verification rows attend over its device rows
+    _check_hybrid(res, 2, 8, query_tokens=4)
