@@ -17,6 +17,14 @@ sparse decode offload, the host KV pool for the main KV
 are registered like any KV tensor, a request's destination blocks are its
 pool blocks, and an indexer cache, if present, still goes to device blocks
 (``index_blocks``).
+
+A third destination serves hybrid residency (a request whose main KV lives in
+device rows borrowed from the indexer cache, ``sparse/hybrid.py``): per-token
+rows at a fixed pitch from a per-layer base (:class:`~ascend_offload.pd.layout.RowArea`,
+given at construction), one row table per request (:meth:`Consumer.expect_rows`,
+or ``expect_pool(..., rows=)``). Consecutive rows are read as one run; the
+indexer still goes to the request's device blocks. The rows must lie inside the
+registered layout (they are checked against its extents at construction).
 """
 
 from __future__ import annotations
@@ -40,7 +48,14 @@ from ascend_offload.pd.consumer_records import (
     RecvOutcome,
     RequestState,
 )
-from ascend_offload.pd.layout import block_capacity, extents, out_of_range
+from ascend_offload.pd.layout import (
+    RowArea,
+    block_capacity,
+    extents,
+    out_of_range,
+    row_area_error,
+    row_runs,
+)
 from ascend_offload.pd.reads import PeerReader, affected_blocks, build_ops, item_error
 from ascend_offload.pd.topology import Topology
 from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
@@ -74,11 +89,14 @@ class Consumer:
         keys: ControlKeys | None = None,
         register_memory: bool = True,
         pool_block_size: int | None = None,
+        row_areas: Sequence[RowArea] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``pool_block_size``: set when ``layers`` describe a host KV pool
         (:func:`~ascend_offload.pd.layout.pool_layer_descs`); size mismatches are
-        then reported in pool row bytes.
+        then reported in pool row bytes. ``row_areas`` (one per layer, with
+        ``pool_block_size``): where :meth:`expect_rows` puts a request's main KV, one
+        token per row; each must lie inside the registered extents of ``layers``.
 
         Peers choose their engine ids and endpoints, so what they can make us
         hold is bounded: at most ``max_peers`` prefill metadata entries (least
@@ -103,6 +121,20 @@ class Consumer:
         self.request_timeout_s = request_timeout_s
         self.read_retries = read_retries
         self.pool_block_size = pool_block_size
+        self.row_areas = list(row_areas) if row_areas is not None else None
+        if self.row_areas is not None:
+            if pool_block_size is None or len(self.row_areas) != len(self.layers):
+                raise ValueError(f"{len(self.row_areas)} row areas for {len(self.layers)} layers "
+                                 f"(pool_block_size={pool_block_size}): one per layer, with a pool "
+                                 "block size")
+            for i, (area, layer) in enumerate(zip(self.row_areas, self.layers, strict=True)):
+                if len(layer.main) != 1:
+                    raise ValueError(f"layer {i}: a row destination needs one main tensor, the "
+                                     f"layout has {len(layer.main)}")
+                why = row_area_error(area, self.layers, block_size=pool_block_size,
+                                     main_block_bytes=layer.main[0].block_bytes)
+                if why:
+                    raise ValueError(f"layer {i} row area: {why}")
         self.stats = ConsumerStats()
         self._clock = clock
         self._registered: list[int] = []
@@ -177,8 +209,48 @@ class Consumer:
             raise ValueError(f"request {request_id!r}: destination blocks {bad[:8]} outside 0..{cap - 1}")
         return blocks
 
+    def expect_rows(self, request_id: str, rows: Sequence[int], blocks: Sequence[int],
+                    num_layers: int | None = None) -> None:
+        """Expect the request with its main KV into per-token rows of every layer's row area.
+
+        ``rows[j]``: the row of wire position ``j`` (position 0 is the first token of the
+        first wire block); ``blocks``: the request's device blocks, one per wire block: the
+        indexer's destination (if the layout has one) and what a failed outcome reports.
+        ``rows`` covers the prompt only: ``len(blocks) - 1`` full blocks and a last one of
+        1..block_size tokens; the rest of the last source block is not read (no row past
+        the prompt is written).
+        """
+        if self.row_areas is None or self.pool_block_size is None:
+            raise ValueError(f"request {request_id!r}: this consumer has no row areas")
+        n = len(self.layers) if num_layers is None else num_layers
+        if not 0 < n <= len(self.layers):
+            raise ValueError(f"request {request_id!r}: num_layers={n} outside 1..{len(self.layers)}")
+        table = [int(r) for r in rows]
+        bs = self.pool_block_size
+        nblocks = len(blocks)
+        if not (nblocks - 1) * bs < len(table) <= nblocks * bs:
+            raise ValueError(f"request {request_id!r}: {len(table)} destination rows for {nblocks} "
+                             f"blocks of {bs} tokens")
+        if len(set(table)) != len(table):
+            raise ValueError(f"request {request_id!r}: duplicate destination rows")
+        cap = min(a.num_rows for a in self.row_areas[:n])
+        bad = out_of_range(table, cap)
+        if bad:
+            raise ValueError(f"request {request_id!r}: destination rows {bad[:8]} outside 0..{cap - 1}")
+        has_indexer = any(layer.indexer is not None for layer in self.layers[:n])
+        dst = (self._check_blocks(request_id, blocks, n, "indexer") if has_indexer
+               else [int(b) for b in blocks])
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} already expected")
+            self._requests[request_id] = RequestState(request_id, dst, n,
+                                                      self._clock() + self.request_timeout_s,
+                                                      row_runs=row_runs(table, bs))
+        self._loop.wake()
+
     def expect_pool(self, request_id: str, pool: BlockPool, *, prompt_tokens: int, max_tokens: int,
-                    index_blocks: Sequence[int] | None = None, shared: Sequence[int] = ()) -> bool:
+                    index_blocks: Sequence[int] | None = None, shared: Sequence[int] = (),
+                    rows: Sequence[int] | None = None) -> bool:
         """Reserve the request's rows in the host pool and expect its prompt KV there.
 
         ``max_tokens`` (prompt + max new tokens) is reserved now, so decode
@@ -193,6 +265,10 @@ class Consumer:
         ``shared``: pool blocks of cached prefix blocks the table starts with (the pool's
         prefix cache): the prompt's first ``len(shared)`` blocks are not read, the wire
         (and ``index_blocks``, all of the prompt's) starts after them.
+
+        ``rows`` (a row per prompt position, with ``index_blocks``): the pool rows are
+        reserved all the same, but the main KV lands in these rows of the row areas
+        (:meth:`expect_rows`), not in the pool.
         """
         with self._lock:
             if request_id in self._requests:  # before admission: a refused duplicate must not fail the original
@@ -200,6 +276,9 @@ class Consumer:
         if not 0 < prompt_tokens <= max_tokens:
             raise ValueError(f"request {request_id!r}: need 0 < prompt_tokens={prompt_tokens} <= "
                              f"max_tokens={max_tokens}")
+        if rows is not None and (index_blocks is None or len(rows) < prompt_tokens):
+            raise ValueError(f"request {request_id!r}: a row destination needs index_blocks and a "
+                             f"row for each of the {prompt_tokens} prompt positions ({len(rows)})")
         try:
             table = pool.admit(request_id, max_tokens, shared)
         except Exception as exc:  # PoolCapacityError and friends: this request only
@@ -210,8 +289,13 @@ class Consumer:
         nblocks = -(-prompt_tokens // pool.block_size)
         skip = len(shared)
         try:
-            self.expect(request_id, [int(b) for b in table[skip:nblocks]],
-                        index_blocks=None if index_blocks is None else index_blocks[skip:])
+            if rows is not None:
+                assert index_blocks is not None
+                self.expect_rows(request_id, rows[skip * pool.block_size:prompt_tokens],
+                                 index_blocks[skip:])
+            else:
+                self.expect(request_id, [int(b) for b in table[skip:nblocks]],
+                            index_blocks=None if index_blocks is None else index_blocks[skip:])
         except ValueError:
             pool.release(request_id)
             raise
@@ -355,8 +439,13 @@ class Consumer:
         self._finished_cv.notify_all()
 
     def _ops(self, meta: P.MfMeta, req: RequestState, it: P.ReadReady) -> list[ReadOp]:
+        area = None
+        if req.row_runs is not None:
+            assert self.row_areas is not None
+            area = self.row_areas[it.layer]
         return build_ops(meta.layers[it.layer], self.layers[it.layer], it.src_blocks, req.dst_blocks,
-                         main=it.main, index_range=(it.index_lo, it.index_hi), index_blocks=req.index_blocks)
+                         main=it.main, index_range=(it.index_lo, it.index_hi), index_blocks=req.index_blocks,
+                         row_runs=req.row_runs, row_area=area)
 
     def _serve(self, p: ParkedItem) -> None:
         """Validate, read and answer one item (I/O thread, lock not held during the read)."""

@@ -63,6 +63,9 @@ class RequestState:
     reasons: list[str] = field(default_factory=list)
     index_blocks: list[int] | None = None  # indexer destination when it differs from dst_blocks
     failed_index: set[int] = field(default_factory=set)
+    # Row destination (:meth:`Consumer.expect_rows`): the main KV goes to these runs of
+    # per-token rows (``layout.row_runs``), ``dst_blocks`` are the device blocks
+    row_runs: list[tuple[int, int, int, int]] | None = None
     inflight: int = 0  # reads submitted to a reader thread and not returned yet
     finished: bool = False
 

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ascend_offload.config import ConfigError, RemoteD2HConfig
+from ascend_offload.config import RemoteD2HConfig
 from ascend_offload.connectors.logging_setup import wire_logging
 from ascend_offload.connectors.metrics import (
     ConnectorMetrics,
@@ -48,6 +48,7 @@ from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -78,11 +79,6 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         if self.settings.sparse and self.settings.is_consumer:
             self.sparse_settings = SparseDecodeSettings.from_vllm(
                 vllm_config, self.cfg.sparse_offload, kv_cache_config)
-            if self.cfg.sparse_offload.hybrid:
-                raise ConfigError("key 'sparse_offload.hybrid'=True: hybrid residency runs in "
-                                  "AscendSparseDecodeConnector (colocated) only; a remote-D2H "
-                                  "decode lands every pulled prompt in the host pool "
-                                  "(accepted: False)")
         self.is_producer = self.settings.is_producer
         self.is_consumer = self.settings.is_consumer
         self.scheduler: RemoteD2HScheduler | None = None
@@ -116,6 +112,17 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched().kv_cache_manager = kv_cache_manager
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Called by vLLM's ``bind_kv_cache_manager`` (ours calls the base class's): hybrid
+        residency on a sparse decode borrows from this pool."""
+        if self.scheduler is not None:
+            self.scheduler.bind_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        """Hybrid residency: blocks borrowed for resident main KV go back at the end of
+        this step, so vLLM waits instead of preempting."""
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)

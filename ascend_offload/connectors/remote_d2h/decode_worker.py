@@ -15,6 +15,14 @@ attached to a hot-buffer row when vLLM first schedules it, and its rows are
 released once vLLM finished it and no read into them is in flight. The
 connector facade hands the model's attention this worker's sparse decode
 adapter.
+
+Hybrid residency (``sparse_offload.hybrid``): the scheduler places a pulled
+request in borrowed device rows when it registers the pull; this worker applies
+that placement before it expects the pull, and the consumer then lands the
+request's main KV straight in its resident rows (``Consumer.expect_pool(...,
+rows=)``: per-token rows inside the indexer caches, already registered with the
+transfer engine as part of each wire layer's indexer tensor). Its pool rows are
+reserved all the same (a move to the pool never fails).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.remote_d2h.kv_region import KVRegion, paged_views
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
-from ascend_offload.pd.layout import pool_layer_descs
+from ascend_offload.pd.layout import RowArea, pool_layer_descs
 from ascend_offload.pd.protocol import LayerDesc
 from ascend_offload.pd.topology import decode_port
 from ascend_offload.sparse.prefix_cache import PrefixHit
@@ -77,6 +85,10 @@ class DecodeWorker:
         self.pool: HostKVPool | None = None
         self._pool_jobs: dict[str, tuple[int, ...]] = {}  # loading into the pool -> device load-error set
         self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
+        # Hybrid residency: per wire layer, where the resident main-KV rows are (a view over
+        # the paired indexer cache); a resident request's main KV lands there
+        self.row_areas: list[RowArea] | None = None
+        self.landed_resident = 0  # pulls expected into resident rows (not the pool)
 
     # ------------------------------------------------------------------ startup
 
@@ -102,8 +114,12 @@ class DecodeWorker:
             raise ConfigError("key 'sparse_offload.enabled'=True: the indexer caches are device "
                               "memory; pulling them into device blocks needs a transfer engine that "
                               "reaches device memory (MemFabric), not staged host reads")
-        return pool_layer_descs(self.pool.kv, self.settings.block_size, indexers,
-                                kv_row_bytes=self.pool.row_bytes)
+        layers = pool_layer_descs(self.pool.kv, self.settings.block_size, indexers,
+                                  kv_row_bytes=self.pool.row_bytes)
+        area = self.sparse.manager.area
+        if area is not None:
+            self.row_areas = resident_row_areas(area.views, layers)
+        return layers
 
     def start(self, region: KVRegion) -> None:
         """Listen for prefill's layers: into ``region`` (vLLM's blocks, or the pool's)."""
@@ -112,6 +128,8 @@ class DecodeWorker:
         s, cfg = self.settings, self.settings.cfg
         assert s.topology is not None
         extra: dict[str, Any] = {"pool_block_size": s.block_size} if self.pool is not None else {}
+        if self.row_areas is not None:
+            extra["row_areas"] = self.row_areas
         self.consumer = Consumer(
             engine_id=s.engine_id, d_rank=self.tp_rank, topology=s.topology, transfer=region.engine,
             layers=region.layers, host=s.host,
@@ -149,6 +167,10 @@ class DecodeWorker:
             self.sparse.apply_prefix(meta.sparse)
             for rid in meta.sparse.finished:
                 self._finish_pool(rid)
+            # the rest of the step's sparse facts before the pulls: hybrid residency's orders
+            # place a pulled request in its resident rows (the destination below) and copy
+            # moved residents' rows out before any read can land in their blocks again
+            self.sparse.apply(meta.sparse)
         for job in meta.recv:
             try:
                 if self.pool is not None:
@@ -158,9 +180,12 @@ class DecodeWorker:
                     # cached prefix blocks: rows shared, indexer rows loaded now, not pulled
                     shared = (self.sparse.decode.take_prefix(job.request_id, job.prefix)
                               if isinstance(job.prefix, PrefixHit) else [])
-                    self.consumer.expect_pool(job.request_id, self.pool, prompt_tokens=job.prompt_tokens,
-                                              max_tokens=job.max_tokens, index_blocks=job.block_ids,
-                                              shared=shared)
+                    rows = self._resident_rows(job.request_id, job.prompt_tokens)
+                    if self.consumer.expect_pool(job.request_id, self.pool,
+                                                 prompt_tokens=job.prompt_tokens,
+                                                 max_tokens=job.max_tokens, index_blocks=job.block_ids,
+                                                 shared=shared, rows=rows) and rows is not None:
+                        self.landed_resident += 1
                 else:
                     self.consumer.expect(job.request_id, job.block_ids)
             except ValueError as exc:
@@ -174,8 +199,18 @@ class DecodeWorker:
         for rid in meta.cancel_recv:
             self._cancelled.add(rid)
             self.consumer.fail(rid, "request finished on decode before its KV arrived")
-        if self.sparse is not None and meta.sparse is not None:
-            self.sparse.apply(meta.sparse)
+
+    def _resident_rows(self, rid: str, prompt_tokens: int) -> list[int] | None:
+        """Hybrid residency: the resident rows of a request placed before its pull (its
+        prompt lands there), or ``None`` (it lands in the host pool)."""
+        assert self.sparse is not None
+        area = self.sparse.manager.area
+        if self.row_areas is None or area is None or not area.holds(rid):
+            return None
+        rows = area.rows(rid)
+        if rows.numel() < prompt_tokens:  # the scheduler placed it for its prompt: a bug
+            raise ValueError(f"resident with {rows.numel()} rows for a prompt of {prompt_tokens}")
+        return rows[:prompt_tokens].tolist()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(cancelled pulls now stopped: blocks may be freed, requests received)."""
@@ -252,3 +287,29 @@ class DecodeWorker:
     def close(self) -> None:
         if self.consumer is not None:
             self.consumer.close()
+
+
+def resident_row_areas(views: Sequence[torch.Tensor], layers: Sequence[LayerDesc]) -> list[RowArea]:
+    """Hybrid residency's resident rows as the consumer's row areas, one per wire layer.
+
+    Why they need no registration of their own: main-KV layer ``i`` keeps its resident rows
+    in indexer layer ``i``'s borrowed blocks (``sparse/hybrid.py``), and each wire layer
+    carries that indexer cache as its ``indexer`` tensor, whose whole span the region
+    registers. Checked here: the view starts at its wire layer's indexer tensor and ends
+    inside it (a layer pairing that differed would land rows in another layer's cache).
+    """
+    if len(views) != len(layers):
+        raise ConfigError(f"key 'sparse_offload.hybrid'=True: {len(views)} resident row views for "
+                          f"{len(layers)} wire layers")
+    out = []
+    for i, (v, layer) in enumerate(zip(views, layers, strict=True)):
+        area = RowArea(v.data_ptr(), v.stride(0) * v.element_size(), v.shape[0])
+        idx = layer.indexer
+        span_end = (idx.base_addr + (idx.num_blocks - 1) * idx.block_stride + idx.block_bytes
+                    if idx is not None and idx.num_blocks else 0)
+        if idx is None or area.base_addr != idx.base_addr or area.end > span_end:
+            raise ConfigError(f"key 'sparse_offload.hybrid'=True: wire layer {i}'s resident rows "
+                              f"[{area.base_addr:#x}, {area.end:#x}) are not its indexer cache's "
+                              f"blocks ({idx}); accepted: False")
+        out.append(area)
+    return out

@@ -5,10 +5,18 @@ bookkeeping of :mod:`ascend_offload.pd.decode_requests` (decode) and
 Only the translation lives here: a request's blocks come from vLLM's KV cache
 manager, the step's scheduled tokens from ``SchedulerOutput``, and the result
 goes into :class:`RemoteD2HMetadata`.
+
+Hybrid residency on a sparse decode (``sparse_offload.hybrid``): a pulled request is
+placed when its pull is registered (:class:`PulledResidentBook`), so its main KV
+lands in its resident rows, not the pool; it stays pinned (never chosen to move)
+until vLLM first schedules it, i.e. while reads may write its rows and until the
+workers attached it. A pulled request not placed then lands in the pool and is
+never placed later (its rows would be empty).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
@@ -18,13 +26,75 @@ from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSetting
 from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
 from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
 from ascend_offload.pd.registration import Registrar
+from ascend_offload.sparse.hybrid import ResidentBook
 from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+class PulledResidentBook(ResidentBook):
+    """:class:`~ascend_offload.sparse.hybrid.ResidentBook` for a decode whose prompts are
+    pulled: a request placed for its pull is pinned until vLLM first schedules it.
+
+    Why pinned: until its pull stopped, a read may still write its rows (their blocks
+    must not go back to vLLM), and until the workers attached it they could not copy its
+    pulled rows to the pool (a move copies the positions a request has computed). Pinned
+    residents are never chosen to move; when only pinned ones are left, vLLM is not told
+    to wait for blocks (it preempts or waits as without residents). A pulled request that
+    was not placed landed in the pool: it is never placed later (``no_place``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pinned: set[str] = set()
+        self.no_place: set[str] = set()
+
+    def place_pulled(self, req_id: str, tokens: int) -> bool:
+        """A request whose ``tokens`` prompt positions are about to be pulled: resident (and
+        pinned) when they fit in spare blocks, else it lands in the pool for good."""
+        if self.place(req_id, tokens):
+            self.pinned.add(req_id)
+            return True
+        self.no_place.add(req_id)
+        return False
+
+    def unpin(self, req_id: str) -> None:
+        self.pinned.discard(req_id)
+
+    def place(self, req_id: str, tokens: int) -> bool:
+        return req_id not in self.no_place and super().place(req_id, tokens)
+
+    def want(self, blocks: int) -> bool:
+        return any(r not in self.pinned for r in self._res) and super().want(blocks)
+
+    def relieve(self) -> None:
+        # ResidentBook.relieve, stopping when only pinned residents are left
+        if self._demand:
+            self.counters.pressure_events += 1
+        while self.source.num_free() < self.keep_free + self._demand:
+            victim = self._oldest()
+            if victim is None:
+                break
+            self.move(victim)
+        self._demand = 0
+
+    def move(self, req_id: str) -> None:
+        if req_id in self.pinned:  # a read may write its rows: its blocks stay borrowed
+            return
+        super().move(req_id)
+
+    def release(self, req_id: str) -> None:
+        self.pinned.discard(req_id)
+        self.no_place.discard(req_id)
+        super().release(req_id)
+
+    def _oldest(self) -> str | None:
+        return min((r for r in self._res if r not in self.pinned),
+                   key=lambda r: self._res[r].order, default=None)
 
 
 class RemoteD2HScheduler:
@@ -57,6 +127,38 @@ class RemoteD2HScheduler:
         if self.sparse is not None:
             self.sparse.kv_cache_manager = mgr
 
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """vLLM's block pool (bound with the KV cache manager): hybrid residency borrows
+        from it, through a :class:`PulledResidentBook`."""
+        sp = self.sparse
+        if sp is None or sp.hybrid is not None:
+            return
+        sp.bind_block_pool(pool)
+        book = sp.hybrid
+        if book is not None:
+            sp.hybrid = PulledResidentBook(book.geometry, book.source, keep_free=book.keep_free,
+                                           max_resident=book.max_resident)
+
+    @property
+    def hybrid(self) -> PulledResidentBook | None:
+        book = None if self.sparse is None else self.sparse.hybrid
+        return book if isinstance(book, PulledResidentBook) else None
+
+    def _hybrid_wait(self, request: Request, num_computed_tokens: int) -> bool:
+        """A waiting request that does not fit vLLM's free blocks while residents hold
+        borrowed ones: wait a step (they move at its end). A pull allocates its whole
+        prompt at once, so it needs all of its blocks, not one step's chunk."""
+        assert self.sparse is not None
+        book = self.hybrid
+        if book is None or not wants_remote_prefill(request.kv_transfer_params):
+            return self.sparse.hybrid_wait(request, num_computed_tokens)
+        tokens = max(1, request.num_prompt_tokens - num_computed_tokens)
+        need = math.ceil(tokens / self.sparse.s.block_size) + 1
+        return book.source.num_free() < need and book.want(need)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.sparse is not None and self.sparse.pending_frees()
+
     def _block_ids(self, request_id: str) -> list[int] | None:
         mgr = self.kv_cache_manager
         return list(mgr.get_block_ids(request_id)[0]) if mgr is not None else None
@@ -66,6 +168,8 @@ class RemoteD2HScheduler:
             return 0, False
         if self.sparse is not None and not self.sparse.admit(request):
             return None, False  # its host pool rows are not free yet: wait
+        if self.sparse is not None and self._hybrid_wait(request, num_computed_tokens):
+            return None, False  # resident requests give blocks back at the end of this step
         count, load_async = self.decode.num_new_matched_tokens(request, num_computed_tokens)
         if count == 0 and self.sparse is not None:
             # a resumed preempted request, or one prefilled here from cached prefix blocks
@@ -88,6 +192,10 @@ class RemoteD2HScheduler:
             sparse = self.sparse
             self.decode.after_alloc(request, ids, num_external_tokens, cached=None if sparse is None
                                     else lambda blocks: sparse.recv_hit(request.request_id, blocks))
+            book = self.hybrid
+            if book is not None and request.request_id in self.decode.receiving:
+                # placed now, so the workers land its prompt in its resident rows
+                book.place_pulled(request.request_id, request.num_prompt_tokens)
         elif self.prefill is not None and wants_remote_decode(params):
             self.prefill.after_alloc(request, params)
 
@@ -98,6 +206,10 @@ class RemoteD2HScheduler:
             meta.recv, meta.fail_recv, meta.cancel_recv = step.recv, step.fail, step.cancel
         if self.sparse is not None:
             meta.sparse = self.sparse.build_meta(scheduler_output)
+            book = self.hybrid
+            if book is not None:  # attached by the workers this step: may move from now on
+                for r in scheduler_output.scheduled_new_reqs:
+                    book.unpin(r.req_id)
         if self.prefill is not None:
             meta.send = self.prefill.take_sends(scheduler_output.num_scheduled_tokens, self._block_ids)
         return meta

@@ -50,7 +50,7 @@ def _vllm_config(*, producer: bool, port: int = 0, sparse: dict | None = None, i
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
                            model_config=SimpleNamespace(use_mla=True, hf_config=hf, model="m",
                                                         max_model_len=12 * BLOCK),
-                           scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS),
+                           scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS, max_num_batched_tokens=2048),
                            speculative_config=None)
 
 
