@@ -4,13 +4,15 @@ sparse decode offload, each alone and together: real vLLM CPU engines (colocated
 
 Our 4-layer sparse-MLA model (index_topk 32) with small weights (initializer range
 0.02: its greedy text repeats itself often enough that n-gram drafts are sometimes
-accepted, sometimes rejected). Five engines, the same prompts, greedy:
+accepted, sometimes rejected). Six engines, the same prompts, greedy:
 
 * ``plain``: no speculation, no connector (the reference tokens);
 * ``prefix``: sparse decode offload with the decode-side prefix cache
   (``prefix_cache_blocks``), no speculation;
 * ``spec``: n-gram speculation (3 draft tokens), no connector;
 * ``spec_offload``: the same speculation with sparse decode offload, no prefix cache;
+* ``spec_hybrid``: the same speculation with hybrid residency (main KV on the device in
+  borrowed blocks while they are spare, moved to the pool under pressure);
 * ``offload``: the same speculation with sparse decode offload and the prefix cache,
   hot buffers of 4 x 32 = 128 rows (a verification row of 1 + 3 query tokens resolves
   the union of its top-k sets at once), so little KV memory that vLLM preempts decoding
@@ -19,7 +21,7 @@ accepted, sometimes rejected). Five engines, the same prompts, greedy:
 32 prompts in 8 shared-prefix groups (a group's prompts start with the same 5-11
 blocks, cut to leave each prompt a tail of its own), 16 of them 512-700 tokens (>= 4x
 the hot buffer), at most 4 running: a group's later prompts start from the blocks its
-finished ones left in the cache. What must hold: tokens identical on all five; cached
+finished ones left in the cache. What must hold: tokens identical on all six; cached
 blocks served (external prefix hits, rows shared in the pool, indexer rows loaded) with
 no load failure; acceptance strictly between 0 and 1 and the
 same with and without offload; every verification row attended over the hot buffers
@@ -74,6 +76,9 @@ ENGINE_ARGS: dict[str, Any] = dict(
 # memory before the cut, at main KV + indexer bytes.)
 OFFLOAD_KV_BYTES = 1_500_000
 PLAIN_KV_BYTES = 256 * 2**20
+# Hybrid residency: about 140 indexer blocks, so short requests stay resident to the end
+# while long ones (60+ borrowed blocks each at full length) run out of spare blocks
+HYBRID_KV_BYTES = 3_000_000
 POOL_BLOCKS = 32 * 26  # every reservation at once: preemption never frees pool rows
 POOL_GB = POOL_BLOCKS * BLOCK * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 
@@ -91,6 +96,8 @@ PROMPTS = [GROUPS[i % 8][:n - 8] + [_rng.randrange(3, 512) for _ in range(n - le
 SPARSE = ("prefix_kept_blocks", "prefix_loaded_blocks", "prefix_load_failures", "verify_rows", "pool_query_tokens", "preempted_requests", "resumed_tokens",
           "recomputed_tokens", "stash_failures", "offload_rows", "resolved_positions",
           "hit_positions", "miss_rows", "admission_failures", "unmatched_rows")
+
+HYBRID = ("placed_requests", "moved_requests", "moved_bytes", "resident_query_tokens")
 
 
 RESET_STEP = 120  # the prefix engine's cache is reset after this step, requests running
@@ -130,7 +137,12 @@ def runs() -> dict[str, Any]:
                                      {"topk_buffer_size": HOT, "index_topk": TOPK,
                                       "dram_size_per_dp_GB": POOL_GB})}, False),
                ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
-                            "kv_transfer_config": offload}, False))
+                            "kv_transfer_config": offload}, False),
+               ("spec_hybrid", {"kv_cache_memory_bytes": HYBRID_KV_BYTES,
+                                "speculative_config": SPEC,
+                                "kv_transfer_config": sparse_decode_config(
+                                    {"topk_buffer_size": HOT, "index_topk": TOPK,
+                                     "dram_size_per_dp_GB": POOL_GB, "hybrid": True})}, False))
     for name, kw, in_process in engines:
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
@@ -146,9 +158,9 @@ def runs() -> dict[str, Any]:
             out["peak"][name] = rec.peak_running()
             out["hits"][name] = {n: registry_value(f"vllm:external_prefix_cache_{n}") - v
                                  for n, v in h0.items()}
-            if name in ("prefix", "spec_offload", "offload"):
+            if name in ("prefix", "spec_offload", "offload", "spec_hybrid"):
                 out["metrics"][name] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}")
-                                        for n in SPARSE}
+                                        for n in SPARSE + HYBRID}
     return out
 
 
@@ -160,6 +172,7 @@ def test_greedy_tokens_identical_with_speculation_and_offload(runs: dict[str, An
     assert toks["prefix"] == toks["plain"]
     assert toks["spec_offload"] == toks["plain"]
     assert toks["offload"] == toks["plain"]
+    assert toks["spec_hybrid"] == toks["plain"]
     assert len({tuple(t) for t in toks["plain"]}) == len(PROMPTS)
 
 
@@ -232,3 +245,21 @@ def test_preempted_requests_resumed_without_recomputation(runs: dict[str, Any], 
     computed = sum(n + k - 1 for n, k in zip(LENGTHS, MAX_TOKENS, strict=True))
     computed -= runs["hits"][name]["hits"]
     assert m["offload_rows"] >= N_LAYERS * computed, m
+
+
+def test_hybrid_residency_with_speculation(runs: dict[str, Any]) -> None:
+    """Speculation with hybrid residency: requests start resident (their verification rows
+    attend over their device rows, rejected drafts rewritten in place), some move to the
+    pool under pressure and verify through the hot buffers from then on; the same tokens
+    accepted as without offload (greedy tokens: above)."""
+    m, s, ref = runs["metrics"]["spec_hybrid"], runs["spec"]["spec_hybrid"], runs["spec"]["spec"]
+    print(f"\nhybrid + speculation: {m}, {s}, preemptions {runs['preempted']['spec_hybrid']}")
+    assert m["placed_requests"] > 0 and 0 < m["moved_requests"] <= m["placed_requests"], m
+    assert m["moved_bytes"] > 0 and m["resident_query_tokens"] > 0, m
+    assert m["admission_failures"] == 0 and m["unmatched_rows"] == 0, m
+    assert m["recomputed_tokens"] == 0 and m["stash_failures"] == 0, m
+    assert s["num_accepted_tokens"] == ref["num_accepted_tokens"] > 0, (s, ref)
+    # the moved requests' verification rows went through the hot buffers, the residents'
+    # over their device rows
+    assert 0 < m["verify_rows"] < s["num_drafts"], (m, s)
+    assert m["moved_requests"] < m["placed_requests"], m
