@@ -1,10 +1,10 @@
-"""``bench sparse-admission`` with small sizes: two real vLLM CPU engines, one after the other.
+"""``bench sparse-admission`` with small sizes: three real vLLM CPU engines, one after the other.
 
 Checks what the JSON promises, not timings: each engine ran as many requests at
 once as its KV memory allows (the plan's expected counts, from the block and
-row sizes), the greedy tokens are identical, the offload engine's main KV on
-the device is its hot buffers only (page-aligned) and the ratios are the ratios
-of the reported figures.
+row sizes; the hybrid-residency engine as many as the offload engine), the greedy
+tokens are identical, the offload engine's main KV on the device is its hot
+buffers only (page-aligned) and the ratios are the ratios of the reported figures.
 """
 
 from __future__ import annotations
@@ -78,6 +78,16 @@ def test_small_run_writes_the_promised_json(tmp_path: Path) -> None:
     assert res["preempted"]["offload"] == 0  # the baseline may preempt as decodes grow
     pk = res["peak_running"]
     assert res["admitted_ratio"] == pytest.approx(pk["offload"] / pk["baseline"])
+    # hybrid residency at the same memory: it borrows only free blocks and gives them back
+    # (moving residents to the host pool) when vLLM needs them, so it admits as many
+    assert res["hybrid_parity"] is True and res["preempted"]["hybrid"] == 0
+    assert res["hybrid_admitted_ratio"] == pytest.approx(pk["hybrid"] / pk["baseline"])
+    assert res["hybrid_admitted_share"] == pytest.approx(res["hybrid_admitted_ratio"]
+                                                         / res["admitted_ratio"])
+    assert res["hybrid_target_met"] is True
+    hc = res["hybrid_counters"]
+    assert 1 <= hc["placed_requests"] and hc["moved_requests"] <= hc["placed_requests"], hc
+    assert res["num_gpu_blocks"]["hybrid"] == res["num_gpu_blocks"]["offload"]
     assert res["config"]["requests"] > pk["offload"] > pk["baseline"]
     c, kv = res["config"], res["main_kv_device_bytes"]
     hot = c["max_num_seqs"] * c["hot"] * c["main_row_bytes"]
