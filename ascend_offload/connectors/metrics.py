@@ -143,6 +143,7 @@ SPARSE_GAUGES: dict[str, str] = {
     "stash_bytes": "host bytes holding preempted requests' indexer rows",
     "prefix_cache_blocks": "decode-side prefix cache entries held (one pool block each)",
     "resident_requests": "hybrid residency: requests whose main KV is on the device",
+    "offloaded_requests": "requests decoding from the host pool (admitted, not resident)",
 }
 # A decode with RD2H + sparse_offload reports the same under ``sparse_`` in its RD2H
 # stats (vllm:ascend_offload_rd2h_sparse_*; the time totals stay in nanoseconds there).

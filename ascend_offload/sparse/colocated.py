@@ -359,11 +359,13 @@ class ColocatedSparseDecode:
         }
 
     def gauges(self) -> dict[str, int]:
+        resident = sum(1 for r in self._pooled if self.resident(r))
         return {"pool_rows_used": self.manager.pool_rows_used,
                 "admitted_requests": len(self._pooled),
                 "stash_bytes": self.stash.bytes_held,
                 "prefix_cache_blocks": 0 if self.prefix is None else len(self.prefix),
-                "resident_requests": 0 if self.manager.area is None else len(self.manager.area)}
+                "resident_requests": resident,
+                "offloaded_requests": len(self._pooled) - resident}
 
     def _warn(self, who: str, msg: str) -> None:
         if who not in self._warned:

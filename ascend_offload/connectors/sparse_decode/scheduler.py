@@ -160,8 +160,12 @@ class SparseDecodeScheduler:
 
     def pending_frees(self) -> bool:
         """vLLM could not allocate for a running request: residents can give blocks back
-        (so it waits a step instead of preempting)."""
-        return self.hybrid is not None and self.hybrid.want(self._last_batch)
+        (so it waits a step instead of preempting). It asks for a block per request of the
+        last step beyond what is free now (a decode step's growth), so at least one moves."""
+        if self.hybrid is None:
+            return False
+        spare = self.hybrid.source.num_free() - self.hybrid.keep_free
+        return self.hybrid.want(max(1, spare + self._last_batch))
 
     def _check_groups(self) -> None:
         """Once the KV cache manager is bound: no stash offers to an engine of several KV

@@ -74,7 +74,8 @@ def test_unmatched_rows_and_unadmitted_requests_are_errors_naming_the_row() -> N
     assert d.admitted == [] and d.manager.pool_rows_used == 0
     assert d.admit("c", 16)  # freed rows are reused
     assert d.gauges() == {"pool_rows_used": 16, "admitted_requests": 1, "stash_bytes": 0,
-                        "prefix_cache_blocks": 0, "resident_requests": 0}
+                        "prefix_cache_blocks": 0, "resident_requests": 0,
+                        "offloaded_requests": 1}
 
 
 def test_attach_takes_a_hot_row_for_rows_another_party_filled() -> None:

@@ -1,0 +1,129 @@
+"""Hybrid residency through the sparse decode connector's scheduler and worker objects,
+without an engine (vLLM's scheduler outputs are stand-ins, as in
+test_sparse_preemption_connector), over vLLM's real ``BlockPool``: placement as a step is
+built, rows written into the borrowed blocks' indexer pages, pressure from a waiting and
+from a running request, the move bit for bit, blocks back at finish."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+
+from ascend_offload.config import SparseOffloadConfig
+from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeScheduler
+from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
+from ascend_offload.sparse.adapter import BatchRow
+from ascend_offload.sparse.hybrid import AreaGeometry, GrowOp, MoveOp
+from tests.unit.sparse.test_sparse_preemption_connector import (
+    BS,
+    IDX,
+    INDEXER,
+    NUM_BLOCKS,
+    ROW,
+    _Blocks,
+    _kv_caches,
+    _output,
+    _req,
+    _settings,
+)
+
+GEO = AreaGeometry(BS * IDX * 4, BS * IDX * 4, ROW * 4)  # 80 B pages: 5-6 rows of 12 B
+
+
+def _setup() -> tuple[SparseDecodeScheduler, SparseDecodeWorker, dict[str, torch.Tensor],
+                      _Blocks, BlockPool]:
+    base = _settings()
+    cfg = SparseOffloadConfig(**{**base.cfg.model_dump(), "hybrid": True})
+    s = dataclasses.replace(base, cfg=cfg, hybrid=GEO, max_batched_tokens=64)
+    sched = SparseDecodeScheduler(s)
+    pool = BlockPool(NUM_BLOCKS, False, BS)
+    sched.bind_block_pool(pool)
+    blocks = _Blocks()
+    sched.kv_cache_manager = blocks  # type: ignore[assignment]
+    caches = _kv_caches(s)
+    return sched, SparseDecodeWorker(s, caches), caches, blocks, pool
+
+
+def _step(worker: SparseDecodeWorker, meta: Any, rows: list[BatchRow], value: float) -> None:
+    worker.handle_preemptions(meta)
+    worker.apply(meta)
+    d = worker.decode
+    plan = d.plan_step(rows)
+    pos = [(plan.batch_index[i], p) for i, r in enumerate(rows)
+           for p in range(plan.offload_from[i], r.num_tokens)]
+    d.offload_new_kv(0, torch.full((len(pos), ROW), value), torch.tensor(pos, dtype=torch.int64))
+    worker.end_step()
+
+
+def test_resident_rows_live_in_borrowed_indexer_pages_and_move_under_pressure() -> None:
+    sched, worker, caches, blocks, pool = _setup()
+    free0 = pool.get_num_free_blocks()
+    assert sched.s.hybrid_keep_free == 2
+    a = _req("a", 9)
+    assert sched.admit(a) and not sched.hybrid_wait(a, 0)  # nothing resident yet
+    blocks.ids["a"] = [3, 7, 2]  # vLLM's own blocks for the indexer
+    pool.get_new_blocks(3)  # (what vLLM allocated for them)
+    meta = sched.build_meta(_output({"a": 9}, new=(a,)))
+    (grow,) = meta.hybrid_ops
+    assert isinstance(grow, GrowOp) and grow.req_id == "a"
+    assert sum(len(GEO.rows_of(b)) for b in grow.blocks) >= 9
+    assert pool.get_num_free_blocks() == free0 - 3 - len(grow.blocks)
+    _step(worker, meta, [BatchRow(2, 9, 9)], 5.0)
+    # the rows went into the borrowed blocks' indexer pages, not the host pool
+    rows = worker.decode.manager.area.rows("a")  # type: ignore[union-attr]
+    flat = caches[INDEXER].view(-1)
+    for r in rows[:9].tolist():
+        assert torch.equal(flat[r * ROW:(r + 1) * ROW], torch.full((ROW,), 5.0))
+    host = worker.manager.pool
+    table = host.block_list("a")
+    pool_rows = [table[p // BS] * BS + p % BS for p in range(9)]
+    assert (host.layer(0)[pool_rows] == 0).all()
+    assert worker.decode.counters()["resident_rows"] == 9
+
+    # a waiting request that does not fit in vLLM's free blocks: it waits one step and the
+    # resident gives its blocks back at the end of this one
+    b = _req("b", 40, prompt=40)
+    assert sched.admit(b) and sched.hybrid_wait(b, 0)
+    meta = sched.build_meta(_output({"a": 1}, cached={"a": 9}))
+    assert [type(o) for o in meta.hybrid_ops] == [MoveOp] and meta.hybrid_ops[0].req_id == "a"
+    assert pool.get_num_free_blocks() == free0 - 3  # the borrowed blocks are vLLM's again
+    _step(worker, meta, [BatchRow(2, 10, 1)], 6.0)
+    # the move copied the 9 resident rows; the 10th token went to the pool itself
+    assert torch.equal(host.layer(0)[pool_rows], torch.full((9, ROW), 5.0))
+    assert torch.equal(host.layer(0)[table[9 // BS] * BS + 9 % BS], torch.full((ROW,), 6.0))
+    c = worker.decode.counters()
+    assert c["moved_requests"] == 1 and c["moved_bytes"] == 9 * ROW * 4 and c["miss_rows"] == 0
+    assert not sched.pending_frees()  # nothing resident: vLLM preempts as usual
+    sched.finished("a")
+    sched.finished("b")
+
+
+def test_a_running_request_that_cannot_allocate_makes_residents_give_back() -> None:
+    sched, worker, _, blocks, pool = _setup()
+    free0 = pool.get_num_free_blocks()
+    a, b = _req("a", 9), _req("b", 6, prompt=6)
+    for r, ids in ((a, [3, 7, 2]), (b, [4, 5])):
+        assert sched.admit(r)
+        blocks.ids[r.request_id] = ids
+    pool.get_new_blocks(5)
+    meta = sched.build_meta(_output({"a": 9, "b": 6}, new=(a, b)))
+    assert [o.req_id for o in meta.hybrid_ops] == ["a", "b"]  # both placed, a first
+    _step(worker, meta, [BatchRow(2, 9, 9), BatchRow(5, 6, 6)], 1.0)
+    taken = pool.get_new_blocks(pool.get_num_free_blocks() - 1)  # vLLM's others took the rest
+    # vLLM could not allocate for a running request: it waits a step, a resident moves
+    assert sched.pending_frees()
+    meta = sched.build_meta(_output({"a": 1}, cached={"a": 9}))
+    assert meta.hybrid_ops[0] == MoveOp("a")  # the longest-running first
+    # vLLM got a block per request of the last step beyond what was free
+    assert pool.get_num_free_blocks() >= sched.hybrid.keep_free + 1  # type: ignore[union-attr]
+    _step(worker, meta, [BatchRow(2, 10, 1)], 2.0)
+    assert not worker.decode.resident("a")
+    assert worker.decode.counters()["moved_bytes"] >= 9 * ROW * 4
+    sched.finished("a")
+    sched.finished("b")
+    assert sched.hybrid is not None and len(sched.hybrid) == 0
+    pool.free_blocks(taken)
+    assert len(sched.hybrid.source) == 0 and pool.get_num_free_blocks() == free0 - 5  # type: ignore[arg-type]
