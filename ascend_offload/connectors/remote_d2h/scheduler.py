@@ -10,13 +10,15 @@ Hybrid residency on a sparse decode (``sparse_offload.hybrid``): a pulled reques
 placed when its pull is registered (:class:`PulledResidentBook`), so its main KV
 lands in its resident rows, not the pool; it stays pinned (never chosen to move)
 until vLLM first schedules it, i.e. while reads may write its rows and until the
-workers attached it. A pulled request not placed then lands in the pool and is
-never placed later (its rows would be empty).
+workers attached it. A pulled request not placed then (no spare blocks, or it
+starts from the decode's cached prefix blocks, whose rows are the pool's) lands
+in the pool and is never placed later (its rows would be empty).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from ascend_offload.sparse.prefix_cache import PrefixHit
 
 
 class PulledResidentBook(ResidentBook):
@@ -190,12 +194,23 @@ class RemoteD2HScheduler:
                 found = self._block_ids(request.request_id)
                 ids = found if found is not None else list(blocks.get_block_ids()[0])
             sparse = self.sparse
-            self.decode.after_alloc(request, ids, num_external_tokens, cached=None if sparse is None
-                                    else lambda blocks: sparse.recv_hit(request.request_id, blocks))
+            hits: list[object] = []
+
+            def cached(blocks: Sequence[int]) -> PrefixHit | None:
+                assert sparse is not None
+                hit = sparse.recv_hit(request.request_id, blocks)
+                hits.append(hit)
+                return hit
+
+            self.decode.after_alloc(request, ids, num_external_tokens,
+                                    cached=None if sparse is None else cached)
             book = self.hybrid
-            if book is not None and request.request_id in self.decode.receiving:
-                # placed now, so the workers land its prompt in its resident rows
-                book.place_pulled(request.request_id, request.num_prompt_tokens)
+            rid = request.request_id
+            if book is not None and rid in self.decode.receiving:
+                if any(h is not None for h in hits):  # its cached blocks' rows are the pool's
+                    book.no_place.add(rid)
+                else:  # placed now, so the workers land its prompt in its resident rows
+                    book.place_pulled(rid, request.num_prompt_tokens)
         elif self.prefill is not None and wants_remote_decode(params):
             self.prefill.after_alloc(request, params)
 
