@@ -10,7 +10,14 @@ measured in the same run (the ratio is what matters on a noisy machine):
 * ``mooncake``: ``MooncakeStore`` (the same contract calls as ``store``) against a
   loopback ``mooncake_master`` started by the bench; its baseline is not a torch
   copy but a raw Mooncake ``batch_put_from`` / ``batch_get_into`` of the same bytes
-  between registered buffers, through the same client, in the same run.
+  between registered buffers, through the same client, in the same run;
+* ``shared_tier``: the connector's own shared tier (``store/shared/mooncake.py``:
+  ``RemotePages`` over the page planes of ``ScheduledPageStore``) publishing N blocks
+  from its registered pages and fetching them into other pages, against a raw
+  zero-copy ``batch_put_from`` / ``batch_get_into`` of the same bytes (same object
+  count, one contiguous registered buffer per object) and against the same spans
+  (one per layer row, plus the trailer) through ``batch_put_from_multi_buffers`` /
+  ``batch_get_into_multi_buffers``, through the tier's own client, same rounds.
 
 And the eviction policies' hit rates on the same traces (``bench/store_policy.py``):
 ARC vs LRU through the scheduler's index, ``LocalStore(with_data=False)``.
@@ -19,6 +26,7 @@ ARC vs LRU through the scheduler's index, ``LocalStore(with_data=False)``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -108,19 +116,26 @@ def bench_worker(layer_block_bytes: int, num_layers: int, num_objects: int, repe
 
 
 def _rounds(fns: list[Callable[[], Any]], repeats: int,
-            between: Callable[[], Any] | None = None) -> list[list[float]]:
+            between: Callable[[], Any] | None = None, *, rotate: bool = False) -> list[list[float]]:
     """Seconds of every ``fns[j]`` in each of ``repeats`` rounds, run back to back so all
-    see the same machine load (one warm-up round first); ``between`` runs untimed."""
+    see the same machine load (one warm-up round first); ``between`` runs untimed.
+    ``rotate``: round ``r`` starts with ``fns[r % len(fns)]`` (none always runs first)."""
     out: list[list[float]] = [[] for _ in fns]
     for r in range(repeats + 1):
-        for j, fn in enumerate(fns):
+        first = r % len(fns) if rotate else 0
+        for j in [*range(first, len(fns)), *range(first)]:
             t0 = time.perf_counter()
-            fn()
+            fns[j]()
             if r:
                 out[j].append(time.perf_counter() - t0)
         if between is not None:
             between()
     return out
+
+
+def _median_ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of baseline seconds / our seconds (> 1: ours is faster)."""
+    return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
 
 
 def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
@@ -210,9 +225,7 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
     def med(ts: list[float]) -> float:
         return statistics.median(ts)
 
-    def ratio(base: list[float], ours: list[float]) -> float:
-        return statistics.median([b / o for b, o in zip(base, ours, strict=True)])
-
+    ratio = _median_ratio
     return {
         "path": "mooncake",
         "object_bytes": object_bytes,
@@ -233,22 +246,217 @@ def bench_mooncake(master_address: str, object_bytes: int, num_objects: int,
     }
 
 
-def _mooncake_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str | None]:
-    """The Mooncake rows, or none and why (package or master missing)."""
+#: Page layouts of the shared-tier rows: (bytes of one layer's block on a rank, layers).
+#: One published object is one block of every layer on one rank (plus a 16-byte trailer):
+#: 4 x 16 KiB = 64 KiB (a small model); 32 x 16 KiB = 512 KiB (Llama-3-8B at TP8, bf16:
+#: K+V x 1 KV head x 128 dims x 32-token blocks); 32 x 64 KiB = 2 MiB (the same with
+#: 128-token blocks, vllm-ascend's default block size).
+SHARED_TIER_LAYOUTS = ((16 << 10, 4), (16 << 10, 32), (64 << 10, 32))
+
+
+def bench_shared_tier(master_address: str, layer_bytes: int, layers: int, num_objects: int,
+                      repeats: int) -> dict[str, Any]:
+    """The connector's shared tier on Mooncake: ``RemotePages.publish`` of ``num_objects``
+    blocks from its registered page planes and ``RemotePages.fetch`` of them into other
+    pages of the same planes, against two zero-copy baselines moving the same bytes (payload
+    and trailer, same object count) through the tier's own client, in the same rounds
+    (the order rotates every round):
+
+    * ``zc``: ``batch_put_from`` / ``batch_get_into`` between registered buffers holding
+      each object contiguously: the floor for these bytes (the target's baseline);
+    * ``mb``: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the
+      same spans the tier names (one per layer row, then the trailer) between registered
+      planes of the same layout: the tier's transfer without the tier (the difference to
+      ``zc`` is the cost of the scattered layout, the rest is the tier's own work: keys,
+      trailers, the xxh3 of every object on publish and verification on fetch).
+
+    A fourth entry of the publish rounds times the tier's own hash of the same pages
+    alone (``xxh3``: what a publish and a fetch each add to the transfer; a fetch also
+    compares the trailers). The planes are ``ScheduledPageStore``'s (the connector's layerwise pages; the
+    whole-prefix ``WorkerPagePool`` allocates its planes the same way) and the client is
+    built the way the connector builds it (``store/shared/mooncake.py: connect``, no
+    transfer deadline set). Raises when a byte differs after the fetch (parity)."""
+    from mooncake.store import ReplicateConfig
+
+    from ascend_offload.config import MooncakeStoreConfig
+    from ascend_offload.store.pages.scheduled_store import ScheduledPageStore
+    from ascend_offload.store.shared import mooncake as mc
+    from ascend_offload.store.shared.tier import TRAILER_BYTES, shard_key
+
+    n = num_objects
+    obj = layer_bytes * layers
+    wire = obj + TRAILER_BYTES  # bytes of one published object
+    total = wire * n
+    seg = max(64 << 20, 8 * total)  # three sets of objects stored at once, never evicted
+    cfg = MooncakeStoreConfig(master_address=master_address, global_segment_bytes=seg)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    pages = ScheduledPageStore(dict.fromkeys(names, layer_bytes), 2 * n)  # publish [0, n), fetch into [n, 2n)
+    planes = [pages.planes[name] for name in names]
+    for p in planes:
+        p[:n] = rand(n, layer_bytes)
+        p[n:].zero_()
+    raw = mc.connect(cfg, global_segment_bytes=seg)
+    tier = mc.RemotePages(cfg, pages.planes, rank=0, client=raw)  # registers the planes
+    zc_src, zc_dst = rand(n, wire), torch.zeros((n, wire), dtype=torch.uint8)
+    mb_src = [rand(n, layer_bytes) for _ in names] + [rand(n, TRAILER_BYTES)]
+    mb_dst = [torch.zeros_like(t) for t in mb_src]
+    ours = [zc_src, zc_dst, *mb_src, *mb_dst]
+    registered: list[torch.Tensor] = []
+    rep = ReplicateConfig()
+    rep.replica_num = cfg.replica_num
+    round_no = [0]
+    keys: dict[str, list[str]] = {}
+
+    def spans(ts: list[torch.Tensor]) -> list[list[int]]:
+        return [[t[i].data_ptr() for t in ts] for i in range(n)]
+
+    zc_src_ptrs = [zc_src[i].data_ptr() for i in range(n)]
+    zc_dst_ptrs = [zc_dst[i].data_ptr() for i in range(n)]
+    mb_src_ptrs, mb_dst_ptrs = spans(mb_src), spans(mb_dst)
+    mb_lens = [[layer_bytes] * layers + [TRAILER_BYTES] for _ in range(n)]
+    src_pages, dst_pages = list(range(n)), list(range(n, 2 * n))
+
+    def fresh() -> None:
+        round_no[0] += 1
+        for name in ("tier", "zc", "mb"):
+            keys[name] = [f"st-{name}{round_no[0]}:{i}" for i in range(n)]
+
+    def publish() -> None:
+        before = tier.counts.published_blocks
+        assert tier.publish(keys["tier"], src_pages), "shared-tier publish outlived its deadline"
+        assert tier.counts.published_blocks - before == n, f"shared-tier publish skipped: {tier.counts}"
+
+    def zc_put() -> None:
+        codes = raw.batch_put_from(keys["zc"], zc_src_ptrs, [wire] * n, rep)
+        assert all(c == 0 for c in codes), f"batch_put_from failed: {codes[:4]}"
+
+    def mb_put() -> None:
+        codes = raw.batch_put_from_multi_buffers(keys["mb"], mb_src_ptrs, mb_lens, rep)
+        assert all(c == 0 for c in codes), f"batch_put_from_multi_buffers failed: {codes[:4]}"
+
+    def fetch() -> None:
+        got = tier.fetch(keys["tier"], dst_pages)
+        assert got == (True, True), f"shared-tier fetch failed: {got}, {tier.counts}"
+
+    def zc_get() -> None:
+        codes = raw.batch_get_into(keys["zc"], zc_dst_ptrs, [wire] * n)
+        assert all(c == wire for c in codes), f"batch_get_into failed: {codes[:4]}"
+
+    def mb_get() -> None:
+        codes = raw.batch_get_into_multi_buffers(keys["mb"], mb_dst_ptrs, mb_lens)
+        assert all(c == wire for c in codes), f"batch_get_into_multi_buffers failed: {codes[:4]}"
+
+    def hash_pass() -> None:  # the tier's payload hash of every published page, nothing else
+        for page in src_pages:
+            tier._payload_hash(page)
+
+    def drop() -> None:  # keep the segment from filling (eviction would skew timings)
+        raw.batch_remove([shard_key(k, tier.rank) for k in keys["tier"]] + keys["zc"] + keys["mb"], True)
+        fresh()
+
+    fresh()
+    try:
+        for t in ours:
+            if raw.register_buffer(t.data_ptr(), t.nbytes) != 0:
+                raise RuntimeError("register_buffer failed")
+            registered.append(t)
+        puts = _rounds([publish, zc_put, mb_put, hash_pass], repeats, between=drop, rotate=True)
+        publish()
+        zc_put()
+        mb_put()
+        gets = _rounds([fetch, zc_get, mb_get], repeats, rotate=True)
+        drop()
+        parity = (all(torch.equal(p[n:], p[:n]) for p in planes) and torch.equal(zc_dst, zc_src)
+                  and all(torch.equal(d, s) for d, s in zip(mb_dst, mb_src, strict=True)))
+        assert parity, "shared-tier round trip changed bytes"
+        counts = dataclasses.asdict(tier.counts)
+    finally:
+        for t in registered:
+            raw.unregister_buffer(t.data_ptr())
+        tier.close()  # unregisters the planes, closes the client
+
+    def gbps(ts: list[float]) -> float:
+        return total / statistics.median(ts) / 1e9
+
+    return {
+        "path": "shared_tier",
+        "layer_bytes": layer_bytes,
+        "layers": layers,
+        "object_bytes": obj,
+        "wire_bytes": wire,
+        "objects": n,
+        "total_bytes": total,
+        "publish_GBps": gbps(puts[0]),
+        "zero_copy_put_GBps": gbps(puts[1]),
+        "multi_buffer_put_GBps": gbps(puts[2]),
+        "fetch_GBps": gbps(gets[0]),
+        "zero_copy_get_GBps": gbps(gets[1]),
+        "multi_buffer_get_GBps": gbps(gets[2]),
+        "xxh3_GBps": gbps(puts[3]),  # the tier's hash of the same pages alone
+        # the target metric: the tier vs a zero-copy put/get of the same bytes
+        "publish_ratio": _median_ratio(puts[1], puts[0]),
+        "fetch_ratio": _median_ratio(gets[1], gets[0]),
+        "multi_buffer_publish_ratio": _median_ratio(puts[2], puts[0]),
+        "multi_buffer_fetch_ratio": _median_ratio(gets[2], gets[0]),
+        "parity": parity,
+        "tier_counts": counts,
+        "baseline": "Mooncake batch_put_from/batch_get_into between registered buffers "
+                    "(TCP, loopback master), the tier's own client",
+    }
+
+
+def _mooncake_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """The standalone Mooncake rows and the shared-tier rows (one loopback master for
+    both), or none and why (package or master missing)."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        return [], f"mooncake package not importable ({exc})"
+        return [], [], f"mooncake package not importable ({exc})"
     from ascend_offload.store.services.mooncake_master import MooncakeMaster, master_binary
 
     total = args.mooncake_mib << 20
-    sizes = (64 << 10, 256 << 10, 1 << 20)
+
+    def run(address: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], None]:
+        standalone = [] if args.shared_tier == "only" else [
+            bench_mooncake(address, o, total // o, args.repeats) for o in (64 << 10, 256 << 10, 1 << 20)]
+        tier = [] if args.shared_tier == "off" else [
+            bench_shared_tier(address, lb, n, max(2, total // (lb * n)), args.repeats)
+            for lb, n in SHARED_TIER_LAYOUTS]
+        return standalone, tier, None
+
     if args.mooncake_master:
-        return [bench_mooncake(args.mooncake_master, o, total // o, args.repeats) for o in sizes], None
+        return run(args.mooncake_master)
     if master_binary() is None:
-        return [], "mooncake_master not found"
+        return [], [], "mooncake_master not found"
     with TemporaryDirectory() as tmp, MooncakeMaster(Path(tmp) / "master.log") as master:
-        return [bench_mooncake(master.address, o, total // o, args.repeats) for o in sizes], None
+        return run(master.address)
+
+
+def print_shared_tier_rows(rows: list[dict[str, Any]], target: float) -> float:
+    """Print the shared-tier rows; the worst publish / fetch ratio vs the zero-copy put/get."""
+    print("shared tier (the connector's RemotePages over Mooncake: publish from / fetch into its "
+          "registered page planes) vs zero-copy batch_put_from/batch_get_into of the same bytes (zc) "
+          "and the same spans through the multi-buffer calls (mb), same client, same rounds")
+    print(f"{'object':>9} {'layers':>6} {'objs':>5} {'publish':>7} {'zc put':>7} {'mb put':>7} {'fetch':>7} "
+          f"{'zc get':>7} {'mb get':>7} {'xxh3':>6} {'pub x':>6} {'fetch x':>7} {'mb px':>6} {'mb fx':>6}"
+          "   (GB/s; x: ours / zero-copy)")
+    for r in rows:
+        print(f"{r['object_bytes']:>9} {r['layers']:>6} {r['objects']:>5} {r['publish_GBps']:>7.2f} "
+              f"{r['zero_copy_put_GBps']:>7.2f} {r['multi_buffer_put_GBps']:>7.2f} {r['fetch_GBps']:>7.2f} "
+              f"{r['zero_copy_get_GBps']:>7.2f} {r['multi_buffer_get_GBps']:>7.2f} {r['xxh3_GBps']:>6.2f} "
+              f"{r['publish_ratio']:>6.2f} {r['fetch_ratio']:>7.2f} {r['multi_buffer_publish_ratio']:>6.2f} "
+              f"{r['multi_buffer_fetch_ratio']:>6.2f}")
+    worst = min(min(r["publish_ratio"], r["fetch_ratio"]) for r in rows)
+    mb_worst = min(min(r["multi_buffer_publish_ratio"], r["multi_buffer_fetch_ratio"]) for r in rows)
+    print(f"shared tier: worst ratio vs zero-copy put/get of the same bytes: {worst:.2f} (goal >= {target}); "
+          f"vs the same spans through the multi-buffer calls: {mb_worst:.2f}; parity "
+          f"{'held' if all(r['parity'] for r in rows) else 'FAILED'}")
+    return worst
 
 
 def _rates(
@@ -284,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-master", default="",
                     help="host:port of a running mooncake_master (default: start one on 127.0.0.1)")
     ap.add_argument("--mooncake-mib", type=int, default=16, help="bytes per measured Mooncake call")
+    ap.add_argument("--shared-tier", choices=("on", "off", "only"), default="on",
+                    help="rows of the connector's shared tier (store/shared/) against zero-copy "
+                         "Mooncake put/get, on the Mooncake rows' master; only: just those rows")
+    ap.add_argument("--shared-tier-target", type=float, default=0.8,
+                    help="goal of the shared-tier rows (ours / zero-copy)")
     ap.add_argument("--ssd", choices=("on", "off", "only"), default="on",
                     help="SSD tier load rows (bench/store_ssd.py); only: just those rows")
     ap.add_argument("--ssd-dir", default=None, help="file system of the SSD rows' file (default: the temp dir)")
@@ -293,18 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     total = args.total_mib << 20
     rows: list[dict[str, Any]] = []
-    if args.mooncake != "only" and args.ssd != "only":
+    only_other = args.mooncake == "only" or args.ssd == "only" or args.shared_tier == "only"
+    if not only_other:
         for obj in (64 << 10, 256 << 10, 1 << 20):  # tiny-model block .. a large-model layer group
             rows.append(bench_store(obj, total // obj, args.repeats))
         for layer_bytes, layers in ((16 << 10, 4), (16 << 10, 32), (144 << 10, 8)):
             rows.append(bench_worker(layer_bytes, layers, total // (layer_bytes * layers), args.repeats))
-    mooncake_rows, mooncake_skip = (_mooncake_rows(args) if args.mooncake != "off" and args.ssd != "only"
-                                    else ([], "off"))
-    rows += mooncake_rows
-    print(f"{'path':8} {'object':>9} {'objs':>6} {'save GB/s':>10} {'load GB/s':>10} {'copy GB/s':>10} {'save x':>7} {'load x':>7}")
+    mooncake_rows, tier_rows, mooncake_skip = (
+        _mooncake_rows(args) if args.mooncake != "off" and args.ssd != "only" else ([], [], "off"))
+    if rows:
+        print(f"{'path':8} {'object':>9} {'objs':>6} {'save GB/s':>10} {'load GB/s':>10} {'copy GB/s':>10} {'save x':>7} {'load x':>7}")
     for r in rows:
-        if r["path"] == "mooncake":
-            continue
         print(
             f"{r['path']:8} {r['object_bytes']:>9} {r['objects']:>6} {r['save_GBps']:>10.2f} "
             f"{r['load_GBps']:>10.2f} {r['plain_copy_GBps']:>10.2f} {r['save_ratio']:>7.2f} {r['load_ratio']:>7.2f}"
@@ -319,10 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['zero_copy_save_GBps']:>6.2f} {r['load_GBps']:>6.2f} {r['raw_load_GBps']:>6.2f} "
                   f"{r['zero_copy_load_GBps']:>6.2f} {r['save_ratio']:>7.2f} {r['load_ratio']:>7.2f} "
                   f"{r['zero_copy_save_ratio']:>6.2f} {r['zero_copy_load_ratio']:>6.2f}")
-    local = [r for r in rows if r["path"] != "mooncake"]
-    worst = min((min(r["save_ratio"], r["load_ratio"]) for r in local), default=None)
+    worst = min((min(r["save_ratio"], r["load_ratio"]) for r in rows), default=None)
     if worst is not None:
         print(f"worst ratio vs plain torch copy of the same bytes: {worst:.2f} (target >= {args.target})")
+    rows += mooncake_rows
     result: dict[str, Any] = {"bench": "store", "threads": 1, "rows": rows, "worst_ratio": worst,
                               "target": args.target}
     if mooncake_rows:
@@ -332,15 +544,27 @@ def main(argv: list[str] | None = None) -> int:
               f"(target >= {args.target}); vs zero-copy put/get: {zc_worst:.2f}")
         result["mooncake_zero_copy_worst_ratio"] = zc_worst
         result["mooncake_worst_ratio"] = mc_worst
-    else:
+    elif args.shared_tier != "only":
         print(f"mooncake rows skipped: {mooncake_skip}")
         result["mooncake_skipped"] = mooncake_skip
-    if args.ssd != "off":
+    if tier_rows:
+        result["shared_tier_rows"] = tier_rows
+        # the goal's metric: the worst of (publish, fetch) ratio over the sizes
+        result["shared_tier_zero_copy_worst_ratio"] = print_shared_tier_rows(tier_rows, args.shared_tier_target)
+        result["shared_tier_multi_buffer_worst_ratio"] = min(
+            min(r["multi_buffer_publish_ratio"], r["multi_buffer_fetch_ratio"]) for r in tier_rows)
+        result["shared_tier_parity"] = all(r["parity"] for r in tier_rows)
+        result["shared_tier_target"] = args.shared_tier_target
+    elif args.shared_tier != "off":
+        why = mooncake_skip or "off"
+        print(f"shared-tier rows skipped: {why}")
+        result["shared_tier_skipped"] = why
+    if args.ssd != "off" and args.shared_tier != "only":
         from ascend_offload.bench.store_ssd import print_ssd_rows, ssd_rows
 
         result["ssd_rows"] = ssd_rows(args.ssd_dir, args.total_mib, args.repeats)
         result["ssd_worst_direct_ratio"] = print_ssd_rows(result["ssd_rows"], args.target)
-    if args.eviction_blocks and args.mooncake != "only" and args.ssd != "only":
+    if args.eviction_blocks and not only_other:
         policy_rows = store_policy.compare(args.eviction_blocks, repeats=3)
         store_policy.print_rows(policy_rows)
         result["eviction"] = policy_rows
