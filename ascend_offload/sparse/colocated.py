@@ -40,7 +40,7 @@ from ascend_offload.sparse.hybrid import GrowOp, HybridOp, MoveOp
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
-from ascend_offload.sparse.prefix_cache import PrefixBlocks, PrefixHit, PrefixOp
+from ascend_offload.sparse.prefix_cache import KeepOrder, PrefixBlocks, PrefixHit, PrefixOp
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,13 @@ class ColocatedSparseDecode:
                 self._warn("prefix cache", f"{len(ops)} orders but no prefix cache here")
             return
         for op in ops:
+            if isinstance(op, KeepOrder) and self.resident(op.req_id):
+                # hybrid residency: the kept blocks' main-KV rows are on the device; the
+                # entry holds the request's pool blocks, so they get the rows first
+                bs = self.manager.block_size
+                pos = torch.tensor([i * bs + o for i, _ in op.entries for o in range(bs)],
+                                   dtype=torch.int64)
+                self.manager.copy_to_pool(op.req_id, pos)
             self.prefix.apply(op)
 
     def apply_hybrid(self, ops: Sequence[HybridOp]) -> None:

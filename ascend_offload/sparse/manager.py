@@ -442,24 +442,30 @@ class SparseOffloadManager:
         assert self.area is not None
         if not self.area.holds(req_id):
             return 0
-        src = self.area.rows(req_id)[:tokens]
-        moved = 0
-        if self.tp_rank == 0 and tokens:
-            if src.numel() < tokens:
-                raise IndexError(f"request {req_id!r}: {tokens} positions to move, "
-                                 f"{src.numel()} resident rows")
-            blocks = torch.tensor(self.pool.block_list(req_id), dtype=torch.int64)
-            p = torch.arange(tokens)
-            dst = blocks[p // self.block_size] * self.block_size + p % self.block_size
-            for layer in range(self.num_layers):
-                rows = dev.host_read(self.area.view(layer).index_select(0, src),
-                                     reason=dev.MOVE_READ)
-                dev.scatter_rows(rows, dst, self.pool.layer(layer))
-            moved = tokens * self.num_layers * self.pool.row_bytes
-            self.stats.moved_rows += tokens
-            self.stats.moved_bytes += moved
+        moved = self.copy_to_pool(req_id, torch.arange(tokens))
+        self.stats.moved_rows += tokens if moved else 0
+        self.stats.moved_bytes += moved
         self.area.drop(req_id)
         return moved
+
+    def copy_to_pool(self, req_id: str, positions: torch.Tensor) -> int:
+        """Copy a resident request's rows of ``positions`` (every layer) to its host pool
+        rows; rank 0 only (the pool's writer). Returns the bytes copied."""
+        assert self.area is not None
+        if self.tp_rank != 0 or not positions.numel():
+            return 0
+        rows = self.area.rows(req_id)
+        if int(positions.max()) >= rows.numel():
+            raise IndexError(f"request {req_id!r}: position {int(positions.max())} to copy, "
+                             f"{rows.numel()} resident rows")
+        src = rows[positions.to(rows.device)]
+        blocks = torch.tensor(self.pool.block_list(req_id), dtype=torch.int64)
+        bs = self.block_size
+        dst = blocks[positions // bs] * bs + positions % bs
+        for layer in range(self.num_layers):
+            got = dev.host_read(self.area.view(layer).index_select(0, src), reason=dev.MOVE_READ)
+            dev.scatter_rows(got, dst, self.pool.layer(layer))
+        return int(positions.numel()) * self.num_layers * self.pool.row_bytes
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:

@@ -12,7 +12,9 @@ accepted, sometimes rejected). Six engines, the same prompts, greedy:
 * ``spec``: n-gram speculation (3 draft tokens), no connector;
 * ``spec_offload``: the same speculation with sparse decode offload, no prefix cache;
 * ``spec_hybrid``: the same speculation with hybrid residency (main KV on the device in
-  borrowed blocks while they are spare, moved to the pool under pressure);
+  borrowed blocks while they are spare, moved to the pool under pressure) and the prefix
+  cache (a finished resident request's kept blocks get its device rows in the pool; a
+  request starting from cached blocks decodes from the pool);
 * ``offload``: the same speculation with sparse decode offload and the prefix cache,
   hot buffers of 4 x 32 = 128 rows (a verification row of 1 + 3 query tokens resolves
   the union of its top-k sets at once), so little KV memory that vLLM preempts decoding
@@ -142,7 +144,8 @@ def runs() -> dict[str, Any]:
                                 "speculative_config": SPEC,
                                 "kv_transfer_config": sparse_decode_config(
                                     {"topk_buffer_size": HOT, "index_topk": TOPK,
-                                     "dram_size_per_dp_GB": POOL_GB, "hybrid": True})}, False))
+                                     "dram_size_per_dp_GB": POOL_GB, "hybrid": True,
+                                     "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})}, False))
     for name, kw, in_process in engines:
         rec = StepRecorder()
         with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
@@ -181,7 +184,7 @@ def test_cached_prefix_blocks_served_with_and_without_speculation(runs: dict[str
     them as external hits, the workers shared their pool rows and loaded their indexer
     rows (one block per hit block), and none was recomputed."""
     print(f"\nprefix hits {runs['hits']}")
-    for name in ("prefix", "offload"):
+    for name in ("prefix", "offload", "spec_hybrid"):
         m, h = runs["metrics"][name], runs["hits"][name]
         assert m["prefix_load_failures"] == 0 and m["recomputed_tokens"] == 0, (name, m)
         assert m["prefix_kept_blocks"] > 0 and m["prefix_loaded_blocks"] > 0, (name, m)

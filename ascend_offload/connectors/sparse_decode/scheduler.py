@@ -342,12 +342,15 @@ class SparseDecodeScheduler:
         return SparseDecodeMetadata(new, keys, finished,
                                     {r: computed[r] for r in new}, preempted, resumed, drafts,
                                     ops, hits, unshare,
-                                    self._hybrid_step(scheduler_output, computed, preempted))
+                                    self._hybrid_step(scheduler_output, computed, preempted,
+                                                      hits))
 
     def _hybrid_step(self, scheduler_output: SchedulerOutput, computed: dict[str, int],
-                     preempted: dict[str, StashOrder]) -> tuple[HybridOp, ...]:
+                     preempted: dict[str, StashOrder], hits: dict[str, PrefixHit]
+                     ) -> tuple[HybridOp, ...]:
         """Hybrid residency after vLLM scheduled the step: preempted residents move, new
-        requests are placed, residents grow, then vLLM gets back what it asked for."""
+        requests are placed (not those starting from cached prefix blocks: their rows are
+        the pool's), residents grow, then vLLM gets back what it asked for."""
         if self.hybrid is None:
             return ()
         for rid in preempted:
@@ -356,7 +359,7 @@ class SparseDecodeScheduler:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             if self.hybrid.holds(rid):  # placed earlier (also: before a remote-D2H pull)
                 self.hybrid.grow(rid, computed[rid] + n)
-            elif rid in new:
+            elif rid in new and rid not in hits:
                 self.hybrid.place(rid, computed[rid] + n)
         self.hybrid.relieve()
         self._last_batch = max(1, len(scheduler_output.num_scheduled_tokens))

@@ -88,10 +88,6 @@ def hybrid_geometry(cfg: SparseOffloadConfig, kv_cache_config: KVCacheConfig, *,
     if paged:
         raise ConfigError(f"{key}: the engine keeps the main KV paged on the device (vllm-ascend); "
                           "it is resident there already (accepted: False)")
-    if cfg.prefix_cache_blocks:
-        raise ConfigError(f"{key} with 'sparse_offload.prefix_cache_blocks'="
-                          f"{cfg.prefix_cache_blocks}: the prefix cache keeps host pool rows, "
-                          "which resident requests do not write (use one of them)")
     if len(kv_cache_config.kv_cache_groups) != 1 or len(indexers) != len(mains):
         raise ConfigError(f"{key}: resident rows live in the paired indexer layer's borrowed "
                           f"blocks, one indexer layer per main-KV layer in one KV cache group; "

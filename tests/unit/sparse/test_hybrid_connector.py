@@ -127,3 +127,48 @@ def test_a_running_request_that_cannot_allocate_makes_residents_give_back() -> N
     assert sched.hybrid is not None and len(sched.hybrid) == 0
     pool.free_blocks(taken)
     assert len(sched.hybrid.source) == 0 and pool.get_num_free_blocks() == free0 - 5  # type: ignore[arg-type]
+
+
+def test_prefix_cache_keeps_a_resident_requests_rows_and_hits_start_offloaded() -> None:
+    """With the decode-side prefix cache on: a finished resident request's kept blocks get
+    its device rows in their pool rows before the entry is made (the borrowed blocks are
+    vLLM's again from the next step on), and a request starting from cached blocks is not
+    placed (its leading rows are the pool's)."""
+    from ascend_offload.sparse.prefix_cache import KeepOrder
+
+    base = _settings()
+    cfg = SparseOffloadConfig(**{**base.cfg.model_dump(), "hybrid": True, "prefix_cache_blocks": 6})
+    s = dataclasses.replace(base, cfg=cfg, hybrid=GEO, max_batched_tokens=64)
+    sched = SparseDecodeScheduler(s)
+    sched.bind_block_pool(BlockPool(NUM_BLOCKS, False, BS))
+    blocks = _Blocks()
+    sched.kv_cache_manager = blocks  # type: ignore[assignment]
+    worker = SparseDecodeWorker(s, _kv_caches(s))
+    host = worker.manager.pool
+    a = _req("a", 9)
+    a.block_hashes, a.num_computed_tokens = [b"x", b"y"], 0
+    assert sched.admit(a)
+    blocks.ids["a"] = [3, 7, 2]
+    meta = sched.build_meta(_output({"a": 9}, new=(a,)))
+    assert [o.req_id for o in meta.hybrid_ops] == ["a"]
+    _step(worker, meta, [BatchRow(2, 9, 9)], 4.0)
+    table = host.block_list("a")
+    assert (host.layer(0)[table[0] * BS:table[0] * BS + 2 * BS] == 0).all()  # still on device
+    a.num_computed_tokens = 9
+    sched.finished("a", a, [3, 7, 2])
+    b = _req("b", 12, prompt=12)
+    b.block_hashes, b.num_computed_tokens = [b"x", b"y", b"z"], 0
+    assert sched.admit(b) and sched.prefix_offer(b) == 8 and not sched.after_alloc(b, 8)
+    del blocks.ids["a"]
+    blocks.ids["b"] = [5, 9, 11]
+    out = _output({"b": 4}, new=(b,), finished=frozenset({"a"}))
+    out.scheduled_new_reqs[0].num_computed_tokens = 8
+    meta = sched.build_meta(out)
+    assert isinstance(meta.prefix_ops[0], KeepOrder) and meta.hybrid_ops == ()  # b not placed
+    _step(worker, meta, [BatchRow(11, 12, 4)], 6.0)
+    # the entries' pool rows hold a's rows (copied from the device before the keep)
+    assert torch.equal(host.layer(0)[table[0] * BS:table[0] * BS + 2 * BS],
+                       torch.full((2 * BS, ROW), 4.0))
+    assert host.block_list("b")[:2] == table[:2] and not worker.decode.resident("b")
+    c = worker.decode.counters()
+    assert c["prefix_loaded_blocks"] == 2 and c["placed_requests"] == 1
