@@ -2,7 +2,8 @@
 pulled request when it registers the pull (vLLM's real block pool lends the blocks) and
 keeps it pinned until vLLM first schedules it; the decode worker applies the placement
 before it expects the pull and lands the main KV straight in the resident rows; after the
-worker attached it, a move copies exactly the pulled rows to its pool rows."""
+worker attached it, a preemption moves exactly the pulled rows to its pool rows (main KV
+kept, indexer stashed and loaded back on resumption)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ascend_offload.connectors.remote_d2h.scheduler import PulledResidentBook
 from ascend_offload.connectors.sparse_decode.kv_cut import CutFacts, mark_cut
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
 from ascend_offload.sparse.hybrid import GrowOp, MoveOp
+from ascend_offload.sparse.preemption import ResumeOrder, StashOrder
 from tests.unit.pd.pool_scenario import (
     BLOCK,
     CFG,
@@ -57,12 +59,12 @@ def _hybrid_cut_config(dev_blocks: int = DEV_BLOCKS) -> SimpleNamespace:
     return cfg
 
 
-def _out(new=(), cached=(), scheduled=None, finished=()) -> SimpleNamespace:
+def _out(new=(), cached=(), scheduled=None, finished=(), preempted=()) -> SimpleNamespace:
     """A SchedulerOutput with the fields the connector reads."""
     ids = [r for r, _ in cached]
     return SimpleNamespace(
         scheduled_new_reqs=list(new), num_scheduled_tokens=dict(scheduled or {}),
-        finished_req_ids=set(finished), preempted_req_ids=set(),
+        finished_req_ids=set(finished), preempted_req_ids=set(preempted),
         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[n for _, n in cached],
                                               resumed_req_ids=set()))
 
@@ -135,6 +137,19 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
         conn.update_connector_output(SimpleNamespace(finished_recving=(), finished_sending=("c",)))
         assert not book.holds("c") and book.pinned == set() and len(book) == 0
         assert pool.get_num_free_blocks() == 16 + 5
+        # a resident pulled request that vLLM preempts moves to the pool in that step (its
+        # main KV kept there; the workers copy its rows before the forward)
+        pull("p", 40)
+        assert book.holds("p")
+        conn.build_connector_meta(_out())
+        conn.update_connector_output(SimpleNamespace(finished_recving=("p",), finished_sending=()))
+        new = [SimpleNamespace(req_id="p", num_computed_tokens=39, prompt_token_ids=[1] * 40,
+                               sampling_params=SimpleNamespace(max_tokens=10))]
+        conn.build_connector_meta(_out(new=new, scheduled={"p": 1}))
+        conn.build_connector_meta(_out(cached=[("p", 40)], scheduled={"p": 1}))
+        meta = conn.build_connector_meta(_out(preempted={"p"}))
+        assert meta.sparse.hybrid_ops == (MoveOp("p"),) and meta.sparse.preempted["p"].tokens == 41
+        assert not book.holds("p") and book.counters.moved_requests == 2
     finally:
         conn.shutdown()
 
@@ -205,11 +220,22 @@ def test_decode_worker_lands_resident_pulls_in_their_rows_and_moves_them_bit_for
         # pool gets exactly the pulled rows
         step(new={"a": 90}, computed={"a": 69})
         assert dec.sparse.decode.resident("a") and dec.sparse.decode.pooled("a") == 69
-        step(hybrid_ops=(MoveOp("a"),))
+        # vLLM preempts it: the step stashes its indexer rows and moves its main KV to the
+        # pool (what the scheduler orders, see the test above)
+        step(preempted={"a": StashOrder(69, (dev["a"],))}, hybrid_ops=(MoveOp("a"),))
         assert not dec.sparse.decode.resident("a")
         host = pool.rows_for("a", torch.arange(69))
         for layer in range(CFG.num_layers):
             assert torch.equal(pool.layer(layer)[host], pre.rows["a"][layer][:69])
+            kv[INDEXERS[layer]][list(dev["a"])] = -1.0  # vLLM reuses its freed blocks
+        # resumed in other blocks: its indexer rows come back from the stash, its main KV
+        # stays in the pool (nothing recomputed)
+        moved = (33, 34, 35, 36, 37)
+        step(resumed={"a": ResumeOrder(69, (moved,))})
+        assert conn.get_block_ids_with_load_errors() == set()
+        for layer in range(CFG.num_layers):
+            got_idx = kv[INDEXERS[layer]][list(moved)].reshape(-1, CFG.index_dim)[:69]
+            assert torch.equal(got_idx, pre.index_rows["a"][layer][:69])
         c = dec.sparse.decode.counters()
         assert c["placed_requests"] == 1 and c["moved_requests"] == 1
         assert c["moved_bytes"] == 69 * CFG.num_layers * CFG.latent * 4
