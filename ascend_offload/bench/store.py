@@ -1,7 +1,8 @@
 """``ascend-offload bench store``: save/load throughput of block-sized objects.
 
-Two paths, each against a plain contiguous torch copy of the same byte count
-measured in the same run (the ratio is what matters on a noisy machine):
+Each path against a baseline moving the same byte count, measured in the same run
+(the ratio is what matters on a noisy machine); for ``store`` and ``worker`` a plain
+contiguous torch copy:
 
 * ``store``: ``LocalStore`` allocate + ``write_batch`` + commit, and pin +
   ``read_batch`` + unpin — the contract any backend serves;
