@@ -5,17 +5,17 @@ host pool (real vLLM CPU engines, our proxy, Mooncake TCP).
 Our 4-layer sparse-MLA model (index_topk 32, hot buffers of 64 rows, float32). Prefill:
 ``SfaRemoteD2HConnector`` producer (no offload: its own answers are the baseline); decode:
 the consumer with ``sparse_offload`` and ``hybrid: true``, given so little KV memory
-(1 MiB: 44 indexer blocks after the hot buffers, a borrowed block holding 12-13 main-KV
-rows) that one resident request takes about as many blocks as two or three others: a
-pull is placed when it is registered while blocks are spare (its main KV lands in its
-resident rows), and when vLLM needs blocks for the next pull or a growing request, the
-longest-running residents move to the pool. 36 prompts of 60-250 tokens, 24-64 new
+(1.5 MiB: 76 indexer blocks after the hot buffers, a borrowed block holding 12-13 main-KV
+rows, so a resident request takes 3.5 times the blocks of another) that not every
+request fits resident: a pull is placed when it is registered while blocks are spare
+(its main KV lands in its resident rows), and when vLLM needs blocks for the next pull
+or a growing request, the longest-running residents move to the pool. 36 prompts of 60-250 tokens, 24-64 new
 tokens each, 6 at a time through the proxy, decode running at most 4.
 
 Greedy tokens must equal the prefill engine's own, no load may have failed, requests must
-have started resident and some must have moved (the decode's counters), nothing may have
-been recomputed, and once all finished vLLM's KV usage is back to 0 (every borrowed block
-returned).
+have started resident, some must have moved and others finished resident (the decode's
+counters), nothing may have been recomputed, and once all finished vLLM's KV usage is
+back to 0 (every borrowed block returned).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ HOT = 64
 ROW_BYTES = (64 + 16) * 4  # latent + rope, float32
 MAX_SEQS = 4
 MAX_LEN = 512
-DECODE_KV_BYTES = 1 << 20
+DECODE_KV_BYTES = 3 << 19
 POOL_ROWS = 12 * MAX_LEN  # every reservation at once
 POOL_GB = POOL_ROWS * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
 _rng = random.Random(23)
@@ -102,8 +102,9 @@ def test_pd_hybrid_residency_lands_resident_moves_under_pressure_tokens_identica
     print(f"\nP/D hybrid residency: {len(PROMPTS)} prompts, 6 at a time ({t2 - t1:.1f} s; the "
           f"prefill's own answers {t1 - t0:.1f} s): {m}")
     assert m["layers_pulled"] == len(PROMPTS) * N_LAYERS and m["read_failures"] == 0, m
-    # requests started resident (their pulled main KV in device rows) and some moved
-    assert m["sparse_placed_requests"] > 0 and m["sparse_moved_requests"] > 0, m
+    # requests started resident (their pulled main KV in device rows), some moved, the
+    # others finished resident
+    assert m["sparse_placed_requests"] > m["sparse_moved_requests"] > 0, m
     assert m["sparse_placed_requests"] < len(PROMPTS), m  # the budget is tight: not all of them
     assert m["sparse_moved_bytes"] > 0 and m["sparse_resident_query_tokens"] > 0, m
     # every computed row went once to the device rows or the pool: the last prompt token
