@@ -80,7 +80,7 @@ def _vcfg(connector: str = "AscendSparseDecodeConnector",
         kv_transfer_config=kvt,
         cache_config=SimpleNamespace(block_size=SCHED_BS, enable_prefix_caching=False),
         model_config=SimpleNamespace(model="m", hf_config=hf, use_mla=True, max_model_len=64),
-        scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=2048), speculative_config=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
         compilation_config=SimpleNamespace(cudagraph_mode=None),
         additional_config={"sparse_kv_offload_config": {"enabled": False}})
