@@ -131,6 +131,10 @@ class ResidentBook:
         self._ops: list[HybridOp] = []
         self._order = 0
         self._demand = 0  # blocks vLLM asked for since the last relief
+        # placed for a pull still in flight: never moved (a read may write its rows, and
+        # the workers cannot copy positions they have not attached yet) until unpinned
+        self._pinned: set[str] = set()
+        self._never: set[str] = set()  # decided to decode from the pool: never placed
 
     def __len__(self) -> int:
         return len(self._res)
@@ -156,12 +160,18 @@ class ResidentBook:
             self.counters.borrowed_blocks += 1
         return True
 
-    def place(self, req_id: str, tokens: int) -> bool:
+    def place(self, req_id: str, tokens: int, *, pinned: bool = False) -> bool:
         """A newly scheduled request: resident when its first ``tokens`` rows fit in
         spare blocks (nothing is moved to make room for it); ``False``: it decodes from
-        the host pool."""
+        the host pool. ``pinned``: its rows are about to be pulled (remote-D2H): it is
+        not moved until :meth:`unpin`, and if it is not placed now it never is (its
+        prompt lands in the pool)."""
         if req_id in self._res:
             return True
+        if req_id in self._never:
+            return False
+        if pinned:
+            self._never.add(req_id)  # placed or not, never placed again
         if self.max_resident and len(self._res) >= self.max_resident:
             return False
         need = -(-tokens // self.geometry.min_rows)
@@ -174,9 +184,28 @@ class ResidentBook:
             return False
         self._order += 1
         self._res[req_id] = res
+        if pinned:
+            self._pinned.add(req_id)
         self._ops.append(GrowOp(req_id, tuple(new)))
         self.counters.placed_requests += 1
         return True
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pinned)
+
+    def placeable(self, req_id: str) -> bool:
+        """Whether the request may still be placed (resident ones are)."""
+        return req_id not in self._never or req_id in self._res
+
+    def unpin(self, req_id: str) -> None:
+        """The pulled request's rows are attached by the workers: it may move from now on."""
+        self._pinned.discard(req_id)
+
+    def forgo(self, req_id: str) -> None:
+        """The request decodes from the host pool for good (e.g. its prompt starts from
+        the pool's cached prefix blocks): never placed."""
+        self._never.add(req_id)
 
     def grow(self, req_id: str, tokens: int) -> bool:
         """A resident request scheduled up to ``tokens`` positions; when spare blocks run
@@ -202,7 +231,7 @@ class ResidentBook:
         """vLLM needs ``blocks`` more free blocks than it has (a waiting request, a running
         one that cannot grow): ``True`` if moving residents at the next :meth:`relieve` can
         give them (the caller waits a step instead of refusing or preempting)."""
-        if not self._res:
+        if all(r in self._pinned for r in self._res):
             return False
         self._demand = max(self._demand, blocks)
         return True
@@ -212,15 +241,19 @@ class ResidentBook:
         vLLM's free blocks cover what it asked for plus ``keep_free``."""
         if self._demand:
             self.counters.pressure_events += 1
-        while self._res and self.source.num_free() < self.keep_free + self._demand:
+        while self.source.num_free() < self.keep_free + self._demand:
             victim = self._oldest()
-            assert victim is not None
+            if victim is None:  # none left, or only pinned ones
+                break
             self.move(victim)
         self._demand = 0
 
     def move(self, req_id: str) -> None:
         """Move a resident request to the host pool: its blocks go back now (the workers
-        copy its rows before the next forward, before vLLM can reuse them)."""
+        copy its rows before the next forward, before vLLM can reuse them). A pinned one
+        stays (a read may still write its rows)."""
+        if req_id in self._pinned:
+            return
         res = self._res.pop(req_id, None)
         if res is None:
             return
@@ -230,6 +263,8 @@ class ResidentBook:
 
     def release(self, req_id: str) -> None:
         """The request finished: its blocks go back, nothing is copied."""
+        self._pinned.discard(req_id)
+        self._never.discard(req_id)
         res = self._res.pop(req_id, None)
         if res is not None:
             self.source.give(res.blocks)
@@ -239,7 +274,9 @@ class ResidentBook:
         return ops
 
     def _oldest(self) -> str | None:
-        return min(self._res, key=lambda r: self._res[r].order, default=None)
+        """The longest-running resident that may move (not pinned)."""
+        return min((r for r in self._res if r not in self._pinned),
+                   key=lambda r: self._res[r].order, default=None)
 
 
 class ResidentArea:

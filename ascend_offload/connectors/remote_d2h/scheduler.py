@@ -7,7 +7,7 @@ manager, the step's scheduled tokens from ``SchedulerOutput``, and the result
 goes into :class:`RemoteD2HMetadata`.
 
 Hybrid residency on a sparse decode (``sparse_offload.hybrid``): a pulled request is
-placed when its pull is registered (:class:`PulledResidentBook`), so its main KV
+placed when its pull is registered (:class:`~ascend_offload.sparse.hybrid.ResidentBook`, pinned), so its main KV
 lands in its resident rows, not the pool; it stays pinned (never chosen to move)
 until vLLM first schedules it, i.e. while reads may write its rows and until the
 workers attached it. A pulled request not placed then (no spare blocks, or it
@@ -39,66 +39,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from ascend_offload.sparse.prefix_cache import PrefixHit
-
-
-class PulledResidentBook(ResidentBook):
-    """:class:`~ascend_offload.sparse.hybrid.ResidentBook` for a decode whose prompts are
-    pulled: a request placed for its pull is pinned until vLLM first schedules it.
-
-    Why pinned: until its pull stopped, a read may still write its rows (their blocks
-    must not go back to vLLM), and until the workers attached it they could not copy its
-    pulled rows to the pool (a move copies the positions a request has computed). Pinned
-    residents are never chosen to move; when only pinned ones are left, vLLM is not told
-    to wait for blocks (it preempts or waits as without residents). A pulled request that
-    was not placed landed in the pool: it is never placed later (``no_place``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pinned: set[str] = set()
-        self.no_place: set[str] = set()
-
-    def place_pulled(self, req_id: str, tokens: int) -> bool:
-        """A request whose ``tokens`` prompt positions are about to be pulled: resident (and
-        pinned) when they fit in spare blocks, else it lands in the pool for good."""
-        if self.place(req_id, tokens):
-            self.pinned.add(req_id)
-            return True
-        self.no_place.add(req_id)
-        return False
-
-    def unpin(self, req_id: str) -> None:
-        self.pinned.discard(req_id)
-
-    def place(self, req_id: str, tokens: int) -> bool:
-        return req_id not in self.no_place and super().place(req_id, tokens)
-
-    def want(self, blocks: int) -> bool:
-        return any(r not in self.pinned for r in self._res) and super().want(blocks)
-
-    def relieve(self) -> None:
-        # ResidentBook.relieve, stopping when only pinned residents are left
-        if self._demand:
-            self.counters.pressure_events += 1
-        while self.source.num_free() < self.keep_free + self._demand:
-            victim = self._oldest()
-            if victim is None:
-                break
-            self.move(victim)
-        self._demand = 0
-
-    def move(self, req_id: str) -> None:
-        if req_id in self.pinned:  # a read may write its rows: its blocks stay borrowed
-            return
-        super().move(req_id)
-
-    def release(self, req_id: str) -> None:
-        self.pinned.discard(req_id)
-        self.no_place.discard(req_id)
-        super().release(req_id)
-
-    def _oldest(self) -> str | None:
-        return min((r for r in self._res if r not in self.pinned),
-                   key=lambda r: self._res[r].order, default=None)
 
 
 class RemoteD2HScheduler:
@@ -133,20 +73,13 @@ class RemoteD2HScheduler:
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """vLLM's block pool (bound with the KV cache manager): hybrid residency borrows
-        from it, through a :class:`PulledResidentBook`."""
-        sp = self.sparse
-        if sp is None or sp.hybrid is not None:
-            return
-        sp.bind_block_pool(pool)
-        book = sp.hybrid
-        if book is not None:
-            sp.hybrid = PulledResidentBook(book.geometry, book.source, keep_free=book.keep_free,
-                                           max_resident=book.max_resident)
+        from it."""
+        if self.sparse is not None:
+            self.sparse.bind_block_pool(pool)
 
     @property
-    def hybrid(self) -> PulledResidentBook | None:
-        book = None if self.sparse is None else self.sparse.hybrid
-        return book if isinstance(book, PulledResidentBook) else None
+    def hybrid(self) -> ResidentBook | None:
+        return None if self.sparse is None else self.sparse.hybrid
 
     def _hybrid_wait(self, request: Request, num_computed_tokens: int) -> bool:
         """A waiting request that does not fit vLLM's free blocks while residents hold
@@ -208,9 +141,9 @@ class RemoteD2HScheduler:
             rid = request.request_id
             if book is not None and rid in self.decode.receiving:
                 if any(h is not None for h in hits):  # its cached blocks' rows are the pool's
-                    book.no_place.add(rid)
-                else:  # placed now, so the workers land its prompt in its resident rows
-                    book.place_pulled(rid, request.num_prompt_tokens)
+                    book.forgo(rid)
+                else:  # placed now (pinned), so the workers land its prompt in its rows
+                    book.place(rid, request.num_prompt_tokens, pinned=True)
         elif self.prefill is not None and wants_remote_decode(params):
             self.prefill.after_alloc(request, params)
 

@@ -19,10 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.block_pool import BlockPool
 
 from ascend_offload.connectors import remote_d2h as rd
-from ascend_offload.connectors.remote_d2h.scheduler import PulledResidentBook
 from ascend_offload.connectors.sparse_decode.kv_cut import CutFacts, mark_cut
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeMetadata
-from ascend_offload.sparse.hybrid import GrowOp, MoveOp
+from ascend_offload.sparse.hybrid import GrowOp, MoveOp, ResidentBook
 from ascend_offload.sparse.preemption import ResumeOrder, StashOrder
 from tests.unit.pd.pool_scenario import (
     BLOCK,
@@ -87,7 +86,7 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
     conn.bind_kv_cache_manager(SimpleNamespace(block_pool=pool,
                                                get_block_ids=lambda rid: (held[rid],)))
     book = conn.scheduler.hybrid
-    assert isinstance(book, PulledResidentBook) and book.keep_free == 4
+    assert isinstance(book, ResidentBook) and book.keep_free == 4
 
     def pull(rid: str, n: int) -> None:
         req = _pulled(rid, n)
@@ -103,7 +102,7 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
         assert book.holds("c") and book.holds("r") and book.pinned == {"c", "r"}
         assert book.borrowed == 14
         pull("big", 150)  # 10 own blocks; 22 more would not fit the 3 spare ones
-        assert not book.holds("big") and "big" in book.no_place
+        assert not book.holds("big") and not book.placeable("big")
         assert pool.get_num_free_blocks() == free0 - 3 - 5 - 5 - 9 - 10 == 7
         # only pinned residents: vLLM is not told to wait for blocks (it preempts or waits
         # as without residents), and a waiting pull that does not fit is not held back

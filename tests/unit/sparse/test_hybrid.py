@@ -238,3 +238,27 @@ def test_the_resident_layer_path_compiles_as_one_graph() -> None:
     eager_view = torch.zeros_like(view)
     eager_view.copy_(view)
     assert torch.equal(out, layer(eager_view, rows, rows[[8, 9]], new, topk))
+
+
+def test_a_pinned_pull_is_never_moved_and_an_unplaced_one_never_placed() -> None:
+    """Remote-D2H: a request placed for its pull stays (a read may write its rows) until
+    the workers attached it; one that did not fit lands in the pool for good."""
+    book, pool = _book(keep_free=2)
+    assert book.place("pulled", 16, pinned=True) and book.pinned == {"pulled"}
+    assert not book.want(4)  # only pinned residents: vLLM preempts or waits as usual
+    assert book.place("local", 8)
+    book.take_ops()
+    assert book.want(pool.get_num_free_blocks())
+    book.relieve()
+    assert book.take_ops() == (MoveOp("local"),) and book.holds("pulled")  # not the pinned one
+    book.move("pulled")
+    assert book.holds("pulled") and book.take_ops() == ()
+    book.unpin("pulled")
+    book.move("pulled")
+    assert not book.holds("pulled") and book.take_ops() == (MoveOp("pulled"),)
+    assert not book.place("big", 10**4, pinned=True) and not book.placeable("big")
+    assert not book.place("big", 4)  # its prompt landed in the pool
+    book.forgo("cached")
+    assert not book.place("cached", 4)
+    book.release("big")
+    assert book.placeable("big")
