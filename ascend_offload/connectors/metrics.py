@@ -69,6 +69,8 @@ RD2H_COUNTERS: dict[str, str] = {
     "read_failures": "decode: readiness items answered read_failed (invalid, read error, late, ...)",
     "read_retries": "decode: reads retried after a transfer error",
     "rejected_messages": "control messages rejected as undecodable or inconsistent (both sides)",
+    "resident_pulls": "decode, hybrid residency: pulls whose main KV landed in resident device "
+                      "rows (not the host pool)",
     "layers_published": "prefill: (request, layer) readiness items published to decode",
     "acks": "prefill: readiness items decode answered read_done",
     "acks_late": "prefill: answers that arrived after their slot use ended (stale, ignored)",

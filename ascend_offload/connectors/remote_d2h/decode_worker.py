@@ -268,7 +268,8 @@ class DecodeWorker:
             return {}
         st = self.consumer.stats
         return {"layers_pulled": st.reads, "bytes_pulled": st.bytes_read, "read_descriptors": st.descriptors,
-                "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected}
+                "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected,
+                "resident_pulls": self.landed_resident}
 
     def gauges(self) -> dict[str, int]:
         """This rank's receive state (0 when idle): in-flight reads, parked messages,

@@ -44,7 +44,7 @@ def test_deltas_reach_prometheus_counters() -> None:
                            inflight=lambda: state["inflight"], parked=lambda: state["parked"],
                            active=lambda: list(state["active"]))
     conn.decode = DecodeWorker.__new__(DecodeWorker)
-    conn.decode.consumer, conn.decode.sparse = cons, None
+    conn.decode.consumer, conn.decode.sparse, conn.decode.landed_resident = cons, None, 2
     conn.prefill = PrefillWorker.__new__(PrefillWorker)
     conn.prefill.gate_holds, conn.prefill.gate_hold_failures = 4, 1
     conn.prefill._producers = {1: SimpleNamespace(stats=ProducerStats(published_items=6, acked=5, stale=1,
@@ -55,6 +55,7 @@ def test_deltas_reach_prometheus_counters() -> None:
     assert first.data == {"layers_pulled": 6, "bytes_pulled": 6144, "read_descriptors": 3, "read_failures": 1,
                           "rejected_messages": 3, "layers_published": 6, "acks": 5, "acks_late": 1,
                           "ack_timeouts": 1, "gate_holds": 4, "gate_hold_failures": 1,
+                          "resident_pulls": 2,
                           "inflight_reads": 2, "parked_messages": 1, "active_requests": 1,
                           "pending_slot_uses": 1}
     assert set(first.data) <= set(RD2H_COUNTERS) | set(RD2H_GAUGES)
@@ -87,7 +88,7 @@ def test_idle_gauges_reach_prometheus_and_return_to_zero() -> None:
     conn.decode = DecodeWorker.__new__(DecodeWorker)
     conn.decode.consumer = SimpleNamespace(stats=ConsumerStats(reads=1), inflight=lambda: state["inflight"],
                                            parked=lambda: state["parked"], active=lambda: list(state["active"]))
-    conn.decode.sparse = None
+    conn.decode.sparse, conn.decode.landed_resident = None, 0
     conn.prefill = None
     busy = conn.get_kv_connector_stats()
     assert busy is not None and busy.data["inflight_reads"] == 3 and busy.data["active_requests"] == 2
