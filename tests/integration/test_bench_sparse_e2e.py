@@ -171,7 +171,10 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     assert res["hybrid_parity"] is True
     hc = res["hybrid_counters"]
     assert hc["admission_failures"] == hc["unmatched_rows"] == hc["host_reads_topk"] == 0, hc
-    assert res["hybrid_gauges"]["resident_requests"] == 0  # all finished: blocks given back
+    # every request the worker still holds is resident (a finish reaches the worker with
+    # the next step, so the last round's requests may still be there)
+    g = res["hybrid_gauges"]
+    assert g["resident_requests"] == g["admitted_requests"], g
 
 
 def test_a_hot_buffer_too_small_for_the_drafts_is_refused_before_any_engine_starts() -> None:
