@@ -83,6 +83,7 @@ class SparseMLAMetadata(AttentionMetadata):
     # sparse decode offload: the step's new-row batch indices and (batch entry, position)
     # pairs, the same for every layer of the step (the first offloaded layer makes them)
     offload_new_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    offload_plan: SparseStepPlan | None = None  # the step's plan (the first layer asks once)
 
 
 class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
@@ -316,7 +317,9 @@ class SparseMLACache(_CacheLayer):
         adapter, layer = self._offload
         assert self.index_topk is not None
         _, key_rows = self._write_new_rows(meta, None, index_k)
-        plan = adapter.plan_step([r.row for r in meta.requests])
+        plan = meta.offload_plan
+        if plan is None:
+            plan = meta.offload_plan = adapter.plan_step([r.row for r in meta.requests])
         if meta.offload_new_rows is None:
             meta.offload_new_rows = self._new_row_positions(meta, plan)
         src, pos = meta.offload_new_rows

@@ -287,7 +287,10 @@ class ResidentArea:
         indexer layer's blocks, row pitch ``geometry.row_bytes``."""
         self.views = list(views)
         self.geometry = geometry
+        self._device = self.views[0].device if self.views else None
         self._rows: dict[str, list[int]] = {}
+        # per request: its rows as a tensor with room to grow (doubling), filled as blocks
+        # join, so a growing request's table is never rebuilt
         self._tensors: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -298,21 +301,28 @@ class ResidentArea:
 
     def grow(self, req_id: str, blocks: Sequence[int]) -> None:
         rows = self._rows.setdefault(req_id, [])
+        start = len(rows)
         for b in blocks:
             rows.extend(self.geometry.rows_of(b))
-        self._tensors.pop(req_id, None)
+        buf = self._tensors.get(req_id)
+        if buf is None or buf.numel() < len(rows):
+            grown = torch.empty(max(len(rows), 2 * (0 if buf is None else buf.numel()), 64),
+                                dtype=torch.int64, device=self._device)
+            if buf is not None:
+                grown[:start] = buf[:start]
+            buf = self._tensors[req_id] = grown
+        buf[start:len(rows)] = torch.tensor(rows[start:], dtype=torch.int64)
 
     def capacity(self, req_id: str) -> int:
         return len(self._rows.get(req_id, ()))
 
     def rows(self, req_id: str) -> torch.Tensor:
         """``[capacity]`` int64: the row of every position (positions in order)."""
-        t = self._tensors.get(req_id)
-        if t is None:
-            t = torch.tensor(self._rows[req_id], dtype=torch.int64,
-                             device=self.views[0].device if self.views else None)
-            self._tensors[req_id] = t
-        return t
+        return self._tensors[req_id][:len(self._rows[req_id])]
+
+    def row_list(self, req_id: str) -> list[int]:
+        """The same rows as a list (host-side bookkeeping reads it without a device read)."""
+        return self._rows[req_id]
 
     def drop(self, req_id: str) -> bool:
         self._tensors.pop(req_id, None)

@@ -168,6 +168,7 @@ class SparseOffloadManager:
         self._resident: list[bool] = []
         self._split: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._split_of: torch.Tensor | None = None
+        self._bound = False  # this step bound the residency (some entry is not resident)
         self.stats = SparseStats()
 
     def _no_device_path(self) -> str | None:
@@ -283,8 +284,12 @@ class SparseOffloadManager:
     # ------------------------------------------------------------------ per step
 
     def begin_step(self, entries: Sequence[StepEntry]) -> None:
-        """Fix the batch of this step (batch order = order of ``entries``)."""
-        rows, tags, lens, stable, tables = [], [], [], [], []
+        """Fix the batch of this step (batch order = order of ``entries``). A step whose
+        entries are all resident (hybrid residency) resolves nothing: the residency is not
+        bound and no block table is built."""
+        rows, tags, lens, stable = [], [], [], []
+        area = self.area
+        resident = [area is not None and area.holds(e.req_id) for e in entries]
         for e in entries:
             if e.req_id not in self._rows:
                 raise KeyError(f"request {e.req_id!r} is not admitted")
@@ -298,18 +303,25 @@ class SparseOffloadManager:
             tags.append(tag)
             lens.append(e.num_tokens)
             stable.append(e.stable_tokens)
-            tables.append(self.pool.block_table(e.req_id))
+        self._step = list(entries)
+        self._resident = resident
+        self._split = None
+        self._split_of = None
+        self._step_lens = lens
+        self._step_no += 1
+        self._new_dst = None
+        self._new_rows = None
+        self._bound = not (entries and all(resident))
+        if not self._bound:
+            self._step_blocks = []
+            self._batch = {}
+            return
+        tables = [self.pool.block_table(e.req_id) for e in entries]
         width = max((t.numel() for t in tables), default=1)
         bt = torch.zeros((len(entries), width), dtype=torch.int32)
         for i, t in enumerate(tables):
             bt[i, : t.numel()] = t
-        self._step = list(entries)
-        self._resident = [self.area is not None and self.area.holds(e.req_id) for e in entries]
-        self._split = None
-        self._split_of = None
-        self._step_lens = lens
         self._step_blocks = [self.pool.block_list(e.req_id) for e in entries]
-        self._step_no += 1
         self._batch = {
             "rows": torch.tensor(rows, dtype=torch.int32),
             "tags": torch.tensor(tags, dtype=torch.int64),
@@ -320,8 +332,6 @@ class SparseOffloadManager:
         b = self._batch
         # Bound once per step: each layer's onload_topk then passes only its top-k.
         self.residency.bind_step(b["rows"], b["tags"], b["stable"], b["lens"], bt, self.block_size)
-        self._new_dst = None
-        self._new_rows = None
         self.stats.steps += 1
 
     def end_step(self) -> None:
@@ -332,7 +342,7 @@ class SparseOffloadManager:
 
         Device resolver: its per-layer reports are read here, once (input errors raise
         :class:`~ascend_offload.sparse.residency.ResidencyError`; the totals feed the stats)."""
-        if self._device:
+        if self._device and self._bound:
             valid, misses = cast(DeviceResidency, self.residency).check()
             self.stats.resolved_positions += valid
             self.stats.miss_rows += misses
@@ -409,7 +419,7 @@ class SparseOffloadManager:
         area_sel: list[int] = []
         area_dst: list[int] = []
         pool_sel: list[int] = []
-        tables: dict[int, torch.Tensor] = {}
+        tables: dict[int, list[int]] = {}
         pos = positions.tolist()
         for i, (b, p) in enumerate(pos):
             if not 0 <= b < len(self._step):
@@ -422,12 +432,12 @@ class SparseOffloadManager:
                                  f"[0, num_tokens={self._step_lens[b]})")
             rows = tables.get(b)
             if rows is None:
-                rows = tables[b] = self.area.rows(self._step[b].req_id)
-            if p >= rows.numel():
+                rows = tables[b] = self.area.row_list(self._step[b].req_id)
+            if p >= len(rows):
                 raise IndexError(f"request {self._step[b].req_id!r}: position {p} beyond its "
-                                 f"{rows.numel()} resident rows")
+                                 f"{len(rows)} resident rows")
             area_sel.append(i)
-            area_dst.append(int(rows[p]))
+            area_dst.append(rows[p])
         dev_ = self.hot.device
         sel = torch.tensor(pool_sel, dtype=torch.int64)
         return (torch.tensor(area_sel, dtype=torch.int64, device=dev_),
@@ -610,18 +620,12 @@ class SparseOffloadManager:
     def _resident_rows(self, layer: int, batch_index: int, positions: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """A resident entry's rows of ``positions`` in its layer's device rows (hybrid):
-        tensor ops only. The rows cover the entry's tokens (checked when the step was
-        planned); positions on the host are checked against them here, device ones are
-        not (that would synchronize per layer)."""
+        tensor ops only, no check per layer (the rows cover the entry's tokens, checked
+        when the step was planned; positions are the attention's, below its length)."""
         assert self.area is not None
-        rows = self.area.rows(self._step[batch_index].req_id)
-        if dev.is_host(positions) and positions.numel() and int(positions.max()) >= min(
-                rows.numel(), self._step_lens[batch_index]):
-            raise IndexError(f"context positions beyond num_tokens={self._step_lens[batch_index]} "
-                             f"or the {rows.numel()} resident rows")
-        pos = positions.to(rows.device, torch.int64)
-        self.stats.resident_query_tokens += int(positions.shape[0])
-        return self.area.view(layer), resident_slots(rows, pos)
+        self.stats.resident_query_tokens += positions.shape[0]
+        return self.area.views[layer], resident_slots(
+            self.area.rows(self._step[batch_index].req_id), positions)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

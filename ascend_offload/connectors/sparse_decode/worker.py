@@ -183,6 +183,7 @@ class SparseDecodeWorker:
         self._preempts_handled: object = None
         self._prefix_applied: object = None
         self._load_errors: set[int] = set()
+        self._kv_gauges: dict[str, int] | None = None
         kv = self.manager.pool.kv
         log.info("sparse decode offload of %d layers: host pool %d rows x %d x %s (%.3f GiB), "
                  "hot buffers %d rows per request x %d requests %s (%.1f MiB), residency %s "
@@ -292,6 +293,12 @@ class SparseDecodeWorker:
     # ------------------------------------------------------------------ metrics
 
     def device_kv_gauges(self) -> dict[str, int]:
+        """:meth:`_device_kv_gauges`, read once (the allocation never changes)."""
+        if self._kv_gauges is None:
+            self._kv_gauges = self._device_kv_gauges()
+        return self._kv_gauges
+
+    def _device_kv_gauges(self) -> dict[str, int]:
         """The engine's device KV allocation, read from the storage the hot buffers live in.
 
         vLLM backs every layer's KV with one allocation; the cut put one hot region
