@@ -123,3 +123,24 @@ def log_lines(cluster: dict[str, Any], since: dict[str, int], needle: str) -> li
     """Lines containing ``needle`` that any server logged after ``since`` (log_sizes)."""
     return [line for name, s in cluster["servers"].items() for line in s.text()[since[name]:].splitlines()
             if needle in line]
+
+
+def metric(text: str, name: str) -> float:
+    """A metric family's sum over its label sets in a ``/metrics`` page (asserted present)."""
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert vals, f"metric {name} missing"
+    return sum(vals)
+
+
+def idle_state(url: str, timeout_s: float) -> tuple[float, float, float]:
+    """(running, waiting, KV usage) of the server at ``url`` once all three are 0, or at the
+    deadline: an idle engine holds no request and no block (borrowed ones included)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        state = (metric(text, "vllm:num_requests_running"), metric(text, "vllm:num_requests_waiting"),
+                 metric(text, "vllm:kv_cache_usage_perc"))
+        if state == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)

@@ -20,7 +20,6 @@ OpenAI-style error and decode ends with no request and no KV block held.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -33,8 +32,10 @@ from tests.e2e.harness import BLOCK_SIZE, tiny_model  # noqa: E402
 from tests.e2e.pd_cluster import (  # noqa: E402
     body,
     complete,
+    idle_state,
     log_lines,
     log_sizes,
+    metric,
     pd_cluster,
     rd2h_config,
     stream,
@@ -78,13 +79,13 @@ def test_pd_tokens_match_colocated(cluster: dict[str, Any]) -> None:
     assert all(a.token_ids is not None and len(a.token_ids) == MAX_TOKENS for a in baseline)
     assert [a.token_ids for a in pd] == [a.token_ids for a in baseline]
     assert pd == baseline
-    hits = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
+    hits = metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
     # Same prompts again: decode has their full blocks cached and pulls only the rest
     # (remote_block_offset > 0 on the wire).
     streamed = [stream(cluster["proxy"], _body(model, p, True)) for p in PROMPTS]
     assert [a.token_ids for a in streamed] == [a.token_ids for a in baseline]
     assert streamed == baseline
-    hits2 = _metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
+    hits2 = metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
     assert hits2 - hits >= sum(len(p) // BLOCK_SIZE for p in PROMPTS) * BLOCK_SIZE - len(PROMPTS) * BLOCK_SIZE
     assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
 
@@ -103,13 +104,6 @@ def test_invalid_and_dropped_messages_recompute_identically(cluster: dict[str, A
     assert log_lines(cluster, since, "Traceback") == []
 
 
-def _metric(text: str, name: str) -> float:
-    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")]
-    assert vals, f"metric {name} missing"
-    return sum(vals)
-
-
 def test_prefill_killed_client_error_and_decode_holds_nothing(cluster: dict[str, Any]) -> None:
     cluster["servers"]["prefill"].stop()
     r = httpx.post(f"{cluster['proxy']}/v1/completions", json=_body(cluster["model"], PROMPTS[2], False),
@@ -117,12 +111,5 @@ def test_prefill_killed_client_error_and_decode_holds_nothing(cluster: dict[str,
     assert r.status_code in (502, 503, 504), r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["code"] == r.status_code
-    deadline = time.monotonic() + 60
-    while True:
-        text = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
-        state = (_metric(text, "vllm:num_requests_running"), _metric(text, "vllm:num_requests_waiting"),
-                 _metric(text, "vllm:kv_cache_usage_perc"))
-        if state == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    state = idle_state(cluster['decode'], 60)
     assert state == (0.0, 0.0, 0.0), f"decode still holds (running, waiting, kv usage) = {state}"

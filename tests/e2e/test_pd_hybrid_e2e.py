@@ -32,7 +32,16 @@ httpx = pytest.importorskip("httpx")
 
 from ascend_offload.harness.tiny_sparse_model import make_tiny_sparse_model  # noqa: E402
 from tests.e2e.harness import MODEL_CACHE  # noqa: E402
-from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config  # noqa: E402
+from tests.e2e.pd_cluster import (  # noqa: E402
+    body,
+    complete,
+    idle_state,
+    log_lines,
+    log_sizes,
+    metric,
+    pd_cluster,
+    rd2h_config,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -70,11 +79,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield c
 
 
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def test_pd_hybrid_residency_lands_resident_moves_under_pressure_tokens_identical(
         cluster: dict[str, Any]) -> None:
     model = cluster["model"]
@@ -93,15 +97,17 @@ def test_pd_hybrid_residency_lands_resident_moves_under_pressure_tokens_identica
     assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
     assert log_lines(cluster, {k: 0 for k in since}, "hybrid residency: main KV resident in borrowed")
     text = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
-    m = {name: _metric(text, f"vllm:ascend_offload_rd2h_{name}_total") for name in (
+    m = {name: metric(text, f"vllm:ascend_offload_rd2h_{name}_total") for name in (
         "sparse_placed_requests", "sparse_moved_requests", "sparse_moved_bytes",
         "sparse_resident_rows", "sparse_resident_query_tokens", "sparse_offload_rows",
         "sparse_recomputed_tokens", "sparse_admission_failures", "sparse_unmatched_rows",
-        "sparse_stash_failures", "read_failures", "layers_pulled")}
-    m["preemptions"] = _metric(text, "vllm:num_preemptions_total")
+        "sparse_stash_failures", "read_failures", "layers_pulled", "resident_pulls")}
+    m["preemptions"] = metric(text, "vllm:num_preemptions_total")
     print(f"\nP/D hybrid residency: {len(PROMPTS)} prompts, 6 at a time ({t2 - t1:.1f} s; the "
           f"prefill's own answers {t1 - t0:.1f} s): {m}")
     assert m["layers_pulled"] == len(PROMPTS) * N_LAYERS and m["read_failures"] == 0, m
+    # every request that started resident had its prompt pulled into its resident rows
+    assert m["resident_pulls"] == m["sparse_placed_requests"] > 0, m
     # requests started resident (their pulled main KV in device rows), some moved, the
     # others finished resident
     assert m["sparse_placed_requests"] > m["sparse_moved_requests"] > 0, m
@@ -115,12 +121,5 @@ def test_pd_hybrid_residency_lands_resident_moves_under_pressure_tokens_identica
     assert m["sparse_recomputed_tokens"] == 0 and m["sparse_stash_failures"] == 0, m
     assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
     # every borrowed block went back to vLLM
-    deadline = time.monotonic() + 30
-    while True:
-        text = httpx.get(f"{cluster['decode']}/metrics", timeout=10).text
-        state = (_metric(text, "vllm:num_requests_running"), _metric(text, "vllm:num_requests_waiting"),
-                 _metric(text, "vllm:kv_cache_usage_perc"))
-        if state == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    state = idle_state(cluster['decode'], 30)
     assert state == (0.0, 0.0, 0.0), f"decode still holds (running, waiting, kv usage) = {state}"

@@ -7,6 +7,7 @@ import torch
 
 from ascend_offload.harness.servers import free_port, free_port_range
 from ascend_offload.pd.layout import layer_desc
+from ascend_offload.transfer.base import LoopbackEngine
 
 
 def make_kv(num_layers: int, num_blocks: int, *, main_shape: tuple[int, ...] = (4, 8),
@@ -39,3 +40,21 @@ def kv():
 @pytest.fixture
 def port_pair() -> int:
     return free_port_range(2)
+
+
+@pytest.fixture
+def engines():
+    """A prefill and a decode loopback transfer engine, closed after the test."""
+    pe, de = LoopbackEngine(), LoopbackEngine()
+    yield pe, de
+    pe.close()
+    de.close()
+
+
+@pytest.fixture
+def closing():
+    """Register objects to close after the test."""
+    made = []
+    yield made.append
+    for x in made:
+        x.close()

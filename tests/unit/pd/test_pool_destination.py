@@ -8,7 +8,6 @@ import torch
 from ascend_offload.pd.layout import pool_layer_descs
 from ascend_offload.pd.producer import DecodeTarget
 from ascend_offload.sparse.pools import HostKVPool
-from ascend_offload.transfer.base import LoopbackEngine
 from tests.unit.pd.pool_scenario import (
     BLOCK,
     CFG,
@@ -24,22 +23,6 @@ from tests.unit.pd.pool_scenario import (
     prompts,
     wait_sent,
 )
-
-
-@pytest.fixture
-def engines():
-    pe, de = LoopbackEngine(), LoopbackEngine()
-    yield pe, de
-    pe.close()
-    de.close()
-
-
-@pytest.fixture
-def closing():
-    made = []
-    yield made.append
-    for x in made:
-        x.close()
 
 
 def _pull(pool: HostKVPool, reqs, pre, engines, port, closing, *, indexer=None, index_blocks=None,

@@ -17,7 +17,6 @@ from ascend_offload.pd.layout import RowArea, pool_layer_descs, row_runs
 from ascend_offload.pd.producer import DecodeTarget
 from ascend_offload.pd.topology import Topology
 from ascend_offload.sparse.hybrid import AreaGeometry, ResidentArea, area_views
-from ascend_offload.transfer.base import LoopbackEngine
 from tests.unit.pd.pool_scenario import (
     BLOCK,
     CFG,
@@ -40,22 +39,6 @@ GEO = AreaGeometry(block_stride=BLOCK * CFG.index_dim * 4, page=BLOCK * CFG.inde
 # indexer blocks and "b"'s (pool destination) are others of the same caches
 BORROWED = (13, 5, 6, 20, 2, 17, 9, 10, 22)
 INDEX_BLOCKS = {"a": [3, 11, 4, 15, 0], "b": [7, 8, 12]}
-
-
-@pytest.fixture
-def engines():
-    pe, de = LoopbackEngine(), LoopbackEngine()
-    yield pe, de
-    pe.close()
-    de.close()
-
-
-@pytest.fixture
-def closing():
-    made = []
-    yield made.append
-    for x in made:
-        x.close()
 
 
 def _decode_side():
