@@ -12,6 +12,7 @@ from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
 def _worker(hot: list[torch.Tensor]) -> SparseDecodeWorker:
     w = SparseDecodeWorker.__new__(SparseDecodeWorker)
     w.manager = SimpleNamespace(hot=SimpleNamespace(buffers=hot))  # type: ignore[assignment]
+    w._kv_gauges = None  # read once, on the first call
     return w
 
 
