@@ -216,8 +216,6 @@ class ColocatedSparseDecode:
         failed = self.stash.load(req_id, order) if order.tokens else []
         if not order.tokens:
             self.stash.drop(req_id)
-        if self.manager.area is not None:
-            self.manager.area.drop(req_id)
         if req_id in self._detached:
             self.manager.attach(req_id, self.manager.pool.capacity(req_id))
             self._detached.discard(req_id)

@@ -76,10 +76,9 @@ class SparseStats:
     context_rows: int = 0  # rows copied H2D for multi-token rows (0 when the pool is host-addressable)
     pool_query_tokens: int = 0  # query tokens attended over the pool (context_rows calls)
     # hybrid residency: rows written to / query tokens attended over resident device rows,
-    # and resident rows moved to the pool
+    # and bytes of resident rows moved to the pool
     resident_rows: int = 0
     resident_query_tokens: int = 0
-    moved_rows: int = 0
     moved_bytes: int = 0
 
     @property
@@ -453,7 +452,6 @@ class SparseOffloadManager:
         if not self.area.holds(req_id):
             return 0
         moved = self.copy_to_pool(req_id, torch.arange(tokens))
-        self.stats.moved_rows += tokens if moved else 0
         self.stats.moved_bytes += moved
         self.area.drop(req_id)
         return moved
