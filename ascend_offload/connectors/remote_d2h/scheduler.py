@@ -17,7 +17,6 @@ in the pool and is never placed later (its rows would be empty).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,12 +85,10 @@ class RemoteD2HScheduler:
         borrowed ones: wait a step (they move at its end). A pull allocates its whole
         prompt at once, so it needs all of its blocks, not one step's chunk."""
         assert self.sparse is not None
-        book = self.hybrid
-        if book is None or not wants_remote_prefill(request.kv_transfer_params):
-            return self.sparse.hybrid_wait(request, num_computed_tokens)
-        tokens = max(1, request.num_prompt_tokens - num_computed_tokens)
-        need = math.ceil(tokens / self.sparse.s.block_size) + 1
-        return book.source.num_free() < need and book.want(need)
+        pull = wants_remote_prefill(request.kv_transfer_params)
+        return self.sparse.hybrid_wait(
+            request, num_computed_tokens,
+            request.num_prompt_tokens - num_computed_tokens if pull else None)
 
     def has_pending_block_frees(self) -> bool:
         return self.sparse is not None and self.sparse.pending_frees()

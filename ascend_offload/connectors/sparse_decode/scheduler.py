@@ -145,14 +145,17 @@ class SparseDecodeScheduler:
                      self.s.hybrid.min_rows, self.s.hybrid.min_rows + 1, self.hybrid.keep_free,
                      self.s.num_blocks)
 
-    def hybrid_wait(self, request: Request, num_computed_tokens: int) -> bool:
+    def hybrid_wait(self, request: Request, num_computed_tokens: int,
+                    tokens: int | None = None) -> bool:
         """A waiting request that does not fit in vLLM's free blocks while residents hold
         borrowed ones: ``True`` = wait a step; the residents that give the blocks back move
-        at the end of this step (:meth:`build_meta`)."""
+        at the end of this step (:meth:`build_meta`). ``tokens``: what vLLM allocates for it
+        at once (a pull: its whole prompt; default one step's chunk of the rest)."""
         if self.hybrid is None or not len(self.hybrid):
             return False
-        tokens = min(request.num_tokens - num_computed_tokens, self.s.max_batched_tokens
-                     or request.num_tokens)
+        if tokens is None:
+            tokens = min(request.num_tokens - num_computed_tokens, self.s.max_batched_tokens
+                         or request.num_tokens)
         need = -(-max(tokens, 1) // self.s.block_size) + 1
         if self.hybrid.source.num_free() >= need:
             return False
