@@ -277,6 +277,7 @@ def bench_shared_tier(master_address: str, layer_bytes: int, layers: int, num_ob
     whole-prefix ``WorkerPagePool`` allocates its planes the same way) and the client is
     built the way the connector builds it (``store/shared/mooncake.py: connect``, no
     transfer deadline set). Raises when a byte differs after the fetch (parity)."""
+    import numpy as np
     from mooncake.store import ReplicateConfig
 
     from ascend_offload.config import MooncakeStoreConfig
@@ -352,9 +353,10 @@ def bench_shared_tier(master_address: str, layer_bytes: int, layers: int, num_ob
         codes = raw.batch_get_into_multi_buffers(keys["mb"], mb_dst_ptrs, mb_lens)
         assert all(c == wire for c in codes), f"batch_get_into_multi_buffers failed: {codes[:4]}"
 
+    src_idx = np.asarray(src_pages, dtype=np.int64)
+
     def hash_pass() -> None:  # the tier's payload hash of every published page, nothing else
-        for page in src_pages:
-            tier._payload_hash(page)
+        tier._hasher.payload_hashes(src_idx)
 
     def drop() -> None:  # keep the segment from filling (eviction would skew timings)
         raw.batch_remove([shard_key(k, tier.rank) for k in keys["tier"]] + keys["zc"] + keys["mb"], True)
