@@ -408,6 +408,8 @@ def bench_shared_tier(master_address: str, layer_bytes: int, layers: int, num_ob
         "multi_buffer_fetch_ratio": _median_ratio(gets[2], gets[0]),
         "parity": parity,
         "tier_counts": counts,
+        # whether the tier's calls were two transfers with the hash overlapped (needs a spare core)
+        "two_part_calls": n >= 2 and total >= tier.pipeline_min_bytes,
         "baseline": "Mooncake batch_put_from/batch_get_into between registered buffers "
                     "(TCP, loopback master), the tier's own client",
     }
