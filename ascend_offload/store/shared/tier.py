@@ -68,7 +68,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -80,6 +80,7 @@ from ascend_offload.store.base import StoreError
 from ascend_offload.store.shared.integrity import PageHasher
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 PROBE_KEY = "ascend-offload:probe"
 RETRY_PAUSE_S = 0.05  # between a call the service did not answer and its one retry
@@ -402,14 +403,14 @@ class RemotePages:
         cut = lead if lead_first else n - lead
         return [(0, cut), (cut, n)]
 
-    def _launch(self, fn: Callable[[], list[int]], overlap: bool) -> cf.Future[list[int]]:
+    def _launch(self, fn: Callable[[], _T], overlap: bool) -> cf.Future[_T]:
         """``fn()`` (a transfer) on the mover thread when the caller overlaps it with a
         hash, else here (a one-part call pays no thread hand-off)."""
         if overlap:
             if self._mover is None:
                 self._mover = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-tier-mover")
             return self._mover.submit(fn)
-        fut: cf.Future[list[int]] = cf.Future()
+        fut: cf.Future[_T] = cf.Future()
         try:
             fut.set_result(fn())
         except Exception as exc:
@@ -445,19 +446,20 @@ class RemotePages:
         parts = self._parts(len(keys), lead_first=True)
         ends = _LateEnds(self._late(token))
         late_parts = answered = 0
-        pending: tuple[cf.Future[list[int]], int, int] | None = None  # a put in flight, its range
+        # a put in flight and its range
+        pending: tuple[cf.Future[tuple[list[int], bool]], int, int] | None = None
 
-        def put(lo: int, hi: int) -> list[int]:
+        def put(lo: int, hi: int) -> tuple[list[int], bool]:
+            """The part's codes and whether the service answered them."""
             ptrs, lens = self._spans(idx[lo:hi])
             part = shards[lo:hi]
-            codes, _ = self.health.call(
+            return self.health.call(
                 "put", lambda: list(self._client.put(part, ptrs, lens, on_late=ends.part_ended)))
-            return codes
 
-        def settle(fut: cf.Future[list[int]], lo: int, hi: int) -> bool:
+        def settle(fut: cf.Future[tuple[list[int], bool]], lo: int, hi: int) -> bool:
             """Count a put's codes; True when the call goes on to its next part."""
             nonlocal late_parts, answered
-            codes = fut.result()
+            codes, reached = fut.result()
             answered += hi - lo
             late = IN_FLIGHT in codes
             if late:
@@ -475,7 +477,7 @@ class RemotePages:
                     c.publish_duplicates += 1
                 else:
                     c.publish_skipped += 1
-            return not late and not any(self._client.unreachable(code) for code in codes)
+            return not late and reached
 
         try:
             for lo, hi in parts:
