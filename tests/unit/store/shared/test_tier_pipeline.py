@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from ascend_offload.store.shared import tier as shared_tier
-from ascend_offload.store.shared.integrity import PageHasher
+from ascend_offload.store.shared.integrity import FOLD, PageHasher, fold_rows
 from ascend_offload.store.shared.memcache import RemotePages
 from ascend_offload.store.shared.tier import TierCounts, _LateEnds
 from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
@@ -97,12 +98,28 @@ def test_any_changed_byte_or_swapped_rows_change_the_payload_hash() -> None:
     assert h.payload_hashes(pages)[4] != before[4]
 
 
+def test_the_payload_hash_is_the_seeded_row_digests_folded_in_layer_order() -> None:
+    """The trailer's format (version 2), computed the plain way: every engine must agree."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.integers(0, 256, (5, n), dtype=np.uint8) for n in (40, 24, 72)]
+    mask = (1 << 64) - 1
+    for page in range(5):
+        h = 0
+        for seed, rows in enumerate(arrays):
+            h = (h * int(FOLD) + xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=seed)) & mask
+        assert int(PageHasher(arrays).payload_hashes(np.array([page]))[0]) == h
+        digests = [np.array([xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=s)], dtype=np.uint64)
+                   for s, rows in enumerate(arrays)]
+        assert int(fold_rows(digests)[0]) == h
+
+
 def test_pages_in_any_order_answer_in_call_order() -> None:
     rng = np.random.default_rng(1)
     arrays = [rng.integers(0, 256, (32, 40), dtype=np.uint8) for _ in range(2)]
     h = PageHasher(arrays)
     one_by_one = np.array([h.payload_hashes(np.array([p]))[0] for p in range(32)], dtype=np.uint64)
-    for pages in (np.arange(32), rng.permutation(32), np.array([9, 3, 3, 30, 0]), np.arange(5, 25)):
+    for pages in (np.arange(32), rng.permutation(32), np.array([9, 3, 3, 30, 0]), np.arange(5, 25),
+                  np.array([1, 2, 3, 4, 5, 9, 10, 11, 12, 20, 21, 22, 23]), np.array([4, 4, 5, 6])):
         assert np.array_equal(h.payload_hashes(pages), one_by_one[pages])
 
 
