@@ -204,9 +204,11 @@ S = TypeVar("S", bound=CounterStats)
 
 
 class CounterDeltas(Generic[S]):
-    """Turns monotonically growing totals into per-report deltas, plus gauges: all of
-    them whenever a counter moved or a gauge changed since the last report (so a
-    gauge's return to 0 is reported too)."""
+    """Turns monotonically growing totals into per-report deltas, plus gauges: the
+    counters that moved and the gauges whose value changed since the last report (a
+    gauge's return to 0 included). An unchanged gauge is left out: Prometheus keeps a
+    gauge's last value and aggregation keeps the latest, so it would only add bytes to
+    every step's output, its aggregation and its export."""
 
     def __init__(self, stats_cls: type[S]) -> None:
         self._last: dict[str, int] = {}
@@ -214,16 +216,21 @@ class CounterDeltas(Generic[S]):
         self._cls = stats_cls
 
     def take(self, totals: dict[str, int], gauges: dict[str, int] | None = None) -> S | None:
-        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        last = self._last
+        delta: dict[str, float] = {k: d for k, v in totals.items() if (d := v - last.get(k, 0))}
         self._last = dict(totals)
-        delta = {k: v for k, v in delta.items() if v}
-        gauges = gauges or {}
-        if gauges != self._last_gauges:
-            delta.update(gauges)
-            self._last_gauges = dict(gauges)
-        elif delta:
-            delta.update(gauges)
-        return self._cls(data=delta) if delta else None
+        if gauges:
+            seen = self._last_gauges
+            changed = {k: v for k, v in gauges.items() if seen.get(k) != v}
+            if changed:
+                self._last_gauges = {**seen, **changed}
+                delta.update(changed)
+        return self._cls(data=self.derive(delta)) if delta else None
+
+    def derive(self, delta: dict[str, float]) -> dict[str, float]:
+        """The report's data from the moved counters and changed gauges (a subclass adds
+        derived figures or converts units)."""
+        return delta
 
 
 class CounterPromMetrics(KVConnectorPromMetrics):

@@ -80,9 +80,10 @@ class SparseMLAMetadata(AttentionMetadata):
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] row of each new token, -1 = skip
     requests: list[RequestSlots]
-    # sparse decode offload: the step's new-row batch indices and (batch entry, position)
-    # pairs, the same for every layer of the step (the first offloaded layer makes them)
-    offload_new_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # sparse decode offload: the step's new-row batch indices (or their count when they
+    # are the batch's first tokens in order) and (batch entry, position) pairs, the same
+    # for every layer of the step (the first offloaded layer makes them)
+    offload_new_rows: tuple[torch.Tensor | int, torch.Tensor] | None = None
     offload_plan: SparseStepPlan | None = None  # the step's plan (the first layer asks once)
 
 
@@ -241,10 +242,12 @@ class SparseMLACache(_CacheLayer):
         return None if layer is None else (adapter, layer)
 
     def _new_row_positions(self, meta: SparseMLAMetadata, plan: SparseStepPlan
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's new tokens (batch indices) and their (batch entry, position) pairs
-        for ``offload_new_kv``: built once per step, in Python lists (a decode step has one
-        token per request; per-request tensor ops cost more than the lists)."""
+                           ) -> tuple[torch.Tensor | int, torch.Tensor]:
+        """The step's new tokens (batch indices, or their count when they are the batch's
+        first tokens in order, as in every decode step: a slice, no gather) and their
+        (batch entry, position) pairs for ``offload_new_kv``: built once per step, in
+        Python lists (a decode step has one token per request; per-request tensor ops
+        cost more than the lists)."""
         src: list[int] = []
         pos: list[tuple[int, int]] = []
         for i, req in enumerate(meta.requests):
@@ -258,8 +261,10 @@ class SparseMLACache(_CacheLayer):
                     + ": the device has no main KV to attend over instead")
             src.extend(range(req.start, req.end))
             pos.extend((b, p) for p in range(first, seq))
-        return (torch.tensor(src, dtype=torch.int64),
-                torch.tensor(pos, dtype=torch.int64).view(len(pos), 2))
+        rows = torch.tensor(pos, dtype=torch.int64).view(len(pos), 2)
+        if src == list(range(len(src))):
+            return len(src), rows
+        return torch.tensor(src, dtype=torch.int64), rows
 
     def _decode_topk(self, plan: SparseStepPlan, selected: list[torch.Tensor],
                      device: torch.device) -> torch.Tensor:
@@ -323,7 +328,10 @@ class SparseMLACache(_CacheLayer):
         if meta.offload_new_rows is None:
             meta.offload_new_rows = self._new_row_positions(meta, plan)
         src, pos = meta.offload_new_rows
-        if src.numel():
+        if isinstance(src, int):
+            if src:
+                adapter.offload_new_kv(layer, new_kv[:src], pos)
+        elif src.numel():
             adapter.offload_new_kv(layer, new_kv[src], pos)
         selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
         hot_slots = None

@@ -290,7 +290,9 @@ class ResidentArea:
         self._device = self.views[0].device if self.views else None
         self._rows: dict[str, list[int]] = {}
         # per request: its rows as a tensor with room to grow (doubling), filled as blocks
-        # join, so a growing request's table is never rebuilt
+        # join, so a growing request's table is never rebuilt; every entry past its rows
+        # is -1 and there is always at least one (the last), so a -1 padded position
+        # indexes -1 (:func:`resident_slots` is then one gather)
         self._tensors: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -305,9 +307,9 @@ class ResidentArea:
         for b in blocks:
             rows.extend(self.geometry.rows_of(b))
         buf = self._tensors.get(req_id)
-        if buf is None or buf.numel() < len(rows):
-            grown = torch.empty(max(len(rows), 2 * (0 if buf is None else buf.numel()), 64),
-                                dtype=torch.int64, device=self._device)
+        if buf is None or buf.numel() <= len(rows):
+            grown = torch.full((max(len(rows) + 1, 2 * (0 if buf is None else buf.numel()), 64),),
+                               -1, dtype=torch.int64, device=self._device)
             if buf is not None:
                 grown[:start] = buf[:start]
             buf = self._tensors[req_id] = grown
@@ -319,6 +321,11 @@ class ResidentArea:
     def rows(self, req_id: str) -> torch.Tensor:
         """``[capacity]`` int64: the row of every position (positions in order)."""
         return self._tensors[req_id][:len(self._rows[req_id])]
+
+    def table(self, req_id: str) -> torch.Tensor:
+        """The row of every position, then ``-1`` to the end (at least one): what
+        :func:`resident_slots` gathers from."""
+        return self._tensors[req_id]
 
     def row_list(self, req_id: str) -> list[int]:
         """The same rows as a list (host-side bookkeeping reads it without a device read)."""
@@ -332,11 +339,12 @@ class ResidentArea:
         return self.views[layer]
 
 
-def resident_slots(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of a resident request's ``positions`` (``-1`` padded, any shape) given its
-    position -> row table ``rows``: one gather, static shapes, no host synchronization
-    (what a captured decode graph runs instead of the resolve)."""
-    return torch.where(positions >= 0, rows[positions.clamp(min=0)], -1)
+def resident_slots(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of a resident request's ``positions`` (``-1`` padded, any shape, each below
+    the request's rows) given its :meth:`ResidentArea.table`: one gather (a ``-1``
+    position indexes the table's last entry, ``-1``), static shapes, no host
+    synchronization (what a captured decode graph runs instead of the resolve)."""
+    return table[positions]
 
 
 def write_resident(view: torch.Tensor, dst: torch.Tensor, new_rows: torch.Tensor) -> None:

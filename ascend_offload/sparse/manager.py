@@ -623,7 +623,7 @@ class SparseOffloadManager:
         assert self.area is not None
         self.stats.resident_query_tokens += positions.shape[0]
         return self.area.views[layer], resident_slots(
-            self.area.rows(self._step[batch_index].req_id), positions)
+            self.area.table(self._step[batch_index].req_id), positions)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

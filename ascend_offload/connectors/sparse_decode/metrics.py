@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from ascend_offload.connectors.metrics import SPARSE_COUNTERS as COUNTERS
 from ascend_offload.connectors.metrics import SPARSE_GAUGES as GAUGES
-from ascend_offload.connectors.metrics import CounterPromMetrics, CounterStats
+from ascend_offload.connectors.metrics import CounterDeltas, CounterPromMetrics, CounterStats
 
 _NS = ("offload_ns", "resolve_ns", "copy_ns", "stash_ns", "prefix_copy_ns")
 
@@ -29,25 +29,19 @@ class SparseDecodeStats(CounterStats):
     GAUGES: ClassVar[frozenset[str]] = frozenset(GAUGES)
 
 
-class StatsReporter:
-    """Turns the worker's monotonic totals into per-report deltas (+ gauges)."""
+class StatsReporter(CounterDeltas[SparseDecodeStats]):
+    """The worker's monotonic totals as per-report deltas (times in seconds), changed
+    gauges, and the hot-buffer hit rate of the report's resolved positions."""
 
     def __init__(self) -> None:
-        self._last: dict[str, int] = {}
+        super().__init__(SparseDecodeStats)
 
-    def take(self, totals: dict[str, int], gauges: dict[str, int]) -> SparseDecodeStats | None:
-        delta = {k: v - self._last.get(k, 0) for k, v in totals.items()}
-        self._last = dict(totals)
-        out: dict[str, float] = {}
-        for k, v in delta.items():
-            if v:
-                out[k.replace("_ns", "_seconds")] = v / 1e9 if k in _NS else v
-        if not out:
-            return None
-        out.update(gauges)
+    def derive(self, delta: dict[str, float]) -> dict[str, float]:
+        out = {(k[:-3] + "_seconds" if k in _NS else k): (v / 1e9 if k in _NS else v)
+               for k, v in delta.items()}
         if delta.get("resolved_positions"):
-            out["hit_rate"] = delta["hit_positions"] / delta["resolved_positions"]
-        return SparseDecodeStats(data=out)
+            out["hit_rate"] = delta.get("hit_positions", 0) / delta["resolved_positions"]
+        return out
 
 
 class SparsePromMetrics(CounterPromMetrics):

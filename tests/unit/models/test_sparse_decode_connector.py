@@ -45,3 +45,12 @@ def test_stats_report_deltas_seconds_and_gauges() -> None:
     assert isinstance(merged, SparseDecodeStats)
     assert merged.data["resolved_positions"] == 20  # counters add up
     assert merged.data["pool_rows_used"] == 0  # gauges keep the latest
+    # an unchanged gauge does not travel with every step's counters; a gauge that
+    # changed alone is a report of its own
+    third = rep.take(dict(totals, resolved_positions=20, hit_positions=14, miss_rows=7),
+                     {"pool_rows_used": 0})
+    assert third is not None and third.data == {"miss_rows": 1}
+    fourth = rep.take(dict(totals, resolved_positions=20, hit_positions=14, miss_rows=7),
+                      {"pool_rows_used": 5})
+    assert fourth is not None and fourth.data == {"pool_rows_used": 5}
+    assert merged.aggregate(third).aggregate(fourth).data["pool_rows_used"] == 5

@@ -63,17 +63,23 @@ def test_deltas_reach_prometheus_counters() -> None:
     cons.stats.reads += 2
     cons.stats.bytes_read += 2048
     second = conn.get_kv_connector_stats()
-    gauges = {"inflight_reads": 2, "parked_messages": 1, "active_requests": 1, "pending_slot_uses": 1}
-    assert second is not None and second.data == {"layers_pulled": 2, "bytes_pulled": 2048, **gauges}
+    # the gauges did not change: only the moved counters travel
+    assert second is not None and second.data == {"layers_pulled": 2, "bytes_pulled": 2048}
+    state["inflight"] = 1
+    cons.stats.reads += 1
+    third = conn.get_kv_connector_stats()
+    assert third is not None and third.data == {"layers_pulled": 1, "inflight_reads": 1}
+    second = second.aggregate(third)
     total = first.aggregate(second)
-    assert isinstance(total, RD2HConnectorStats) and total.data["layers_pulled"] == 8
+    assert isinstance(total, RD2HConnectorStats) and total.data["layers_pulled"] == 9
+    assert total.data["inflight_reads"] == 1 and total.data["parked_messages"] == 1
 
     reg = CollectorRegistry()
     vcfg = SimpleNamespace(kv_transfer_config=None)
     prom = SfaRemoteD2HConnector.build_prom_metrics(vcfg, _registry_types(reg), ["engine"], {0: ["0"]})
     assert isinstance(prom, RD2HPromMetrics)
     prom.observe(total.reduce(), engine_idx=0)
-    assert reg.get_sample_value("vllm:ascend_offload_rd2h_layers_pulled_total", {"engine": "0"}) == 8
+    assert reg.get_sample_value("vllm:ascend_offload_rd2h_layers_pulled_total", {"engine": "0"}) == 9
     assert reg.get_sample_value("vllm:ascend_offload_rd2h_bytes_pulled_total", {"engine": "0"}) == 8192
     assert reg.get_sample_value("vllm:ascend_offload_rd2h_acks_late_total", {"engine": "0"}) == 1
     assert reg.get_sample_value("vllm:ascend_offload_rd2h_send_errors_total", {"engine": "0"}) == 0

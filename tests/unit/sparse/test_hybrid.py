@@ -230,14 +230,36 @@ def test_the_resident_layer_path_compiles_as_one_graph() -> None:
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     idx = torch.zeros(NB, BS, IDX)
     (view,) = area_views([idx], GEO, NB, torch.float32, ROW)
-    rows = torch.tensor([r for b in (2, 7) for r in GEO.rows_of(b)])
+    area = ResidentArea([view], GEO)
+    area.grow("a", [2, 7])
+    rows, table = area.rows("a"), area.table("a")
+    assert rows.tolist() == [r for b in (2, 7) for r in GEO.rows_of(b)]
     new = torch.randn(2, ROW)
     topk = torch.tensor([[0, 3, 9, -1]])
-    out = compiled(view, rows, rows[[8, 9]], new, topk)
+    assert resident_slots(table, topk).tolist() == [[int(rows[0]), int(rows[3]), int(rows[9]), -1]]
+    out = compiled(view, table, rows[[8, 9]], new, topk)
     assert torch.equal(out[0, 2], new[1]) and torch.equal(view[rows[8]], new[0])
     eager_view = torch.zeros_like(view)
     eager_view.copy_(view)
-    assert torch.equal(out, layer(eager_view, rows, rows[[8, 9]], new, topk))
+    assert torch.equal(out, layer(eager_view, table, rows[[8, 9]], new, topk))
+
+
+def test_a_resident_table_ends_in_minus_one_at_every_size() -> None:
+    """The table grows in place (doubling) and every entry past the request's rows is
+    -1, the last one included, so a -1 padded position gathers -1 at any size."""
+    from ascend_offload.sparse.hybrid import resident_slots
+
+    idx = torch.zeros(NB, BS, IDX)
+    area = ResidentArea(area_views([idx], GEO, NB, torch.float32, ROW), GEO)
+    want: list[int] = []
+    for b in range(NB):
+        area.grow("a", [b])
+        want.extend(GEO.rows_of(b))
+        table = area.table("a")
+        assert table.numel() > len(want) and table[: len(want)].tolist() == want
+        assert bool((table[len(want):] == -1).all())
+        pos = torch.tensor([len(want) - 1, -1, 0])
+        assert resident_slots(table, pos).tolist() == [want[-1], -1, want[0]]
 
 
 def test_a_pinned_pull_is_never_moved_and_an_unplaced_one_never_placed() -> None:
