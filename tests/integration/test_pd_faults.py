@@ -134,6 +134,27 @@ def test_garbled_answers_to_prefill(ranks, zsock):
     assert p.call("pending_slots") == {}
 
 
+def _thread_states(pid: int) -> str:
+    """The scheduler state letter of every thread of ``pid`` (``T``: stopped)."""
+    import pathlib
+
+    states = []
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return "".join(sorted(states))
+
+
+def _wait_stopped(pid: int, timeout_s: float) -> None:
+    """Until every thread of ``pid`` is stopped: the test's premise, checked."""
+    end = time.monotonic() + timeout_s
+    while set(_thread_states(pid)) - {"T", "t"}:
+        assert time.monotonic() < end, f"pid {pid} not stopped: thread states {_thread_states(pid)}"
+        time.sleep(0.01)
+
+
 def test_stalled_prefill_fails_its_read_and_others_proceed(ranks, zsock):
     """A prefill that stops answering (SIGSTOP) mid-service: decode's read from it fails
     within the read timeout (Mooncake bounded by our engine settings) instead of hanging,
@@ -153,6 +174,7 @@ def test_stalled_prefill_fails_its_read_and_others_proceed(ranks, zsock):
     meta_a = a.call("meta")
     os.kill(a.proc.pid, signal.SIGSTOP)
     try:
+        _wait_stopped(a.proc.pid, 5.0)
         # Speak for the frozen A from here: its KV memory stays registered.
         fake = zsock(zmq.DEALER)
         fake.setsockopt(zmq.IDENTITY, b"A/0-test")
@@ -168,6 +190,12 @@ def test_stalled_prefill_fails_its_read_and_others_proceed(ranks, zsock):
         b.call("run", list(range(SHAPE.num_layers)))
         assert fake.poll(20000), "decode never answered the read from the frozen prefill"
         ans = P.decode(fake.recv())
+        if isinstance(ans, P.ReadDone):  # say what arrived: the frozen prefill's bytes or others
+            got = d.call("blocks", [0, 1])
+            same = all(np.array_equal(g[0], w[0]) for g, w in
+                       zip(got, expected_blocks(SHAPE, a.cfg.seed, [2, 3]), strict=True))
+            pytest.fail(f"ReadDone from a frozen prefill (threads {_thread_states(a.proc.pid)}); "
+                        f"the read blocks {'equal' if same else 'differ from'} its blocks 2, 3")
         assert isinstance(ans, P.ReadFailed) and ans.code == P.FAIL_READ and ans.request_id == "a"
         outs = {o[0]: o for o in d.call("wait", 2, 40.0, timeout_s=50)}
         assert outs["b"][1] and outs["b"][2] == ()
