@@ -29,7 +29,12 @@ import torch
 import xxhash
 
 from ascend_offload.store.shared import tier as shared_tier
-from ascend_offload.store.shared.integrity import FOLD, PageHasher, fold_rows
+from ascend_offload.store.shared.integrity import (
+    FOLD,
+    OBJECT_MAJOR_ROW_BYTES,
+    PageHasher,
+    fold_rows,
+)
 from ascend_offload.store.shared.memcache import RemotePages
 from ascend_offload.store.shared.tier import TierCounts, _LateEnds
 from tests.support.fake_ascend import FakeDistributedObjectStore, FakeMemcacheCluster
@@ -101,16 +106,22 @@ def test_any_changed_byte_or_swapped_rows_change_the_payload_hash() -> None:
 def test_the_payload_hash_is_the_seeded_row_digests_folded_in_layer_order() -> None:
     """The trailer's format (version 2), computed the plain way: every engine must agree."""
     rng = np.random.default_rng(2)
-    arrays = [rng.integers(0, 256, (5, n), dtype=np.uint8) for n in (40, 24, 72)]
     mask = (1 << 64) - 1
-    for page in range(5):
-        h = 0
-        for seed, rows in enumerate(arrays):
-            h = (h * int(FOLD) + xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=seed)) & mask
-        assert int(PageHasher(arrays).payload_hashes(np.array([page]))[0]) == h
-        digests = [np.array([xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=s)], dtype=np.uint64)
-                   for s, rows in enumerate(arrays)]
-        assert int(fold_rows(digests)[0]) == h
+    # short rows are hashed plane by plane, long ones object by object: the same values
+    for sizes in ((40, 24, 72), (OBJECT_MAJOR_ROW_BYTES, OBJECT_MAJOR_ROW_BYTES + 8)):
+        arrays = [rng.integers(0, 256, (5, n), dtype=np.uint8) for n in sizes]
+        hasher = PageHasher(arrays)
+        want = []
+        for page in range(5):
+            h = 0
+            for seed, rows in enumerate(arrays):
+                h = (h * int(FOLD) + xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=seed)) & mask
+            want.append(h)
+            digests = [np.array([xxhash.xxh3_64_intdigest(rows[page].tobytes(), seed=s)], dtype=np.uint64)
+                       for s, rows in enumerate(arrays)]
+            assert int(fold_rows(digests)[0]) == h
+        for pages in ([0, 1, 2, 3, 4], [4, 0, 2], [3]):
+            assert hasher.payload_hashes(np.array(pages)).tolist() == [want[p] for p in pages]
 
 
 def test_pages_in_any_order_answer_in_call_order() -> None:
