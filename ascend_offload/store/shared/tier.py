@@ -28,10 +28,11 @@ removed from the service where the client can (``TierClient.remove``).
 
 What the check costs is one more read of every byte at publish and at fetch; where the
 transfer itself runs at memory speed (Mooncake over TCP on one host copies with
-memcpy) that read is a third to a half of the transfer. So a call moving at least
-``PIPELINE_MIN_BYTES`` is split in two transfers and the hash overlaps one of them: a
-publish hashes a small first part (``1 / LEAD_PARTS`` of the objects), starts its put
-and hashes the rest meanwhile; a fetch gets the large first part, then verifies it
+memcpy) that read takes 0.4-0.7 of the transfer's time (docs/store.md, shared tier).
+So where the process has a core to spare for it (``PIPELINE_MIN_CPUS``), a call moving
+at least ``PIPELINE_MIN_BYTES`` is split in two transfers and the hash overlaps one of
+them: a publish hashes a small first part (``1 / LEAD_PARTS`` of the objects), starts
+its put and hashes the rest meanwhile; a fetch gets the large first part, then verifies it
 while the small last part is fetched. The transfers run on one mover thread (the
 library's call releases the GIL) and the hashing stays in the caller's thread: the
 other way round, a hashing thread holding the GIL between rows delays the caller's
