@@ -163,9 +163,12 @@ class SparseOffloadManager:
         self._step_lens: list[int] = []
         self._step_blocks: list[list[int]] = []
         self.area = area
-        # this step's resident entries (hybrid), and their new rows split from the pool's
-        self._resident: list[bool] = []
-        self._split: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # this step's resident entries (hybrid): per entry its row table or None, and the
+        # step's new rows split from the pool's (resident indices or None when every new
+        # row is resident, their device rows, pool indices, their positions)
+        self._resident: list[torch.Tensor | None] = []
+        self._split: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None,
+                           torch.Tensor | None] | None = None
         self._split_of: torch.Tensor | None = None
         self._bound = False  # this step bound the residency (some entry is not resident)
         self.stats = SparseStats()
@@ -288,7 +291,9 @@ class SparseOffloadManager:
         bound and no block table is built."""
         rows, tags, lens, stable = [], [], [], []
         area = self.area
-        resident = [area is not None and area.holds(e.req_id) for e in entries]
+        # resident entries' row tables, fixed for the step (growth is applied before it)
+        resident = [area.table(e.req_id) if area is not None and area.holds(e.req_id) else None
+                    for e in entries]
         for e in entries:
             if e.req_id not in self._rows:
                 raise KeyError(f"request {e.req_id!r} is not admitted")
@@ -310,7 +315,7 @@ class SparseOffloadManager:
         self._step_no += 1
         self._new_dst = None
         self._new_rows = None
-        self._bound = not (entries and all(resident))
+        self._bound = not (entries and all(t is not None for t in resident))
         if not self._bound:
             self._step_blocks = []
             self._batch = {}
@@ -362,7 +367,7 @@ class SparseOffloadManager:
         resident requests (hybrid residency) go to their device rows instead, on every
         rank (each holds its own).
         """
-        if self._split is not None or any(self._resident):
+        if self._split is not None or any(t is not None for t in self._resident):
             rest = self._write_resident(layer, new_kv, positions)
             if rest is None:
                 return
@@ -401,19 +406,22 @@ class SparseOffloadManager:
             self._split = self._split_rows(positions)
             self._split_of = positions
         area_sel, area_dst, pool_sel, pool_pos = self._split
-        n = area_sel.numel()
+        n = area_dst.numel()
         if n:
-            rows = new_kv if n == new_kv.shape[0] else new_kv.index_select(0, area_sel)
-            write_resident(self.area.view(layer), area_dst, rows)
+            rows = new_kv if area_sel is None else new_kv.index_select(0, area_sel)
+            write_resident(self.area.views[layer], area_dst, rows)
             self.stats.resident_rows += n
-        if not pool_sel.numel():
+        if pool_sel is None:
             return None
+        assert pool_pos is not None
         return new_kv.index_select(0, pool_sel), pool_pos
 
     def _split_rows(self, positions: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None,
+                               torch.Tensor | None]:
         """This step's new rows split: (resident indices, their device rows, pool indices,
-        their positions)."""
+        their positions); the indices are None where one side has every row (the step's
+        rows then go over whole) and the pool's are None where it has none."""
         assert self.area is not None
         area_sel: list[int] = []
         area_dst: list[int] = []
@@ -423,7 +431,7 @@ class SparseOffloadManager:
         for i, (b, p) in enumerate(pos):
             if not 0 <= b < len(self._step):
                 raise IndexError("new-KV batch index outside the step batch")
-            if not self._resident[b]:
+            if self._resident[b] is None:
                 pool_sel.append(i)
                 continue
             if not 0 <= p < self._step_lens[b]:
@@ -438,10 +446,12 @@ class SparseOffloadManager:
             area_sel.append(i)
             area_dst.append(rows[p])
         dev_ = self.hot.device
+        dst = torch.tensor(area_dst, dtype=torch.int64, device=dev_)
+        if not pool_sel:  # every new row is resident (the usual hybrid step)
+            return None, dst, None, None
         sel = torch.tensor(pool_sel, dtype=torch.int64)
-        return (torch.tensor(area_sel, dtype=torch.int64, device=dev_),
-                torch.tensor(area_dst, dtype=torch.int64, device=dev_),
-                sel.to(dev_), positions[sel] if pool_sel else positions[:0])
+        return (torch.tensor(area_sel, dtype=torch.int64, device=dev_), dst,
+                sel.to(dev_), positions[sel])
 
     def move_to_pool(self, req_id: str, tokens: int) -> int:
         """Hybrid residency: copy a resident request's first ``tokens`` rows of every layer
@@ -590,8 +600,13 @@ class SparseOffloadManager:
         if not 0 <= batch_index < len(self._step):
             raise IndexError(f"batch index {batch_index} outside the step batch of "
                              f"{len(self._step)}")
-        if self._resident and self._resident[batch_index]:
-            return self._resident_rows(layer, batch_index, positions)
+        table = self._resident[batch_index] if self._resident else None
+        if table is not None:
+            # a resident entry: its rows in the layer's device rows, tensor ops only, no
+            # check per layer (the rows cover the entry's tokens, checked when the step
+            # was planned; positions are the attention's, below its length)
+            self.stats.resident_query_tokens += positions.shape[0]
+            return self.area.views[layer], resident_slots(table, positions)  # type: ignore[union-attr]
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
         self.stats.pool_query_tokens += int(positions.shape[0])
@@ -614,16 +629,6 @@ class SparseOffloadManager:
         gathered = src.index_select(0, uniq).to(self.hot.device)
         self.stats.context_rows += int(uniq.numel())
         return gathered, rows.to(self.hot.device)
-
-    def _resident_rows(self, layer: int, batch_index: int, positions: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A resident entry's rows of ``positions`` in its layer's device rows (hybrid):
-        tensor ops only, no check per layer (the rows cover the entry's tokens, checked
-        when the step was planned; positions are the attention's, below its length)."""
-        assert self.area is not None
-        self.stats.resident_query_tokens += positions.shape[0]
-        return self.area.views[layer], resident_slots(
-            self.area.table(self._step[batch_index].req_id), positions)
 
     def _host_rows(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 2 or positions.shape[1] != 2:

@@ -206,9 +206,12 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         assert worker is not None, f"{NAME}: plan_step without an offloaded layer"
         return worker.decode.plan_step(rows)
 
+    # the per-layer data path goes straight to the manager (the bookkeeping object only
+    # passes these through): every layer of every step pays each call frame
+
     def offload_new_kv(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor) -> None:
         assert self.worker is not None
-        self.worker.decode.offload_new_kv(layer, new_kv, positions)
+        self.worker.manager.offload_new_kv(layer, new_kv, positions)
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         assert self.worker is not None
@@ -221,4 +224,4 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.worker is not None
-        return self.worker.decode.context_rows(layer, batch_index, positions)
+        return self.worker.manager.context_rows(layer, batch_index, positions)
