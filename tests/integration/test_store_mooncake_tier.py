@@ -1,13 +1,15 @@
 """The store connector's shared tier (store/shared/mooncake.py) against a real
 ``mooncake_master`` on 127.0.0.1: one engine's rank publishes blocks from its page
 planes, another engine's scheduler finds them and its rank fetches them into its own
-pages; a master outage is misses and skipped publishes, logged once per client."""
+pages; a master outage is misses and skipped publishes, logged once per client; calls in
+two parts (hash beside the transfer) move the same bytes and catch a torn one."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,10 +37,10 @@ def cfg(master: MooncakeMaster, segment: int = 32 << 20) -> SimpleNamespace:
                            global_segment_bytes=segment, retry_interval_s=0.2)
 
 
-def planes(seed: int | None) -> dict[str, torch.Tensor]:
+def planes(seed: int | None, pages: int = PAGES, layers: dict[str, int] = LAYERS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed or 0)
-    return {name: (torch.randint(0, 256, (PAGES, n), dtype=torch.uint8, generator=g) if seed is not None
-                   else torch.zeros((PAGES, n), dtype=torch.uint8)) for name, n in LAYERS.items()}
+    return {name: (torch.randint(0, 256, (pages, n), dtype=torch.uint8, generator=g) if seed is not None
+                   else torch.zeros((pages, n), dtype=torch.uint8)) for name, n in layers.items()}
 
 
 @pytest.fixture
@@ -209,3 +211,59 @@ def test_fetch_from_a_stopped_peer_ends_at_the_deadline(master: MooncakeMaster) 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+PIPE_PAGES = 16
+PIPE_LAYERS = {"model.layers.1.attn": 3000, "model.layers.0.attn": 5000, "model.layers.2.attn": 1024}
+
+
+@pytest.fixture
+def two_part(tmp_path: Path) -> Iterator[tuple[RemotePages, RemotePages, dict, dict]]:
+    """Ranks whose every call of two blocks or more is two parts (store/shared/tier.py: a
+    publish or fetch large enough overlaps its hash with its transfer)."""
+    with MooncakeMaster(tmp_path / "master.log") as master:
+        src, dst = planes(1, PIPE_PAGES, PIPE_LAYERS), planes(None, PIPE_PAGES, PIPE_LAYERS)
+        holder = RemotePages(cfg(master, 32 << 20), src, rank=0)  # holds the pool memory
+        reader = RemotePages(cfg(master, 0), dst, rank=0)
+        for p in (holder, reader):
+            p.pipeline_min_bytes = 1  # every call of two blocks or more is two parts
+        yield holder, reader, src, dst
+        reader.close()
+        holder.close()
+
+
+def test_two_part_calls_round_trip_and_a_torn_byte_is_a_miss(two_part) -> None:
+    """The bytes a two-part publish stores are the ones a two-part fetch (and a one-part
+    one) brings back, and a byte torn in a fetched page is a miss in either part."""
+    holder, reader, src, dst = two_part
+    keys = [f"m:f:0:h{i}" for i in range(8)]
+    src_pages, dst_pages = [0, 1, 2, 3, 4, 5, 6, 7], [15, 9, 8, 12, 10, 11, 14, 13]
+    assert holder.publish(keys, src_pages)
+    assert holder.counts.published_blocks == 8
+    assert reader.fetch(keys, dst_pages) == (True, True)
+    for name in PIPE_LAYERS:
+        for s, d in zip(src_pages, dst_pages, strict=True):
+            assert torch.equal(dst[name][d], src[name][s])
+    reader.pipeline_min_bytes = float("inf")  # a one-part fetch reads the same objects
+    for name in PIPE_LAYERS:
+        dst[name].zero_()
+    assert reader.fetch(keys[:3], [0, 1, 2]) == (True, True)
+    assert torch.equal(dst["model.layers.0.attn"][2], src["model.layers.0.attn"][2])
+    reader.pipeline_min_bytes = 1
+
+    real: Callable[..., list[int]] = reader._client.get
+
+    def tearing(tear: str) -> Callable[..., list[int]]:
+        def get(shards: Sequence[str], ptrs: list[list[int]], lens: list[list[int]], **kw) -> list[int]:
+            got = real(shards, ptrs, lens, **kw)
+            if tear in shards:  # one byte of the block's first-layer row, after it arrived
+                ctypes.c_uint8.from_address(ptrs[list(shards).index(tear)][0] + 11).value ^= 0x80
+            return got
+        return get
+
+    for i in (1, 7):  # in the first part (verified while the last is fetched), in the last
+        reader._client.get = tearing(f"{keys[i]}@r0")  # type: ignore[method-assign]
+        assert reader.fetch(keys, dst_pages) == (False, True)
+    c = reader.counts
+    assert c.fetch_corrupt_blocks == 2 and c.fetched_blocks == 8 + 3 + 14
+    assert c.fetched_blocks + c.fetch_failed_blocks == 8 + 3 + 16
