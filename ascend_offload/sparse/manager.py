@@ -409,7 +409,7 @@ class SparseOffloadManager:
         n = area_dst.numel()
         if n:
             rows = new_kv if area_sel is None else new_kv.index_select(0, area_sel)
-            write_resident(self.area.views[layer], area_dst, rows)
+            write_resident(self.area.view(layer), area_dst, rows)
             self.stats.resident_rows += n
         if pool_sel is None:
             return None
@@ -420,8 +420,8 @@ class SparseOffloadManager:
                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None,
                                torch.Tensor | None]:
         """This step's new rows split: (resident indices, their device rows, pool indices,
-        their positions); the indices are None where one side has every row (the step's
-        rows then go over whole) and the pool's are None where it has none."""
+        their positions). Every new row resident (the usual hybrid step): the resident
+        indices and both pool parts are None, and the step's rows go over whole."""
         assert self.area is not None
         area_sel: list[int] = []
         area_dst: list[int] = []
@@ -606,7 +606,7 @@ class SparseOffloadManager:
             # check per layer (the rows cover the entry's tokens, checked when the step
             # was planned; positions are the attention's, below its length)
             self.stats.resident_query_tokens += positions.shape[0]
-            return self.area.views[layer], resident_slots(table, positions)  # type: ignore[union-attr]
+            return self.area.view(layer), resident_slots(table, positions)  # type: ignore[union-attr]
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
         self.stats.pool_query_tokens += int(positions.shape[0])
