@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,6 +44,7 @@ ROWS = (48, 80, 32)  # bytes of one block's row in each layer plane
 CFG = SimpleNamespace(meta_service_url="tcp://127.0.0.1:1", config_store_url="tcp://127.0.0.1:2",
                       call_timeout_s=30.0, retry_interval_s=0.01, replica_num=1)
 KEYS = [f"b{i}" for i in range(8)]
+Rank = Callable[..., RemotePages]  # the rank fixture: rank(seed, *, cfg, client, pipelined)
 
 
 def planes(seed: int | None) -> dict[str, torch.Tensor]:
@@ -54,14 +55,6 @@ def planes(seed: int | None) -> dict[str, torch.Tensor]:
             for i, n in enumerate(ROWS)}
 
 
-def rank(cluster: FakeMemcacheCluster, seed: int | None, *, cfg: SimpleNamespace = CFG,
-         client: FakeDistributedObjectStore | None = None, pipelined: bool = True) -> RemotePages:
-    if client is None:
-        client = FakeDistributedObjectStore(cluster)
-        client.init(0, True)
-    pages = RemotePages(cfg, planes(seed), 0, client=client)
-    pages.pipeline_min_bytes = 1 if pipelined else float("inf")
-    return pages
 
 
 def block(pages: RemotePages, page: int) -> list[torch.Tensor]:
@@ -80,6 +73,27 @@ def cluster() -> Iterator[FakeMemcacheCluster]:
     c = FakeMemcacheCluster()
     yield c
     c.unhang()
+
+
+@pytest.fixture
+def rank(cluster: FakeMemcacheCluster) -> Iterator[Rank]:
+    """Makes a rank's tier over ``cluster`` (``rank(seed)``; seed None: a reader's zero
+    pages); every one made is closed after the test."""
+    made: list[RemotePages] = []
+
+    def make(seed: int | None, *, cfg: SimpleNamespace = CFG,
+             client: FakeDistributedObjectStore | None = None, pipelined: bool = True) -> RemotePages:
+        if client is None:
+            client = FakeDistributedObjectStore(cluster)
+            client.init(0, True)
+        pages = RemotePages(cfg, planes(seed), 0, client=client)
+        pages.pipeline_min_bytes = 1 if pipelined else float("inf")
+        made.append(pages)
+        return pages
+
+    yield make
+    for pages in made:
+        pages.close()
 
 
 # ------------------------------------------------------------------ payload hashes
@@ -137,26 +151,22 @@ def test_pages_in_any_order_answer_in_call_order() -> None:
 # ------------------------------------------------------------------ the two-part path
 
 
-def test_two_part_publish_and_fetch_move_identical_bytes(cluster: FakeMemcacheCluster) -> None:
-    w, r = rank(cluster, 3), rank(cluster, None)
-    try:
-        src, dst = [0, 1, 2, 3, 5, 8, 13, 14], [15, 2, 9, 4, 0, 11, 6, 7]
-        assert w.publish(KEYS, src)
-        assert cluster.calls.count("batch_put_from_layers") == 2  # two parts: 2 blocks, then 6
-        assert r.fetch(KEYS, dst) == (True, True)
-        assert cluster.calls.count("batch_get_into_layers") == 2
-        for s, d in zip(src, dst, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(block(w, s), block(r, d), strict=True))
-        consistent(w.counts, 8, 0)
-        consistent(r.counts, 0, 8)
-        assert w.counts.published_blocks == 8 and r.counts.fetched_blocks == 8
-        # one-part calls read what two-part calls wrote, and the other way round
-        r.pipeline_min_bytes = float("inf")
-        assert r.fetch(KEYS[:3], [1, 3, 5]) == (True, True)
-        assert torch.equal(block(r, 5)[2], block(w, 2)[2])
-    finally:
-        w.close()
-        r.close()
+def test_two_part_publish_and_fetch_move_identical_bytes(cluster: FakeMemcacheCluster, rank: Rank) -> None:
+    w, r = rank(3), rank(None)
+    src, dst = [0, 1, 2, 3, 5, 8, 13, 14], [15, 2, 9, 4, 0, 11, 6, 7]
+    assert w.publish(KEYS, src)
+    assert cluster.calls.count("batch_put_from_layers") == 2  # two parts: 2 blocks, then 6
+    assert r.fetch(KEYS, dst) == (True, True)
+    assert cluster.calls.count("batch_get_into_layers") == 2
+    for s, d in zip(src, dst, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(block(w, s), block(r, d), strict=True))
+    consistent(w.counts, 8, 0)
+    consistent(r.counts, 0, 8)
+    assert w.counts.published_blocks == 8 and r.counts.fetched_blocks == 8
+    # one-part calls read what two-part calls wrote, and the other way round
+    r.pipeline_min_bytes = float("inf")
+    assert r.fetch(KEYS[:3], [1, 3, 5]) == (True, True)
+    assert torch.equal(block(r, 5)[2], block(w, 2)[2])
 
 
 class Gated(FakeDistributedObjectStore):
@@ -184,11 +194,11 @@ class Gated(FakeDistributedObjectStore):
         return super().batch_get_into_layers(keys, *args, **kw)
 
 
-def test_the_hash_of_one_part_runs_while_the_other_part_moves(cluster: FakeMemcacheCluster) -> None:
+def test_the_hash_of_one_part_runs_while_the_other_part_moves(cluster: FakeMemcacheCluster, rank: Rank) -> None:
     client = Gated(cluster)
-    w = rank(cluster, 4, client=client)
+    w = rank(4, client=client)
     r_client = Gated(cluster)
-    r = rank(cluster, None, client=r_client)
+    r = rank(None, client=r_client)
     hashed: list[int] = []
 
     def watch(pages: RemotePages, client: Gated, after: int) -> None:
@@ -223,26 +233,20 @@ def test_the_hash_of_one_part_runs_while_the_other_part_moves(cluster: FakeMemca
     finally:
         client.gate.set()
         r_client.gate.set()
-        w.close()
-        r.close()
 
 
-def test_a_corrupt_object_in_either_part_is_a_miss(cluster: FakeMemcacheCluster) -> None:
-    w, r = rank(cluster, 5), rank(cluster, None)
-    try:
-        assert w.publish(KEYS, list(range(8)))
-        for key, at in (("b1@r0", 3), ("b7@r0", 150)):  # the first part's, the last part's
-            data = bytearray(cluster.objects[key])
-            data[at] ^= 0x40
-            cluster.objects[key] = bytes(data)
-        assert r.fetch(KEYS, list(range(8, 16))) == (False, True)  # a miss; nothing still writes
-        c = r.counts
-        assert (c.fetched_blocks, c.fetch_failed_blocks, c.fetch_corrupt_blocks) == (6, 2, 2)
-        assert "b1@r0" not in cluster.objects and "b7@r0" not in cluster.objects  # removed
-        consistent(c, 0, 8)
-    finally:
-        w.close()
-        r.close()
+def test_a_corrupt_object_in_either_part_is_a_miss(cluster: FakeMemcacheCluster, rank: Rank) -> None:
+    w, r = rank(5), rank(None)
+    assert w.publish(KEYS, list(range(8)))
+    for key, at in (("b1@r0", 3), ("b7@r0", 150)):  # the first part's, the last part's
+        data = bytearray(cluster.objects[key])
+        data[at] ^= 0x40
+        cluster.objects[key] = bytes(data)
+    assert r.fetch(KEYS, list(range(8, 16))) == (False, True)  # a miss; nothing still writes
+    c = r.counts
+    assert (c.fetched_blocks, c.fetch_failed_blocks, c.fetch_corrupt_blocks) == (6, 2, 2)
+    assert "b1@r0" not in cluster.objects and "b7@r0" not in cluster.objects  # removed
+    consistent(c, 0, 8)
 
 
 class Tearing(FakeDistributedObjectStore):
@@ -262,114 +266,95 @@ class Tearing(FakeDistributedObjectStore):
         return out
 
 
-def test_a_byte_torn_in_the_fetched_page_is_a_miss_in_either_part(cluster: FakeMemcacheCluster) -> None:
-    w = rank(cluster, 6)
+def test_a_byte_torn_in_the_fetched_page_is_a_miss_in_either_part(cluster: FakeMemcacheCluster, rank: Rank) -> None:
+    w = rank(6)
     client = Tearing(cluster)
-    r = rank(cluster, None, client=client)
-    try:
-        assert w.publish(KEYS, list(range(8)))
-        for key in ("b2", "b7"):  # verified while the last part is fetched; verified last
-            client.tear = f"{key}@r0"
-            assert r.fetch(KEYS, list(range(8, 16))) == (False, True)
-            assert f"{key}@r0" not in cluster.objects  # removed: no engine fetches it again
-            assert w.publish([key], [int(key[1:])])  # published again
-        assert r.counts.fetch_corrupt_blocks == 2 and r.counts.fetched_blocks == 14
-        consistent(r.counts, 0, 16)
-    finally:
-        w.close()
-        r.close()
+    r = rank(None, client=client)
+    assert w.publish(KEYS, list(range(8)))
+    for key in ("b2", "b7"):  # verified while the last part is fetched; verified last
+        client.tear = f"{key}@r0"
+        assert r.fetch(KEYS, list(range(8, 16))) == (False, True)
+        assert f"{key}@r0" not in cluster.objects  # removed: no engine fetches it again
+        assert w.publish([key], [int(key[1:])])  # published again
+    assert r.counts.fetch_corrupt_blocks == 2 and r.counts.fetched_blocks == 14
+    consistent(r.counts, 0, 16)
 
 
-def test_a_failed_first_part_ends_the_fetch_and_the_rest_is_a_miss(cluster: FakeMemcacheCluster) -> None:
-    w, r = rank(cluster, 7), rank(cluster, None)
-    try:
-        assert w.publish(KEYS, list(range(8)))
-        cluster.evict(["b3@r0"])
-        calls = cluster.calls.count("batch_get_into_layers")
-        assert r.fetch(KEYS, list(range(8, 16))) == (False, True)  # evicted: a safe miss
-        assert cluster.calls.count("batch_get_into_layers") == calls + 1  # the last part not sent
-        c = r.counts
-        assert (c.fetched_blocks, c.fetch_failed_blocks, c.fetch_corrupt_blocks) == (5, 3, 0)
-        consistent(c, 0, 8)
-    finally:
-        w.close()
-        r.close()
+def test_a_failed_first_part_ends_the_fetch_and_the_rest_is_a_miss(cluster: FakeMemcacheCluster, rank: Rank) -> None:
+    w, r = rank(7), rank(None)
+    assert w.publish(KEYS, list(range(8)))
+    cluster.evict(["b3@r0"])
+    calls = cluster.calls.count("batch_get_into_layers")
+    assert r.fetch(KEYS, list(range(8, 16))) == (False, True)  # evicted: a safe miss
+    assert cluster.calls.count("batch_get_into_layers") == calls + 1  # the last part not sent
+    c = r.counts
+    assert (c.fetched_blocks, c.fetch_failed_blocks, c.fetch_corrupt_blocks) == (5, 3, 0)
+    consistent(c, 0, 8)
 
 
-def test_a_get_that_raises_keeps_the_pages_and_counts_every_block(cluster: FakeMemcacheCluster) -> None:
+def test_a_get_that_raises_keeps_the_pages_and_counts_every_block(cluster: FakeMemcacheCluster, rank: Rank) -> None:
     class Raising(FakeDistributedObjectStore):
         def batch_get_into_layers(self, keys: Sequence[str], *args: Any, **kw: Any) -> list[int]:
             if "b7@r0" in keys:
                 raise RuntimeError("broken client")
             return super().batch_get_into_layers(keys, *args, **kw)
 
-    w = rank(cluster, 8)
+    w = rank(8)
     client = Raising(cluster)
     client.init(0, True)
-    r = rank(cluster, None, client=client)
-    try:
-        assert w.publish(KEYS, list(range(8)))
-        assert r.fetch(KEYS, list(range(8, 16))) == (False, False)  # may still write: kept
-        consistent(r.counts, 0, 8)
-        assert r.counts.fetched_blocks == 6  # the first part arrived and verified
-    finally:
-        w.close()
-        r.close()
+    r = rank(None, client=client)
+    assert w.publish(KEYS, list(range(8)))
+    assert r.fetch(KEYS, list(range(8, 16))) == (False, False)  # may still write: kept
+    consistent(r.counts, 0, 8)
+    assert r.counts.fetched_blocks == 6  # the first part arrived and verified
 
 
 # ------------------------------------------------------------------ deadlines and late parts
 
 
 def test_a_hung_first_put_ends_the_publish_at_its_deadline_and_holds_the_token(
-        cluster: FakeMemcacheCluster) -> None:
+        cluster: FakeMemcacheCluster, rank: Rank) -> None:
     cfg = SimpleNamespace(**{**vars(CFG), "call_timeout_s": 0.2})
-    w = rank(cluster, 9, cfg=cfg)
-    try:
-        cluster.hang()
-        t0 = time.monotonic()
-        assert w.publish(KEYS, list(range(8)), token="save-1") is False  # may still read pages
-        took = time.monotonic() - t0
-        assert took < 1.0, f"publish waited {took:.2f} s past a 0.2 s deadline"
-        assert cluster.calls.count("batch_put_from_layers") == 1  # the second part never sent
-        c = w.counts
-        assert c.late_calls == 1 and c.published_blocks == 0
-        consistent(c, 8, 0)
-        time.sleep(0.1)
-        assert w.take_ended() == []  # the late put still runs: the pages stay held
-        cluster.unhang()
-        deadline = time.monotonic() + 5.0
-        while not (ended := w.take_ended()):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert ended == ["save-1"]
-        assert w.health.outages == 1
-    finally:
-        w.close()
+    w = rank(9, cfg=cfg)
+    cluster.hang()
+    t0 = time.monotonic()
+    assert w.publish(KEYS, list(range(8)), token="save-1") is False  # may still read pages
+    took = time.monotonic() - t0
+    assert took < 1.0, f"publish waited {took:.2f} s past a 0.2 s deadline"
+    assert cluster.calls.count("batch_put_from_layers") == 1  # the second part never sent
+    c = w.counts
+    assert c.late_calls == 1 and c.published_blocks == 0
+    consistent(c, 8, 0)
+    time.sleep(0.1)
+    assert w.take_ended() == []  # the late put still runs: the pages stay held
+    cluster.unhang()
+    deadline = time.monotonic() + 5.0
+    while not (ended := w.take_ended()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ended == ["save-1"]
+    assert w.health.outages == 1
 
 
 def test_a_hung_get_ends_the_fetch_at_its_deadline_and_quarantines_until_it_ended(
-        cluster: FakeMemcacheCluster) -> None:
+        cluster: FakeMemcacheCluster, rank: Rank) -> None:
     cfg = SimpleNamespace(**{**vars(CFG), "call_timeout_s": 0.2})
-    w, r = rank(cluster, 10, cfg=cfg), rank(cluster, None, cfg=cfg)
-    try:
-        assert w.publish(KEYS, list(range(8)))
-        cluster.hang()
-        t0 = time.monotonic()
-        assert r.fetch(KEYS, list(range(8, 16)), token="fetch-1") == (False, False)
-        assert time.monotonic() - t0 < 1.0
-        assert cluster.calls.count("batch_get_into_layers") == 1
-        assert r.counts.late_calls == 1 and r.counts.fetched_blocks == 0
-        consistent(r.counts, 0, 8)
-        assert r.take_ended() == []
-        cluster.unhang()
-        deadline = time.monotonic() + 5.0
-        while not (ended := r.take_ended()):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert ended == ["fetch-1"]
-    finally:
-        w.close()
-        r.close()
+    w, r = rank(10, cfg=cfg), rank(None, cfg=cfg)
+    assert w.publish(KEYS, list(range(8)))
+    cluster.hang()
+    t0 = time.monotonic()
+    assert r.fetch(KEYS, list(range(8, 16)), token="fetch-1") == (False, False)
+    assert time.monotonic() - t0 < 1.0
+    assert cluster.calls.count("batch_get_into_layers") == 1
+    assert r.counts.late_calls == 1 and r.counts.fetched_blocks == 0
+    consistent(r.counts, 0, 8)
+    assert r.take_ended() == []
+    cluster.unhang()
+    deadline = time.monotonic() + 5.0
+    while not (ended := r.take_ended()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ended == ["fetch-1"]
 
 
 def test_a_late_calls_token_comes_once_every_late_part_ended() -> None:
@@ -400,19 +385,16 @@ def test_overlap_only_where_a_core_is_spare(monkeypatch: pytest.MonkeyPatch) -> 
     assert shared_tier.default_pipeline_min_bytes() == shared_tier.PIPELINE_MIN_BYTES
 
 
-def test_small_calls_are_one_part(cluster: FakeMemcacheCluster) -> None:
-    w = rank(cluster, 11)
-    try:
-        four = 4 * (w.object_bytes + shared_tier.TRAILER_BYTES)  # bytes four blocks move
-        w.pipeline_min_bytes = four + 1
-        assert w.publish(KEYS[:4], [0, 1, 2, 3])
-        assert cluster.calls.count("batch_put_from_layers") == 1
-        w.pipeline_min_bytes = four
-        assert w.publish(KEYS[4:], [4, 5, 6, 7])
-        assert cluster.calls.count("batch_put_from_layers") == 3
-        assert w.publish(KEYS[4:5], [4])  # one block is one part whatever its size
-        assert cluster.calls.count("batch_put_from_layers") == 4
-        consistent(w.counts, 9, 0)
-        assert w.counts.publish_duplicates == 1
-    finally:
-        w.close()
+def test_small_calls_are_one_part(cluster: FakeMemcacheCluster, rank: Rank) -> None:
+    w = rank(11)
+    four = 4 * (w.object_bytes + shared_tier.TRAILER_BYTES)  # bytes four blocks move
+    w.pipeline_min_bytes = four + 1
+    assert w.publish(KEYS[:4], [0, 1, 2, 3])
+    assert cluster.calls.count("batch_put_from_layers") == 1
+    w.pipeline_min_bytes = four
+    assert w.publish(KEYS[4:], [4, 5, 6, 7])
+    assert cluster.calls.count("batch_put_from_layers") == 3
+    assert w.publish(KEYS[4:5], [4])  # one block is one part whatever its size
+    assert cluster.calls.count("batch_put_from_layers") == 4
+    consistent(w.counts, 9, 0)
+    assert w.counts.publish_duplicates == 1
