@@ -68,6 +68,15 @@ def consistent(c: TierCounts, published: int, fetched: int) -> None:
     assert c.fetch_corrupt_blocks <= c.fetch_failed_blocks
 
 
+def ended_tokens(pages: RemotePages, timeout_s: float = 5.0) -> list:
+    """The tokens of late calls once one has ended (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while not (ended := pages.take_ended()):
+        assert time.monotonic() < deadline, "no late call ended"
+        time.sleep(0.01)
+    return ended
+
+
 @pytest.fixture
 def cluster() -> Iterator[FakeMemcacheCluster]:
     c = FakeMemcacheCluster()
@@ -328,11 +337,7 @@ def test_a_hung_first_put_ends_the_publish_at_its_deadline_and_holds_the_token(
     time.sleep(0.1)
     assert w.take_ended() == []  # the late put still runs: the pages stay held
     cluster.unhang()
-    deadline = time.monotonic() + 5.0
-    while not (ended := w.take_ended()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert ended == ["save-1"]
+    assert ended_tokens(w) == ["save-1"]
     assert w.health.outages == 1
 
 
@@ -350,11 +355,7 @@ def test_a_hung_get_ends_the_fetch_at_its_deadline_and_quarantines_until_it_ende
     consistent(r.counts, 0, 8)
     assert r.take_ended() == []
     cluster.unhang()
-    deadline = time.monotonic() + 5.0
-    while not (ended := r.take_ended()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert ended == ["fetch-1"]
+    assert ended_tokens(r) == ["fetch-1"]
 
 
 def test_a_late_calls_token_comes_once_every_late_part_ended() -> None:
