@@ -23,9 +23,12 @@ Per layer L with physical slot S (see plan.py):
 1. S is owned through the reuse gate (waiting, with a deadline, for the store
    save / remote reads of S's previous contents) and L's objects are read from
    the store into S. Because vLLM writes a layer's new KV *before* it calls
-   ``wait_for_layer_load`` (``unified_kv_cache_update``), this happens for layer
-   0 in ``start_step`` and for layer L+1 at the end of ``save_layer(L)``
-   (``ready_before_hook=True``); ``wait_for_layer_load`` then only checks.
+   ``wait_for_layer_load`` (``unified_kv_cache_update``), S is made writable for
+   layer 0 in ``start_step`` and for layer L+1 at the end of ``save_layer(L)``
+   (``ready_before_hook=True``). When the step writes no block it also loads,
+   writable only means S's earlier readers are done: L's load runs on beside the
+   rest of layer L-1 and L's KV write, and ``wait_for_layer_load`` waits for it;
+   otherwise the load is waited for there as well.
 2. vLLM writes L's new KV into S and runs attention.
 3. ``save_layer(L)``: queue the store save and register it as a *queued*
    consumer of S (plus ``extra_consumers`` and save listeners, e.g. the P/D
@@ -129,6 +132,8 @@ class _Unit:
 class _UnitState:
     lease: WriteLease | None = None
     ticket: int = 0  # copy-queue ticket of its last load job (0: nothing queued)
+    before: int = 0  # the last ticket queued before its loads: the slot's earlier saves
+    writable: bool = False  # vLLM may write the layer's new KV (its slot's readers are done)
     loaded: bool = False
     released: bool = False
 
@@ -172,6 +177,7 @@ class LayerwisePipeline:
         self.block_dim = block_dim
         self.ready_before_hook = ready_before_hook
         self.defer_next_ready = False
+        self._write_apart = False  # set per step (start_step)
         # A writer waits for the store save (or a remote read) of the slot's previous contents.
         self.gate = gate or ReuseGate(plan.num_physical, default_timeout_s=save_timeout_s)
         followers: dict[str, list[str]] = {}
@@ -250,13 +256,18 @@ class LayerwisePipeline:
         lio.end_plan()
         lio.step_failed_blocks.clear()
         self._step = io
+        # vLLM writes a layer's new KV into the step's save blocks only: when no block of
+        # the step is both loaded and written, that write need not wait for the layer's
+        # load, only for the earlier readers of its slot (see _make_ready).
+        loaded = {r.block_id for r in (*io.load, *io.load_shared)}
+        self._write_apart = not any(r.block_id in loaded for r in io.save)
         with self._lock:
             self._stats.steps += 1
         lio.plan_step(((m, self._load_refs(m)) for u in self._units for m in u.members),
                       ((m, io.save) for u in self._units for m in u.members))
         self._prefetch_from(0)
         if self.ready_before_hook and self._units:
-            self._make_ready(self._units[0])
+            self._make_ready(self._units[0], load=False)
 
     def wait_for_layer_load(self, layer: str) -> None:
         """Block until ``layer``'s slot is owned by it and its store objects are in it."""
@@ -318,7 +329,7 @@ class LayerwisePipeline:
         unit = self._unit_of.get(layer)
         if (self.ready_before_hook and unit is not None and layer == unit.main
                 and self._step is not None and unit.index + 1 < len(self._units)):
-            self._make_ready(self._units[unit.index + 1])
+            self._make_ready(self._units[unit.index + 1], load=False)
 
     def finish_step(self, wait_saves: bool = True) -> None:
         """``wait_for_save``: end the step; leases of layers that did not run are returned.
@@ -421,21 +432,38 @@ class LayerwisePipeline:
             self._lio.fail_loads = self.fail_loads
         return self._lio
 
-    def _make_ready(self, unit: _Unit) -> None:
-        """Own ``unit``'s slot (gate, deadline) and have its store objects in it."""
+    def _make_ready(self, unit: _Unit, load: bool = True) -> None:
+        """Own ``unit``'s slot (gate, deadline) and have its store objects in it, or with
+        ``load=False`` only make it writable for the layer's new KV.
+
+        Why two levels: vLLM writes a layer's new KV before its ``wait_for_layer_load``
+        (``ready_before_hook``), and with one shared buffer (B = 1) the load of layer
+        L + 1 can only start once layer L is done with the slot. When the step writes no
+        block it loads (``_write_apart``), the new KV only has to wait for the slot's
+        earlier readers (the saves queued before the load, in queue order), so the load
+        runs on while vLLM finishes layer L and writes layer L + 1's KV, and
+        ``wait_for_layer_load`` waits for it. Otherwise (a partial block continued by the
+        step) the write waits for the load as well."""
         st = self._state.get(unit.main)
-        if st is not None and (st.loaded or st.released):
+        if st is not None and (st.loaded or st.released or (st.writable and not load)):
             return
         t0 = time.perf_counter()
         if st is None:  # not prefetched: own the slot here and queue the load
             loads = self._has_loads(unit)
             lease = self._acquire(unit, loads)
             st = self._own(unit, lease, loads)
-        if st.ticket:
-            self._lio.wait_ticket(  # type: ignore[union-attr]  # a ticket: it exists
-                st.ticket, self.load_timeout_s,
-                f"store load of layer {unit.main!r} (slot {unit.gate_slot}) did not finish")
-        st.loaded = True
+        lio = self._lio
+        assert lio is not None  # made by start_step
+        if load or not self._write_apart:
+            if st.ticket:
+                lio.wait_ticket(st.ticket, self.load_timeout_s,
+                                f"store load of layer {unit.main!r} (slot {unit.gate_slot}) did not finish")
+            st.loaded = True
+        elif st.before:
+            lio.wait_ticket(st.before, self.load_timeout_s,
+                            f"store save before layer {unit.main!r}'s KV write (slot "
+                            f"{unit.gate_slot}) did not finish")
+        st.writable = True
         with self._lock:
             self._stats.load_wait_s += time.perf_counter() - t0
 
@@ -494,23 +522,25 @@ class LayerwisePipeline:
         st = self._state[unit.main] = _UnitState(lease=lease)
         if load:
             try:
-                st.ticket = self._queue_unit_load(unit)
+                st.before, st.ticket = self._queue_unit_load(unit)
             except BaseException:
                 st.released = True
                 self.gate.release_write(lease)
                 raise
         return st
 
-    def _queue_unit_load(self, unit: _Unit) -> int:
-        """Queue the loads of ``unit``'s layers; the last job's ticket (0: nothing queued)."""
+    def _queue_unit_load(self, unit: _Unit) -> tuple[int, int]:
+        """Queue the loads of ``unit``'s layers; the ticket before its first job and its
+        last job's ticket (0: nothing queued)."""
         lio = self._lio
         assert lio is not None  # made by start_step
-        last = 0
+        first = last = 0
         for layer in unit.members:
             refs = self._load_refs(layer)
             if refs:
                 last = lio.queue_load(layer, refs) or last
-        return last
+                first = first or last
+        return max(first - 1, 0), last
 
     def failed_requests_at_or_before(self, layer: str) -> frozenset[str] | None:
         """The requests whose load of the current step failed for ``layer``'s unit or a
