@@ -12,6 +12,13 @@ model thread (the caller only enqueues); promotes (slot -> page) run in the
 caller's thread, verify every slot's header and checksum (``store/ssd/format.py``) and
 copy only verified payloads into pages. The scheduler decides every slot and page
 (``store/ssd/index.py``, ``store/ssd/jobs.py``); a rank knows nothing of requests.
+
+Why a buffered promote still stages (:class:`_SplitStaging`) rather than reading each
+slot straight into its page: measured on the 2-vCPU VM of docs/store.md, the kernel's
+copy from the page cache into cold host pages ran at 6-10 GB/s (every store first reads
+the line it overwrites), into a cache-resident buffer at 15-20 GB/s; the payload is
+then hashed in cache and copied to the pages with streaming stores (~22 GB/s, no line
+read first). The staging is split per layer so that copy is a plain row copy.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ascend_offload import device
+from ascend_offload import device, native
 from ascend_offload.errors import AscendOffloadError
 from ascend_offload.store.private_files import (
     PrivatePathError,
@@ -51,6 +58,8 @@ DirectIO = Literal["auto", "on", "off"]
 CHUNK_BYTES = 4 << 20
 #: chunks a promote reads ahead of the one it verifies
 READ_AHEAD = 2
+#: most buffers one preadv takes (Linux: 1024)
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024)
 
 
 class SsdError(AscendOffloadError, RuntimeError):
@@ -142,6 +151,9 @@ class SlotFile:
     def _check(self, slots: Sequence[int], buf: memoryview) -> None:
         if len(buf) < len(slots) * self.slot_bytes:
             raise ValueError(f"buffer of {len(buf)} bytes for {len(slots)} slots")
+        self._check_slots(slots)
+
+    def _check_slots(self, slots: Sequence[int]) -> None:
         for s in slots:
             if not 0 <= s < self.num_slots:
                 raise ValueError(f"slot {s} outside [0, {self.num_slots})")
@@ -153,6 +165,39 @@ class SlotFile:
     def read(self, slots: Sequence[int], buf: memoryview) -> None:
         """``buf[i * slot_bytes : ...]`` <- slot ``slots[i]``."""
         self._io(os.preadv, "read", slots, buf)
+
+    def read_whole(self, slots: Sequence[int], buf: memoryview) -> int:
+        """:meth:`read`, but a short read is not an error: how many leading slots of
+        ``slots`` landed whole (all of them, or the first whose bytes the file lacks)."""
+        self._check(slots, buf)
+        sb = self.slot_bytes
+        return self._read_runs(slots, lambda i, n: [buf[i * sb:(i + n) * sb]], len(slots))
+
+    def read_into(self, slots: Sequence[int], parts: Sequence[Sequence[memoryview]]) -> int:
+        """Slot ``slots[i]`` into the buffers ``parts[i]`` in order, which the caller made to
+        cover exactly ``slot_bytes`` (e.g. header, the payload's part of each layer, padding).
+        Buffered descriptors only (O_DIRECT needs every buffer aligned). How many leading
+        slots landed whole, as :meth:`read_whole`."""
+        if self.direct:
+            raise ValueError("read_into needs a buffered descriptor")
+        if len(parts) < len(slots):
+            raise ValueError(f"buffers of {len(parts)} slots for {len(slots)} slots")
+        self._check_slots(slots)
+        per_call = max(1, IOV_MAX // max(1, len(parts[0]) if parts else 1))
+        return self._read_runs(slots, lambda i, n: [b for p in parts[i:i + n] for b in p], per_call)
+
+    def _read_runs(self, slots: Sequence[int], buffers: Callable[[int, int], list[memoryview]],
+                   per_call: int) -> int:
+        """One preadv per run of consecutive slots (at most ``per_call`` slots) into
+        ``buffers(first index, count)``; stops at the first slot a short read left partial."""
+        sb = self.slot_bytes
+        for i, s, n in _runs(slots):
+            for j in range(0, n, per_call):
+                m = min(per_call, n - j)
+                done = os.preadv(self._io_fd, buffers(i + j, m), (s + j) * sb)
+                if done != m * sb:
+                    return i + j + min(m, done // sb)
+        return len(slots)
 
     def _io(self, call: Callable[[int, list[memoryview], int], int], what: str, slots: Sequence[int],
             buf: memoryview) -> None:
@@ -191,6 +236,42 @@ class _Staging:
             self.map.close()
 
 
+class _SplitStaging:
+    """A buffered read's landing area for a chunk of slots, one region per part of a slot:
+    slot ``i``'s header -> ``heads[i]``, its payload's bytes of layer ``l`` -> ``layers[l][i]``,
+    its padding -> a shared sink. Each layer region has the rows of that layer's page plane,
+    so verified payloads go to their pages as whole-row copies (one native streaming copy a
+    layer: ``native.copy_byte_rows``), not as column slices of whole slots."""
+
+    def __init__(self, widths: Sequence[int], slots: int, sink: memoryview | None) -> None:
+        regions = [slots * fmt.HEADER_BYTES, *(slots * w for w in widths)]
+        starts, off = [], 0
+        for size in regions:  # every region page-aligned: rows of 64-byte multiples stay line-aligned
+            starts.append(off)
+            off += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.slots = slots
+        self.map = mmap.mmap(-1, max(off, mmap.PAGESIZE))
+        mv = memoryview(self.map)
+        self.heads = np.frombuffer(self.map, dtype=np.uint8, count=regions[0], offset=0).reshape(slots, -1)
+        self.layers = [torch.frombuffer(self.map, dtype=torch.uint8, count=size, offset=start).view(slots, w)
+                       for start, size, w in zip(starts[1:], regions[1:], widths, strict=True)]
+        h = fmt.HEADER_BYTES
+        #: per slot: the payload's buffers in order (hashed where they landed)
+        self.payloads = [[mv[a + i * w:a + (i + 1) * w] for a, w in zip(starts[1:], widths, strict=True)]
+                         for i in range(slots)]
+        #: per slot: the buffers one slot is read into (header, payload, padding)
+        self.iov = [[mv[i * h:(i + 1) * h], *self.payloads[i], *([sink] if sink is not None else [])]
+                    for i in range(slots)]
+        self.rows = torch.arange(slots, dtype=torch.int32)  # the copy's source rows
+        self.rows_address = self.rows.data_ptr()
+        self.addresses = [t.data_ptr() for t in self.layers]
+
+    def close(self) -> None:
+        del self.heads, self.layers, self.payloads, self.iov
+        with contextlib.suppress(BufferError):  # as _Staging.close
+            self.map.close()
+
+
 class RankTier:
     """One rank's slots: spills behind on a writer thread, verified promotes (module doc)."""
 
@@ -215,7 +296,17 @@ class RankTier:
         self._write_buf = _Staging(file.slot_bytes, per_chunk)
         # READ_AHEAD chunks are read (GIL released) while one is verified and copied: on a
         # busy host a reader thread's wake-up can take a time slice, which a queue of reads absorbs
-        self._read_bufs = tuple(_Staging(file.slot_bytes, per_chunk) for _ in range(READ_AHEAD + 1))
+        self._per_chunk = per_chunk
+        # buffered files: each part of a slot lands in its own region (_SplitStaging)
+        pad = file.slot_bytes - fmt.HEADER_BYTES - self.payload_bytes
+        self._sink = memoryview(bytearray(pad)) if pad else None
+        self.split = not file.direct and 2 + len(self._planes) <= IOV_MAX
+        self._split_bufs = tuple(_SplitStaging([p.shape[1] for p in self._planes], per_chunk, self._sink)
+                                 for _ in range(READ_AHEAD + 1)) if self.split else ()
+        self._native = self.split and native.available()
+        self._plane_addresses = [(p.data_ptr(), p.shape[0], p.shape[1]) for p in self._planes]
+        self._read_bufs = () if self.split else tuple(_Staging(file.slot_bytes, per_chunk)
+                                                      for _ in range(READ_AHEAD + 1))
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ssd-reader-r{rank}")
         self._lock = threading.Lock()
         self._spilled: Counter[int] = Counter()
@@ -291,50 +382,84 @@ class RankTier:
 
     def promote(self, keys: Sequence[str], slots: Sequence[int], pages: Sequence[int]) -> tuple[int, list[str]]:
         """``page[i] <- slot[i]`` for the leading slots that verify. Returns (how many
-        leading blocks arrived whole, keys whose slot failed verification). A read error
-        stops at the blocks before it (raised errors are the caller's to log). Chunks are
-        read READ_AHEAD ahead on the reader thread, so verifying and copying overlap the I/O."""
-        per = self._read_bufs[0].slots
+        leading blocks arrived whole, keys whose slot failed verification or was cut short
+        by the end of the file). Other read errors raise (the caller's to log). Chunks are
+        read READ_AHEAD ahead on the reader thread, so verifying and copying overlap the I/O.
+        Only verified payloads reach a page: a failed slot leaves its page as it was.
+
+        O_DIRECT: a chunk lands in a staging buffer of whole slots (aligned, as O_DIRECT
+        needs), verified payloads are copied to the pages by numpy. Buffered: one preadv
+        scatters each slot over a :class:`_SplitStaging` (header, one row per layer,
+        padding), the payload is hashed there and copied to the pages with the native
+        streaming row copy (module doc: why not straight into the pages)."""
+        per = self._per_chunk
         chunks = [(start, min(per, len(keys) - start)) for start in range(0, len(keys), per)]
         if not chunks:
             return 0, []
         sb = self.file.slot_bytes
+        nbuf = READ_AHEAD + 1
 
-        nbuf = len(self._read_bufs)
-
-        def read(k: int) -> Future[None]:
+        def read(k: int) -> Future[int]:
             start, n = chunks[k]
-            return self._reader.submit(self.file.read, slots[start:start + n],
+            if self.split:
+                return self._reader.submit(self.file.read_into, slots[start:start + n], self._split_bufs[k % nbuf].iov)
+            return self._reader.submit(self.file.read_whole, slots[start:start + n],
                                        self._read_bufs[k % nbuf].view[:n * sb])
 
         good = 0
         pending = collections.deque(read(k) for k in range(min(nbuf - 1, len(chunks))))
         try:
             for k, (start, n) in enumerate(chunks):
-                pending.popleft().result()
+                landed = pending.popleft().result()
                 if k + nbuf - 1 < len(chunks):
                     pending.append(read(k + nbuf - 1))
-                buf = self._read_bufs[k % nbuf]
-                ok, bad = self._verify_chunk(buf, keys[start:start + n], slots[start:start + n])
-                self._scatter(buf, ok, pages[start:start + ok])
+                ck, cs, cp = keys[start:start + landed], slots[start:start + landed], pages[start:start + landed]
+                if self.split:
+                    ok, why = self._verify_split(self._split_bufs[k % nbuf], ck, cs)
+                    self._copy_split(self._split_bufs[k % nbuf], cp[:ok])
+                else:
+                    buf = self._read_bufs[k % nbuf]
+                    ok, why = fmt.verify_rows(buf.rows, rank=self.rank, slots=cs, key_hashes_=fmt.key_hashes(ck),
+                                              payload_len=self.payload_bytes)
+                    self._scatter(buf, ok, cp[:ok])
                 good += ok
-                if bad is not None:
-                    return good, [bad]
+                if why is None and landed < n:
+                    ok, why = landed, "short read"
+                if why is not None:
+                    log.warning("SSD tier: rank %d slot %d of block %s failed verification (%s); "
+                                "it is a miss and is recomputed", self.rank, slots[start + ok], keys[start + ok], why)
+                    return good, [keys[start + ok]]
             return good, []
         finally:
             for fut in pending:  # reads ahead of a miss must land before their buffers are reused
                 with contextlib.suppress(Exception):
                     fut.result()
 
-    def _verify_chunk(self, buf: _Staging, keys: Sequence[str], slots: Sequence[int]) -> tuple[int, str | None]:
-        """(leading slots of the chunk that verify, the key of the first that does not)."""
-        ok, why = fmt.verify_rows(buf.rows, rank=self.rank, slots=slots, key_hashes_=fmt.key_hashes(keys),
-                                  payload_len=self.payload_bytes)
-        if why is None:
-            return ok, None
-        log.warning("SSD tier: rank %d slot %d of block %s failed verification (%s); "
-                    "it is a miss and is recomputed", self.rank, slots[ok], keys[ok], why)
-        return ok, keys[ok]
+    def _verify_split(self, buf: _SplitStaging, keys: Sequence[str], slots: Sequence[int]) -> tuple[int, str | None]:
+        """:func:`fmt.verify_rows` of a chunk read into ``buf``."""
+        return fmt.verify_heads(
+            buf.heads, rank=self.rank, slots=slots, key_hashes_=fmt.key_hashes(keys), payload_len=self.payload_bytes,
+            room=self.file.slot_bytes - fmt.HEADER_BYTES, sums=lambda k: fmt.checksums_of_parts(buf.payloads[:k]))
+
+    def _copy_split(self, buf: _SplitStaging, pages: Sequence[int]) -> None:
+        """Payload rows ``0..len(pages)-1`` of ``buf`` -> ``pages`` in every layer plane: one
+        native streaming row copy a layer on addresses checked at start (ctypes releases the
+        GIL; :func:`device.copy_host_rows`' per-call checks cost ~10 us, 32 layers a chunk),
+        numpy's copy without the native library."""
+        n = len(pages)
+        if n == 0:
+            return
+        if self._native:
+            didx = native.int32_array(pages)
+            daddr = didx.buffer_info()[0]
+            for src, (dst, rows, w) in zip(buf.addresses, self._plane_addresses, strict=True):
+                rc = native.copy_byte_rows(src, buf.slots, buf.rows_address, dst, rows, daddr, n, w)
+                if rc < 0:
+                    raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {rows})")
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        for src_rows, dst_plane in zip(buf.layers, self._np_planes, strict=True):
+            dst_plane[idx] = src_rows.numpy()[:n]
 
     def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
         if n == 0:
@@ -357,4 +482,6 @@ class RankTier:
         self._write_buf.close()
         for buf in self._read_bufs:
             buf.close()
+        for split in self._split_bufs:
+            split.close()
         self.file.close()

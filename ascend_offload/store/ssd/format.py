@@ -42,7 +42,7 @@ served.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -69,6 +69,20 @@ _hash = xxhash.xxh3_64_intdigest
 def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     """xxh3_64 of ``data`` (C, no copy of a contiguous buffer, GIL released)."""
     return _hash(data)  # type: ignore[arg-type]  # numpy declares ndarray.__buffer__ for Python >= 3.12 only
+
+
+def checksums_of_parts(payloads: Iterable[Sequence[memoryview]]) -> np.ndarray:
+    """:func:`checksum` of each payload given as its parts in order (a payload read straight
+    into a host page lies across the page's layer planes): the digest of the parts joined,
+    without joining them (xxh3_64's streaming form gives the one-shot digest)."""
+    h = xxhash.xxh3_64()
+    out = []
+    for parts in payloads:
+        h.reset()
+        for part in parts:
+            h.update(part)
+        out.append(h.intdigest())
+    return np.array(out, dtype=np.uint64)
 
 
 def checksum_implementation() -> str:
@@ -137,24 +151,38 @@ def verify_rows(rows: np.ndarray, *, rank: int, slots: Sequence[int] | np.ndarra
     None when all ``len(slots)`` do). ``rows[i]`` is the slot read from ``slots[i]``, which
     must hold the payload of ``key_hashes_[i]`` for this rank. Same answers as
     :func:`verify` slot by slot; the headers are compared in bulk."""
+    if len(rows) < len(slots):
+        raise ValueError(f"{len(rows)} rows for {len(slots)} slots")
+    return verify_heads(rows[:len(slots)], rank=rank, slots=slots, key_hashes_=key_hashes_,
+                        payload_len=payload_len, room=rows.shape[1] - HEADER_BYTES,
+                        sums=lambda k: _payload_sums(rows, k, payload_len))
+
+
+def verify_heads(heads_rows: np.ndarray, *, rank: int, slots: Sequence[int] | np.ndarray,
+                 key_hashes_: np.ndarray, payload_len: int, room: int,
+                 sums: Callable[[int], np.ndarray]) -> tuple[int, str | None]:
+    """:func:`verify_rows` with the payloads elsewhere: ``heads_rows[i]`` starts with the
+    header of ``slots[i]`` (at least :data:`HEADER_BYTES` columns), ``room`` is the payload
+    room of a slot, ``sums(k)`` the checksums of the first ``k`` payloads wherever they
+    landed (the buffered promote reads payloads straight into host pages)."""
     n = len(slots)
-    if len(rows) < n or len(key_hashes_) != n:
-        raise ValueError(f"{len(rows)} rows, {len(key_hashes_)} key hashes for {n} slots")
+    if len(heads_rows) < n or len(key_hashes_) != n:
+        raise ValueError(f"{len(heads_rows)} rows, {len(key_hashes_)} key hashes for {n} slots")
     if n == 0:
         return 0, None
-    heads = _heads(rows[:n])
+    heads = _heads(heads_rows[:n])
     checks = (
         ("magic", heads["magic"] == MAGIC),
         ("version", heads["version"] == VERSION),
         ("rank", heads["rank"] == rank),
         ("slot", heads["slot"] == np.asarray(slots, dtype=np.int64)),
         ("key", heads["key"] == key_hashes_),
-        ("length", (heads["length"] == payload_len) & (HEADER_BYTES + payload_len <= rows.shape[1])),
+        ("length", (heads["length"] == payload_len) & (payload_len <= room)),
     )
     ok = np.logical_and.reduce([c for _, c in checks])
     first_bad = int(np.argmin(ok)) if not ok.all() else n
     # payload hashes only up to the first bad header (the rest are not served anyway)
-    sums_ok = _payload_sums(rows, first_bad, payload_len) == heads["checksum"][:first_bad]
+    sums_ok = sums(first_bad) == heads["checksum"][:first_bad]
     if not sums_ok.all():
         return int(np.argmin(sums_ok)), "checksum"
     if first_bad == n:
