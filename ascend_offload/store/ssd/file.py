@@ -237,14 +237,19 @@ class _Staging:
 
 
 class _SplitStaging:
-    """A buffered read's landing area for a chunk of slots, one region per part of a slot:
-    slot ``i``'s header -> ``heads[i]``, its payload's bytes of layer ``l`` -> ``layers[l][i]``,
-    its padding -> a shared sink. Each layer region has the rows of that layer's page plane,
-    so verified payloads go to their pages as whole-row copies (one native streaming copy a
-    layer: ``native.copy_byte_rows``), not as column slices of whole slots."""
+    """A buffered read's landing area for a chunk of slots: one preadv puts slot ``i``'s
+    header in ``heads[i]``, its payload in rows as wide as the page planes' rows, its
+    padding in a shared sink, so verified payloads go to their pages as whole-row copies
+    (one native streaming copy a layer: ``native.copy_byte_rows``), not as column slices
+    of whole slots. Layers of one width (every layer's page the same size, the usual
+    case): the payloads lie whole one after another (slot ``i``'s layer ``l`` is row
+    ``i * layers + l``), so each is read into one buffer and hashed in one call. Layers of
+    several widths: one region a layer (slot ``i``'s layer ``l`` is row ``i`` of region ``l``)."""
 
     def __init__(self, widths: Sequence[int], slots: int, sink: memoryview | None) -> None:
-        regions = [slots * fmt.HEADER_BYTES, *(slots * w for w in widths)]
+        payload, n_layers = sum(widths), len(widths)
+        one_width = len(set(widths)) == 1
+        regions = [slots * fmt.HEADER_BYTES, *([slots * payload] if one_width else (slots * w for w in widths))]
         starts, off = [], 0
         for size in regions:  # every region page-aligned: rows of 64-byte multiples stay line-aligned
             starts.append(off)
@@ -253,21 +258,29 @@ class _SplitStaging:
         self.map = mmap.mmap(-1, max(off, mmap.PAGESIZE))
         mv = memoryview(self.map)
         self.heads = np.frombuffer(self.map, dtype=np.uint8, count=regions[0], offset=0).reshape(slots, -1)
-        self.layers = [torch.frombuffer(self.map, dtype=torch.uint8, count=size, offset=start).view(slots, w)
-                       for start, size, w in zip(starts[1:], regions[1:], widths, strict=True)]
+        seq = torch.arange(slots, dtype=torch.int32)
+        #: per layer: (source rows, the rows of slots 0, 1, ... among them)
+        self.sources: list[tuple[torch.Tensor, torch.Tensor]]
+        if one_width:
+            rows = torch.frombuffer(self.map, dtype=torch.uint8, count=regions[1], offset=starts[1])
+            rows = rows.view(slots * n_layers, widths[0])
+            self.sources = [(rows, seq * n_layers + layer) for layer in range(n_layers)]
+            #: per slot: the payload's buffers in order (hashed where they landed)
+            self.payloads = [[mv[starts[1] + i * payload:starts[1] + (i + 1) * payload]] for i in range(slots)]
+        else:
+            self.sources = [(torch.frombuffer(self.map, dtype=torch.uint8, count=size, offset=a).view(slots, w), seq)
+                            for a, size, w in zip(starts[1:], regions[1:], widths, strict=True)]
+            self.payloads = [[mv[a + i * w:a + (i + 1) * w] for a, w in zip(starts[1:], widths, strict=True)]
+                             for i in range(slots)]
         h = fmt.HEADER_BYTES
-        #: per slot: the payload's buffers in order (hashed where they landed)
-        self.payloads = [[mv[a + i * w:a + (i + 1) * w] for a, w in zip(starts[1:], widths, strict=True)]
-                         for i in range(slots)]
         #: per slot: the buffers one slot is read into (header, payload, padding)
         self.iov = [[mv[i * h:(i + 1) * h], *self.payloads[i], *([sink] if sink is not None else [])]
                     for i in range(slots)]
-        self.rows = torch.arange(slots, dtype=torch.int32)  # the copy's source rows
-        self.rows_address = self.rows.data_ptr()
-        self.addresses = [t.data_ptr() for t in self.layers]
+        #: per layer: (source address, source rows, address of the slots' row numbers)
+        self.addresses = [(t.data_ptr(), t.shape[0], idx.data_ptr()) for t, idx in self.sources]
 
     def close(self) -> None:
-        del self.heads, self.layers, self.payloads, self.iov
+        del self.heads, self.sources, self.payloads, self.iov
         with contextlib.suppress(BufferError):  # as _Staging.close
             self.map.close()
 
@@ -452,14 +465,14 @@ class RankTier:
         if self._native:
             didx = native.int32_array(pages)
             daddr = didx.buffer_info()[0]
-            for src, (dst, rows, w) in zip(buf.addresses, self._plane_addresses, strict=True):
-                rc = native.copy_byte_rows(src, buf.slots, buf.rows_address, dst, rows, daddr, n, w)
+            for (src, n_src, sidx), (dst, rows, w) in zip(buf.addresses, self._plane_addresses, strict=True):
+                rc = native.copy_byte_rows(src, n_src, sidx, dst, rows, daddr, n, w)
                 if rc < 0:
                     raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {rows})")
             return
         idx = np.asarray(pages, dtype=np.int64)
-        for src_rows, dst_plane in zip(buf.layers, self._np_planes, strict=True):
-            dst_plane[idx] = src_rows.numpy()[:n]
+        for (src_rows, slot_rows), dst_plane in zip(buf.sources, self._np_planes, strict=True):
+            dst_plane[idx] = src_rows.numpy()[slot_rows.numpy()[:n]]
 
     def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
         if n == 0:

@@ -28,9 +28,9 @@ SLOT = fmt.slot_bytes(PAGE)
 BS = 4
 
 
-def planes(pages: int, seed: int) -> dict[str, torch.Tensor]:
+def planes(pages: int, seed: int, layers: tuple[int, ...] = LAYERS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"l{i}": torch.randint(0, 256, (pages, b), dtype=torch.uint8, generator=g) for i, b in enumerate(LAYERS)}
+    return {f"l{i}": torch.randint(0, 256, (pages, b), dtype=torch.uint8, generator=g) for i, b in enumerate(layers)}
 
 
 def page_bytes(pl: dict[str, torch.Tensor], page: int) -> bytes:
@@ -38,7 +38,8 @@ def page_bytes(pl: dict[str, torch.Tensor], page: int) -> bytes:
 
 
 def buffered_tier(tmp_path: Path, pl: dict[str, torch.Tensor], slots: int, copy: str) -> RankTier:
-    t = RankTier(pl, SlotFile(tmp_path / "r0.slots", slots, SLOT, direct_io="off"), rank=0)
+    slot = fmt.slot_bytes(sum(p.shape[1] for p in pl.values()))
+    t = RankTier(pl, SlotFile(tmp_path / "r0.slots", slots, slot, direct_io="off"), rank=0)
     assert t.split and not t.file.direct
     if copy == "numpy":
         t._native = False
@@ -62,11 +63,12 @@ def flip_payload_bit(path: Path, slot: int, offset: int) -> None:
         f.write(bytes([b ^ 0x10]))
 
 
+@pytest.mark.parametrize("layers", [LAYERS, (2048, 2048, 2048)])  # several widths / one width
 @pytest.mark.parametrize("copy", ["native", "numpy"])
 def test_buffered_promote_lands_every_byte_in_its_page_across_chunks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str) -> None:
-    monkeypatch.setattr(ssd_file, "CHUNK_BYTES", 3 * SLOT)  # 3 slots a chunk: runs split across chunks
-    src = planes(32, seed=1)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str, layers: tuple[int, ...]) -> None:
+    monkeypatch.setattr(ssd_file, "CHUNK_BYTES", 3 * fmt.slot_bytes(sum(layers)))  # 3 slots a chunk
+    src = planes(32, seed=1, layers=layers)
     t = buffered_tier(tmp_path, src, 24, copy)
     keys = [f"k{i}" for i in range(10)]
     slots = [0, 1, 2, 3, 5, 6, 23, 22, 8, 9]

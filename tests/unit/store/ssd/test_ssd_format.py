@@ -152,3 +152,11 @@ def test_bulk_verify_stops_at_the_first_miss_of_either_kind() -> None:
     assert fmt.verify_rows(rows, rank=2, slots=[], key_hashes_=hashes[:0], payload_len=PAYLOAD) == (0, None)
     with pytest.raises(ValueError):
         fmt.verify_rows(rows, rank=2, slots=slots, key_hashes_=hashes[:2], payload_len=PAYLOAD)
+
+
+def test_checksums_of_parts_equal_the_checksum_of_the_joined_payload() -> None:
+    rng = np.random.default_rng(7)
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8) for size in (1, 255, 256, 4096, 70001)]
+    cuts = [[], [17], [0, 128], [1000, 1024, 3000], [64, 65536]]
+    parts = [[memoryview(p[a:b]) for a, b in zip([0, *c], [*c, len(p)], strict=True)] for p, c in zip(payloads, cuts, strict=True)]
+    assert list(fmt.checksums_of_parts(parts)) == [fmt.checksum(p) for p in payloads]
