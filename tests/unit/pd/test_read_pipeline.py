@@ -413,3 +413,16 @@ def test_mooncake_keeps_two_reads_in_flight_and_fails_only_the_bad_one() -> None
     finally:
         a.close()
         b.close()
+
+
+def test_mooncake_pace_sleeps_through_most_of_a_read_once_it_knows_the_rate() -> None:
+    from ascend_offload.transfer.mooncake import _Pace
+
+    pace = _Pace()
+    assert pace.expect_s(1 << 20) == 0.0  # no read ended yet: poll from the start
+    pace.ended(1000, 2e-3)  # 2 us per byte
+    assert pace.expect_s(500) == pytest.approx(_Pace.EARLY * 1e-3)
+    pace.ended(1000, 1e-3)  # a faster read pulls the estimate down (moving average)
+    assert pace.s_per_byte == pytest.approx(1.5e-6)
+    pace.ended(0, 5.0)  # an empty read says nothing about the rate
+    assert pace.s_per_byte == pytest.approx(1.5e-6)
