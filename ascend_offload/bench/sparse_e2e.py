@@ -1,6 +1,6 @@
 """``ascend-offload bench sparse-e2e``: decode step time with sparse decode offload vs without.
 
-Four real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
+Five real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
 engine config, same process, all alive for the whole run): the baseline has no
 connector, the other two run ``AscendSparseDecodeConnector`` (colocated mode: the
 engine prefills, then one-token rows attend over per-layer hot buffers filled
@@ -15,7 +15,9 @@ backward) so slow drift of the shared machine hits all alike. The fourth engine,
 ``hybrid``, is ``offload`` with hybrid residency on (``sparse_offload.hybrid``) and KV
 memory enough for every request of the batch to stay resident (:func:`_hybrid_kv_bytes`):
 its main-KV rows live in device blocks borrowed from vLLM's free blocks and attention
-reads them directly (no resolve, no miss copy).
+reads them directly (no resolve, no miss copy). The fifth, ``connector``, is the
+baseline with a KV connector that moves nothing (``bench/null_connector.py``): vLLM's
+own per-step work for any connector, which no connector can skip.
 
 Step time: per request ``(last_token_ts - first_token_ts) / (n - 1)`` from
 vLLM's own per-request engine-core timestamps (``RequestOutput.metrics``); a
@@ -56,9 +58,11 @@ model timers then cover rows of up to ``1 + k`` query tokens.
 
 ``hybrid_step_ratio``: per batch size of ``--hybrid-batches`` (default 1 and
 ``--batch``), the median over its paired rounds of the hybrid engine's step time / the
-baseline's. At ``--batch`` the rounds of all four engines serve; every other size runs
-``--rounds`` rounds of its own, the baseline and the hybrid engine only (alternating
-order, fresh prompts). Per batch size the JSON (``hybrid``) also has the hybrid engine's
+baseline's. At ``--batch`` the rounds of all engines serve; every other size runs
+``--rounds`` rounds of its own, the baseline, the hybrid and the null-connector engine
+only (each first in every third round, fresh prompts). ``hybrid_connector_step_ratio``
+(null connector / baseline) and ``hybrid_vs_connector_step_ratio`` (hybrid / null
+connector) split the same rounds' ratio into vLLM's share and ours. Per batch size the JSON (``hybrid``) also has the hybrid engine's
 miss rows, resolved positions and pool query tokens (all 0 while every request is
 resident), moved and placed requests, the resident rows written and query tokens
 attended by the decode steps (prefill pass subtracted: ``layers x batch x (decode_tokens
@@ -98,21 +102,26 @@ from ascend_offload.harness.engines import (
 )
 
 BLOCK_SIZE = 32
+NULL = "null"  # the reference engine's backend: vLLM's connector plumbing alone
 MODEL_DIR = Path(os.environ.get("ASCEND_OFFLOAD_TEST_MODELS", "/tmp/ascend-offload-test-models"))
 TARGET_RATIO = 1.10
 DEVICE_TARGET_RATIO = 1.15
 HYBRID_TARGET_RATIO = 1.02
 HYBRID_FREE_FRACTION = 0.1  # sparse_offload.hybrid_free_fraction's default (not set here)
 PAGE = 4096  # the cut page-aligns each hot region
-ENGINES = ("baseline", "offload", "device", "hybrid")
+ENGINES = ("baseline", "offload", "device", "hybrid", "connector")
 # started in this order: the device engine last, whose vLLM registry --spec-tokens reads
-START_ORDER = ("baseline", "offload", "hybrid", "device")
-BACKENDS = {"baseline": None, "offload": "host", "device": "device", "hybrid": "host"}
+START_ORDER = ("baseline", "connector", "offload", "hybrid", "device")
+# "connector": vLLM with a connector that moves nothing (bench/null_connector.py)
+BACKENDS = {"baseline": None, "offload": "host", "device": "device", "hybrid": "host",
+            "connector": NULL}
 # the hybrid engine's counters reported per batch size: totals over its rounds (prefill
 # passes included) and the resident rows / query tokens of the decode steps only
 _HYBRID_TOTALS = ("miss_rows", "resolved_positions", "pool_query_tokens", "offload_rows",
                   "moved_requests", "moved_bytes", "placed_requests")
 _HYBRID_DECODE = ("resident_rows", "resident_query_tokens")
+# the engines of the hybrid engine's paired rounds
+_HYBRID_ROUND = ("baseline", "hybrid", "connector")
 # model functions timed in the worker (first argument: the request's queries or scores)
 _TIMED = ("indexer_scores", "select_topk", "sparse_attention")
 _COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
@@ -263,8 +272,9 @@ def _hybrid_kv_bytes(a: argparse.Namespace, model: str) -> int:
 @contextlib.contextmanager
 def _engine(a: argparse.Namespace, model: str, backend: str | None, hybrid: bool = False
             ) -> Iterator[Any]:
-    """``backend``: None (no connector) or the offload engine's ``residency_backend``;
-    ``hybrid``: hybrid residency on (at :func:`_hybrid_kv_bytes`)."""
+    """``backend``: None (no connector), ``NULL`` (a connector that moves nothing) or
+    the offload engine's ``residency_backend``; ``hybrid``: hybrid residency on (at
+    :func:`_hybrid_kv_bytes`)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -275,7 +285,11 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None, hybrid: bool
     explicit_kv_memory(kw)
     if a.spec_tokens:
         kw["speculative_config"] = ngram_speculative_config(a.spec_tokens)
-    if backend is not None:
+    if backend == NULL:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector", kv_role="kv_both",
+            kv_connector_module_path="ascend_offload.bench.null_connector")
+    elif backend is not None:
         sparse = {"enabled": True, "topk_buffer_size": a.hot, "index_topk": a.index_topk,
                   "dram_size_per_dp_GB": _pool_gb(a, row_bytes, layers),
                   "residency_backend": backend}
@@ -402,12 +416,12 @@ def _breakdown(phase_ns: dict[str, float], steps: list[float], n_steps: int) -> 
 
 
 class _HybridBatch:
-    """The paired rounds of one batch size: baseline and hybrid step times, tokens equal,
-    the hybrid engine's counters and both engines' breakdowns."""
+    """The paired rounds of one batch size: baseline, hybrid and null-connector step
+    times, tokens equal, the hybrid engine's counters and the engines' breakdowns."""
 
     def __init__(self) -> None:
-        self.steps: dict[str, list[float]] = {"baseline": [], "hybrid": []}
-        self.phase_ns: dict[str, dict[str, float]] = {"baseline": {}, "hybrid": {}}
+        self.steps: dict[str, list[float]] = {n: [] for n in _HYBRID_ROUND}
+        self.phase_ns: dict[str, dict[str, float]] = {n: {} for n in _HYBRID_ROUND}
         self.counters: dict[str, int] = dict.fromkeys(_HYBRID_TOTALS + _HYBRID_DECODE, 0)
         self.parity = True
 
@@ -419,7 +433,11 @@ class _HybridBatch:
             self.counters[k] += _delta(b1, b2, k) - _delta(b0, b1, k)
 
     def result(self, a: argparse.Namespace, batch: int, layers: int) -> dict[str, Any]:
-        ratios = [h / b for h, b in zip(self.steps["hybrid"], self.steps["baseline"], strict=True)]
+        def paired(num: str, den: str) -> list[float]:
+            return [x / y for x, y in zip(self.steps[num], self.steps[den], strict=True)]
+
+        ratios = paired("hybrid", "baseline")
+        vllm_share, ours = paired("connector", "baseline"), paired("hybrid", "connector")
         n_steps = len(ratios) * (a.decode_tokens - 1)
         med = {n: statistics.median(s) for n, s in self.steps.items()}
         ratio = statistics.median(ratios)
@@ -428,6 +446,12 @@ class _HybridBatch:
             "step_ms": {n: _spread(s) for n, s in self.steps.items()},
             "step_ratio": ratio, "step_ratio_rounds": _spread(ratios),
             "step_ratio_of_medians": med["hybrid"] / med["baseline"],
+            # vLLM with a connector that moves nothing vs without (vLLM's own per-step
+            # connector work), and the hybrid engine vs that engine (ours alone)
+            "connector_step_ratio": statistics.median(vllm_share),
+            "connector_step_ratio_rounds": _spread(vllm_share),
+            "vs_connector_step_ratio": statistics.median(ours),
+            "vs_connector_step_ratio_rounds": _spread(ours),
             "parity": self.parity, "counters": dict(self.counters),
             "breakdown_ms_per_step": {n: _breakdown(self.phase_ns[n], self.steps[n], n_steps)
                                       for n in self.steps},
@@ -485,36 +509,38 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             parity = parity and same
             if main_hy is not None:
                 main_hy.parity = main_hy.parity and toks["hybrid"] == toks["baseline"]
-                for n in ("baseline", "hybrid"):
+                for n in _HYBRID_ROUND:
                     main_hy.steps[n].append(steps[n][-1])
             load.append(os.getloadavg()[0])
             if a.verbose:
                 print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
                       file=sys.stderr, flush=True)
-        # the other batch sizes: paired rounds of the baseline and the hybrid engine only
+        # the other batch sizes: rounds of the baseline, the hybrid and the null-connector
+        # engine only, each engine first in every third round
         for b in hybrid_batches:
             if b == a.batch:
                 continue
             hb = hy[b]
             for r in range(a.rounds):
-                pair = ("baseline", "hybrid") if r % 2 == 0 else ("hybrid", "baseline")
+                k = r % len(_HYBRID_ROUND)
                 prompts = _prompts(a, 1000 * b + r)[:b]
                 toks = {}
-                for name in pair:
+                for name in _HYBRID_ROUND[k:] + _HYBRID_ROUND[:k]:
                     step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
                                                     hb.phase_ns[name])
                     hb.steps[name].append(step)
                     if name == "hybrid":
                         hb.add_hybrid(pr)
                         probes["hybrid"] = pr[2]
-                hb.parity = hb.parity and toks["hybrid"] == toks["baseline"]
+                hb.parity = hb.parity and toks["hybrid"] == toks["baseline"] == toks["connector"]
                 load.append(os.getloadavg()[0])
                 if a.verbose:
-                    print(f"batch {b} round {r}: baseline {hb.steps['baseline'][-1]:.3f} ms, "
-                          f"hybrid {hb.steps['hybrid'][-1]:.3f} ms", file=sys.stderr, flush=True)
+                    print(f"batch {b} round {r}: " + ", ".join(
+                        f"{n} {hb.steps[n][-1]:.3f} ms" for n in _HYBRID_ROUND),
+                        file=sys.stderr, flush=True)
             parity = parity and hb.parity
         if main_hy is not None:  # its phases: those of the all-engine rounds
-            main_hy.phase_ns = {n: phase_ns[n] for n in ("baseline", "hybrid")}
+            main_hy.phase_ns = {n: phase_ns[n] for n in _HYBRID_ROUND}
         spec_counts = _spec_counts(llms["device"]) if a.spec_tokens else {}
     n_steps = a.rounds * (a.decode_tokens - 1)
     breakdown = {name: _breakdown(phase_ns[name], steps[name], n_steps) for name in ENGINES}
@@ -550,6 +576,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # hybrid residency (every request resident): per batch size, the median of its
         # paired rounds' hybrid / baseline step time, and what the engine did
         "hybrid_step_ratio": {k: v["step_ratio"] for k, v in hybrid.items()},
+        # the same rounds' null-connector engine: vLLM's own connector work per step, and
+        # the hybrid engine against it (what our connector adds)
+        "hybrid_connector_step_ratio": {k: v["connector_step_ratio"] for k, v in hybrid.items()},
+        "hybrid_vs_connector_step_ratio": {k: v["vs_connector_step_ratio"]
+                                           for k, v in hybrid.items()},
         "hybrid_target_step_ratio": HYBRID_TARGET_RATIO,
         "hybrid_target_met": {k: v["target_met"] for k, v in hybrid.items()},
         "hybrid_miss_rows": {k: v["counters"]["miss_rows"] for k, v in hybrid.items()},
@@ -619,7 +650,10 @@ def report(res: dict[str, Any]) -> str:
             f"  hybrid batch {b}: decode step {sm['hybrid']['median']:.3f} ms vs baseline "
             f"{sm['baseline']['median']:.3f} ms, hybrid_step_ratio {h['step_ratio']:.3f} "
             f"(median of {h['rounds']} paired rounds, min {hr['min']:.3f}, max {hr['max']:.3f}; "
-            f"ratio of medians {h['step_ratio_of_medians']:.3f}); miss rows {cn['miss_rows']}, "
+            f"ratio of medians {h['step_ratio_of_medians']:.3f}); null-connector engine "
+            f"{sm['connector']['median']:.3f} ms: vLLM's connector work "
+            f"{h['connector_step_ratio']:.3f}x the baseline, the hybrid engine "
+            f"{h['vs_connector_step_ratio']:.3f}x that engine; miss rows {cn['miss_rows']}, "
             f"moved requests {cn['moved_requests']}, placed {cn['placed_requests']}, resident "
             f"query tokens {cn['resident_query_tokens']}"
             + (f" (expected {want})" if want is not None else "")
@@ -633,7 +667,7 @@ def report(res: dict[str, Any]) -> str:
     rows = [(n, res["breakdown_ms_per_step"][n]) for n in ENGINES]
     rows += [(f"{n} (batch {b})", h["breakdown_ms_per_step"][n])
              for b, h in res["hybrid"].items() if int(b) != c["batch"]
-             for n in ("baseline", "hybrid")]
+             for n in _HYBRID_ROUND]
     for n, bd in rows:
         lines.append(f"  {n:28s}  " + "  ".join(
             f"{bd[k]:9.3f}" if k in bd else f"{'-':>9s}" for k in keys))

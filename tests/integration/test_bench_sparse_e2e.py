@@ -1,4 +1,4 @@
-"""``bench sparse-e2e`` with tiny settings: four real vLLM CPU engines (a few minutes).
+"""``bench sparse-e2e`` with tiny settings: five real vLLM CPU engines (a few minutes).
 
 Checks what the JSON promises rather than any timing: the ratios are medians of the
 paired rounds, all engines generated the same greedy tokens, every decode row of
@@ -90,7 +90,8 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
 
     bd = res["breakdown_ms_per_step"]
     for phase in ("resolve", "miss_copy", "offload"):
-        assert phase not in bd["baseline"] and phase in bd["offload"] and phase in bd["device"], bd
+        assert phase not in bd["baseline"] and phase not in bd["connector"], bd
+        assert phase in bd["offload"] and phase in bd["device"], bd
     # no prefill-pass subtraction touches these (a prefill resolves and copies nothing);
     # offload and layer_rest are differences of timings: on a loaded machine either may
     # come out slightly negative, so only their presence is checked
@@ -145,6 +146,7 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     main = res["hybrid"][str(batch)]["step_ms"]
     assert main["hybrid"]["rounds"] == res["step_ms"]["hybrid"]["rounds"]
     assert main["baseline"]["rounds"] == res["step_ms"]["baseline"]["rounds"]
+    assert main["connector"]["rounds"] == res["step_ms"]["connector"]["rounds"]
     rounds = ARGS["rounds"]
     for key, h in res["hybrid"].items():
         b = int(key)
@@ -153,6 +155,14 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
                                         h["step_ms"]["baseline"]["rounds"], strict=True)]
         assert res["hybrid_step_ratio"][key] == h["step_ratio"] == pytest.approx(
             statistics.median(ratios), rel=1e-3)
+        # the same rounds split at the null-connector engine: vLLM's share and ours
+        for num, den, name in (("connector", "baseline", "connector_step_ratio"),
+                               ("hybrid", "connector", "vs_connector_step_ratio")):
+            split = [x / y for x, y in zip(h["step_ms"][num]["rounds"],
+                                           h["step_ms"][den]["rounds"], strict=True)]
+            assert h[name] == pytest.approx(statistics.median(split), rel=1e-3)
+        assert res["hybrid_connector_step_ratio"][key] == h["connector_step_ratio"]
+        assert res["hybrid_vs_connector_step_ratio"][key] == h["vs_connector_step_ratio"]
         c = h["counters"]
         assert c["miss_rows"] == c["resolved_positions"] == c["pool_query_tokens"] == 0, c
         assert c["offload_rows"] == c["moved_requests"] == c["moved_bytes"] == 0, c
