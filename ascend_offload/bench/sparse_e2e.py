@@ -240,8 +240,15 @@ def _rows(model: str) -> tuple[int, int, int]:
             cfg["num_hidden_layers"])
 
 
+def _max_model_len(a: argparse.Namespace) -> int:
+    return a.context + a.decode_tokens + BLOCK_SIZE
+
+
 def _pool_gb(a: argparse.Namespace, row_bytes: int, layers: int) -> float:
-    return a.batch * _request_blocks(a) * BLOCK_SIZE * layers * row_bytes / 2**30 + 1e-6
+    """The host pool: every request of the batch at ``max_model_len`` (the connector
+    refuses a pool that cannot hold one such request)."""
+    tokens = max(_request_blocks(a), -(-_max_model_len(a) // BLOCK_SIZE)) * BLOCK_SIZE
+    return a.batch * tokens * layers * row_bytes / 2**30 + 1e-6
 
 
 def _kv_bytes(a: argparse.Namespace, model: str) -> int:
@@ -303,7 +310,7 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None, hybrid: bool
     with owned_engine(lambda: LLM(
             model=model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0,
             enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=a.batch,
-            max_model_len=a.context + a.decode_tokens + BLOCK_SIZE,
+            max_model_len=_max_model_len(a),
             max_num_batched_tokens=a.batch * a.context,
             worker_extension_cls=f"{__name__}.WorkerProbe", **kw)) as llm:
         yield llm
