@@ -173,11 +173,9 @@ def _connector_class() -> type:
     if _CONNECTOR is not None:
         return _CONNECTOR
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-    )
     from vllm.forward_context import get_forward_context
+
+    from ascend_offload.bench.null_connector import NullConnector
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, t.shape[-1])
@@ -185,7 +183,7 @@ def _connector_class() -> type:
     def new_slots(slots: torch.Tensor) -> torch.Tensor:
         return slots[slots >= 0]
 
-    class RecordingConnector(KVConnectorBase_V1):
+    class RecordingConnector(NullConnector):  # scheduler side: a pure observer
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -229,16 +227,6 @@ def _connector_class() -> type:
 
         def wait_for_save(self) -> None:
             self._write(event="wait_for_save")
-
-        # scheduler side: a pure observer
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return 0, False
-
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            return None
-
-        def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-            return KVConnectorMetadata()
 
     _CONNECTOR = RecordingConnector
     return _CONNECTOR
