@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import math
 import os
-import time
-from collections.abc import Iterable, MutableMapping, Sequence
-from typing import Any
+from collections.abc import MutableMapping, Sequence
 
-from ascend_offload.transfer.base import LibraryEngine, PendingRead, ReadOp, TransferError, coalesce
+from ascend_offload.transfer.base import LibraryEngine, ReadOp, TransferError
 
 # Mooncake's TCP transport waits for a stalled (alive but silent) peer without
 # bound unless these are set; they are read when the engine starts (per process).
@@ -42,24 +40,13 @@ def apply_read_deadline(timeout_s: float, env: MutableMapping[str, str] | None =
 
 
 class MooncakeEngine(LibraryEngine):
-    """One Mooncake endpoint. A read submits each coalesced run as its own asynchronous
-    batch (``batch_transfer_async_read``) and waits by polling them
-    (``transfer_check_status``) with short sleeps.
-
-    Why not ``batch_transfer_sync_read``: its wait spins a core until the batch ends
-    (measured on 2 vCPUs: 8 sequential 2.9 MB reads took 17 ms with it, 12.6 ms polled;
-    TCP moves the bytes with the CPU, on both hosts, so a spinning waiter takes a core
-    from the transfer). One run per batch because ``transfer_check_status`` looks at a
-    batch's first task only. :meth:`start_read` returns after the submission, so a
-    reader can keep the next read in flight while it waits for this one.
+    """One Mooncake endpoint; reads are one ``batch_transfer_sync_read`` per call.
 
     ``timeout_s`` bounds a read from a peer that stops answering (measured: a
     read from a SIGSTOPped peer otherwise blocks until it resumes; with the
     bound it fails with rc=-1 and the connection is dropped, so no byte lands
     later). It is our deadline: an ``MC_*`` environment setting only wins
-    when it is tighter (:func:`apply_read_deadline`). The wait itself also
-    gives up where Mooncake's synchronous read would (``MC_TRANSFER_TIMEOUT``,
-    at least 5 s, default 30 s, plus 1 ns per byte, from the submission).
+    when it is tighter (:func:`apply_read_deadline`).
     """
 
     name = "mooncake"
@@ -89,113 +76,13 @@ class MooncakeEngine(LibraryEngine):
                 f"device_name={device_name!r}) failed with rc={rc}"
             )
         super().__init__(eng, f"{host}:{eng.get_rpc_port()}")
-        self._wait_limit_s = _wait_limit_s()
-        self._pace = _Pace()
 
     def _read(self, peer: str, ops: Sequence[ReadOp]) -> None:
-        self._start(peer, ops).wait()
-
-    def start_read(self, peer: str, ops: Iterable[ReadOp]) -> PendingRead:
-        """Submit every run and return; :meth:`PendingRead.wait` ends them."""
-        return self._start(peer, coalesce(ops))
-
-    def _start(self, peer: str, batch: Sequence[ReadOp]) -> _MooncakeRead:
         self._check_open()
-        read = _MooncakeRead(self._eng, peer, batch, self._wait_limit_s, self._pace)
-        for op in batch:
-            bid = self._eng.batch_transfer_async_read(peer, [op.local_addr], [op.remote_addr], [op.length])
-            if bid in _NO_BATCH:  # this run was not submitted; those before it are waited for
-                read.refused = f"run {len(read.ids) + 1} of {len(batch)} could not be submitted"
-                break
-            read.ids.append(bid)
-        return read
-
-
-def _wait_limit_s(env: MutableMapping[str, str] | None = None) -> float:
-    """Mooncake's own bound on a synchronous read (``TransferEnginePy``'s constructor):
-    ``MC_TRANSFER_TIMEOUT`` seconds, at least 5, default 30."""
-    env = os.environ if env is None else env
-    try:
-        return float(max(5, int(env["MC_TRANSFER_TIMEOUT"])))
-    except (KeyError, ValueError):
-        return 30.0
-
-
-# What batch_transfer_async_read returns when it submitted nothing: 0, or -1 as an unsigned id.
-_NO_BATCH = (0, (1 << 64) - 1)
-# transfer_check_status: 1 completed, -1 failed (both free the batch), 0 running, -2 timed out.
-_DONE, _FAILED = 1, -1
-_POLL_S = (20e-6, 1e-3)  # first sleep between polls, longest (doubling)
-
-
-class _Pace:
-    """Seconds per byte of recent reads (from submission to the end of the wait), to sleep
-    through most of a read at once instead of waking up to poll it all along.
-
-    Why: each poll wakes the waiting thread and takes the GIL from the threads doing the
-    protocol; a 2.9 MB read polled with a doubling sleep woke ~10 times. Sleeping for
-    ``EARLY`` of the expected time first, then polling finely, keeps the end of a read
-    detected within tens of microseconds with a few wake-ups. An estimate too high costs
-    latency only until the next reads pull it down (a moving average)."""
-
-    EARLY = 0.7
-
-    def __init__(self) -> None:
-        self.s_per_byte = 0.0  # unknown until a read ended
-
-    def expect_s(self, nbytes: int) -> float:
-        return self.EARLY * nbytes * self.s_per_byte
-
-    def ended(self, nbytes: int, elapsed_s: float) -> None:
-        if nbytes > 0:
-            rate = elapsed_s / nbytes
-            self.s_per_byte = rate if not self.s_per_byte else 0.5 * (self.s_per_byte + rate)
-
-
-class _MooncakeRead(PendingRead):
-    """Submitted runs (one batch each); :meth:`wait` polls every one to its end, once (Mooncake
-    frees a batch when it ends: polling it again would read freed memory)."""
-
-    def __init__(self, eng: Any, peer: str, ops: Sequence[ReadOp], limit_s: float, pace: _Pace) -> None:
-        self._eng = eng
-        self._peer = peer
-        self._ops = ops
-        self._pace = pace
-        self._nbytes = sum(o.length for o in ops)
-        self._t0 = time.monotonic()
-        self._end = self._t0 + limit_s + self._nbytes * 1e-9
-        self.ids: list[int] = []
-        self.refused = ""
-        self._error: TransferError | None = None
-        self._waited = False
-
-    def wait(self) -> int:
-        if not self._waited:
-            self._waited = True
-            nap = self._t0 + self._pace.expect_s(self._nbytes) - time.monotonic()
-            if nap > _POLL_S[0] and self.ids:
-                time.sleep(nap)
-            failed = sum(not self._poll(bid) for bid in self.ids)
-            why = self.refused or (f"{failed} of {len(self._ops)} runs failed" if failed else "")
-            if why:
-                self._error = TransferError(
-                    f"mooncake read of {len(self._ops)} runs ({self._nbytes} B) "
-                    f"from {self._peer} failed: {why}")
-            else:
-                self._pace.ended(self._nbytes, time.monotonic() - self._t0)
-        if self._error is not None:
-            raise self._error
-        return len(self._ops)
-
-    def _poll(self, bid: int) -> bool:
-        """Until the batch ends (True: completed) or Mooncake's read bound passed (False; the
-        batch is then left to Mooncake, never freed under a transfer that may still run)."""
-        sleep = _POLL_S[0]
-        while True:
-            rc = self._eng.transfer_check_status(bid)
-            if rc == _DONE:
-                return True
-            if rc == _FAILED or time.monotonic() > self._end:
-                return False
-            time.sleep(sleep)
-            sleep = min(2 * sleep, _POLL_S[1])
+        if len(ops) != 1:
+            self._batch_read(peer, ops)
+            return
+        op = ops[0]
+        rc = self._eng.transfer_sync_read(peer, op.local_addr, op.remote_addr, op.length)
+        if rc != 0:
+            raise TransferError(f"mooncake read of 1 run ({op.length} B) from {peer} failed rc={rc}")
