@@ -72,9 +72,10 @@ def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> int:
 
 
 def checksums_of_parts(payloads: Iterable[Sequence[memoryview]]) -> np.ndarray:
-    """:func:`checksum` of each payload given as its parts in order (a payload read straight
-    into a host page lies across the page's layer planes): the digest of the parts joined,
-    without joining them (xxh3_64's streaming form gives the one-shot digest)."""
+    """:func:`checksum` of each payload given as its parts in order (a buffered promote
+    stages a payload one region per layer when its layers differ in width): the digest of
+    the parts joined, without joining them (xxh3_64's streaming form gives the one-shot
+    digest)."""
     h = xxhash.xxh3_64()
     out = []
     for parts in payloads:
@@ -167,7 +168,7 @@ def verify_heads(heads_rows: np.ndarray, *, rank: int, slots: Sequence[int] | np
     """:func:`verify_rows` with the payloads elsewhere: ``heads_rows[i]`` starts with the
     header of ``slots[i]`` (at least :data:`HEADER_BYTES` columns), ``room`` is the payload
     room of a slot, ``sums(k)`` the checksums of the first ``k`` payloads wherever they
-    landed (the buffered promote reads payloads straight into host pages)."""
+    landed (the buffered promote stages headers and payloads apart)."""
     n = len(slots)
     if len(heads_rows) < n or len(key_hashes_) != n:
         raise ValueError(f"{len(heads_rows)} rows, {len(key_hashes_)} key hashes for {n} slots")

@@ -14,12 +14,11 @@ import threading
 import pytest
 import torch
 
-from ascend_offload.layerwise.pipeline import LayerwisePipeline
 from ascend_offload.layerwise.plan import plan_uniform
 from ascend_offload.layerwise.steps import BlockRef, StepBuilder, StepIO, default_key
 from ascend_offload.store.base import Pin
 from tests.unit.layerwise.dict_store import DictStore
-from tests.unit.layerwise.test_pipeline import NUM_BLOCKS, PAGE, STORES, make_store, value
+from tests.unit.layerwise.test_pipeline import PAGE, STORES, Sim, make_store, value
 
 TOKENS = PAGE[1]  # token rows per block
 
@@ -37,30 +36,23 @@ class HeldReads(DictStore):
         super().read(pin, key, offset, dst)
 
 
-def _pipe(store, layers: int = 3, **kw) -> tuple[LayerwisePipeline, dict[str, torch.Tensor]]:
-    plan = plan_uniform(layers, 1, [0])  # layer 0 its own buffer, the others share one
-    phys = torch.zeros(plan.num_physical, NUM_BLOCKS, *PAGE)
-    kv = {n: phys[plan.slot_of[n]] for n in plan.layers}
-    pipe = LayerwisePipeline(plan, store, **kw)
-    pipe.register_kv_caches(kv)
-    return pipe, kv
+def _sim(store, layers: int = 3, **kw) -> Sim:
+    """Layer 0 on its own buffer, the others sharing one (B = 1)."""
+    return Sim(plan_uniform(layers, 1, [0]), store, **kw)
 
 
-def _save_step(pipe: LayerwisePipeline, kv: dict[str, torch.Tensor], refs: list[BlockRef]) -> None:
-    pipe.start_step(StepIO(save=tuple(refs)))
-    for layer in kv:
-        for r in refs:
-            kv[layer][r.block_id].fill_(value(r.key, layer))
-        pipe.wait_for_layer_load(layer)
-        pipe.save_layer(layer)
-    pipe.finish_step()
+def _save_step(sim: Sim, refs: list[BlockRef]) -> None:
+    """A step that computes and saves ``refs`` in every layer."""
+    sim.step(StepIO(save=tuple(refs)), [], refs)
+    assert sim.mismatches == []
 
 
 def test_kv_write_goes_ahead_of_a_load_of_other_blocks() -> None:
     store = HeldReads()
-    pipe, kv = _pipe(store, load_timeout_s=5.0)
+    sim = _sim(store, load_timeout_s=5.0)
+    pipe, kv = sim.pipe, sim.kv
     ctx = [BlockRef(0, "a"), BlockRef(1, "b")]
-    _save_step(pipe, kv, ctx)
+    _save_step(sim, ctx)
     new = BlockRef(2, "c")
     store.release.clear()  # every load of the next step is held
     pipe.start_step(StepIO(load_shared=tuple(ctx), save=(new,)))
@@ -89,9 +81,10 @@ def test_kv_write_goes_ahead_of_a_load_of_other_blocks() -> None:
 
 def test_kv_write_into_a_loaded_partial_block_waits_for_the_load() -> None:
     store = HeldReads()
-    pipe, kv = _pipe(store, load_timeout_s=5.0)
+    sim = _sim(store, load_timeout_s=5.0)
+    pipe, kv = sim.pipe, sim.kv
     part = BlockRef(0, "p/2")  # two token rows computed by the previous chunk
-    _save_step(pipe, kv, [part])
+    _save_step(sim, [part])
     cont = BlockRef(0, "p/4")  # this chunk fills rows 2 and 3 of the same block
     pipe.start_step(StepIO(load_shared=(part,), save=(cont,)))
     layers = list(kv)
@@ -118,7 +111,8 @@ def test_chunks_across_block_boundaries_see_exact_kv(kind: str, chunks: tuple[in
     chunks that end mid-block (a block loaded and written in one step) and chunks that
     end on a block boundary; attention sees every token row's own KV in every layer."""
     store = make_store(kind)
-    pipe, kv = _pipe(store, layers=4)
+    sim = _sim(store, layers=4)
+    pipe, kv = sim.pipe, sim.kv
     sb = StepBuilder(block_size=TOKENS)
     sb.begin("r", list(range(4)))
     rows: dict[int, str] = {}  # token -> the key its block had when the token was computed
