@@ -1,8 +1,13 @@
 """``ascend-offload bench e2e-pd``: real vLLM CPU servers, colocated vs our P/D vs vLLM's MooncakeConnector P/D.
 
 One run sends the same token-id prompts (50-1500 tokens, fixed seed, greedy,
-``ignore_eos``) through three setups, one at a time (start, warm up, measure,
-tear down):
+``ignore_eos``) through three setups. The colocated reference runs first on its
+own; then both P/D clusters are up at the same time and measured interleaved:
+the prompt set goes ``--rounds`` times to each, one round of one setup per
+block, the order rotated each round (``block_order``), with a short pause
+before each block so the previous cluster's busy-waiting vLLM workers are idle.
+So both P/D setups see the same machine conditions, which on shared cores drift
+from minute to minute.
 
 * ``colocated``: one OpenAI server, no connector (the parity baseline);
 * ``ours``: prefill (``SfaRemoteD2HConnector`` producer) + decode (consumer)
@@ -17,7 +22,7 @@ tear down):
 Requests go one at a time (concurrency 1) with streaming, so TTFT is the P/D
 path, not queueing. Per request: TTFT, TPOT ((last - first token) / (n - 1))
 and the generated token ids, compared with the colocated ones (parity).
-Each setup's window also records the 1-minute load average, because the two
+The measuring window also records the 1-minute load average, because the two
 cores here are shared.
 
 MooncakeConnector calls ``torch.accelerator.current_device_index()``, which
@@ -39,7 +44,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,15 +54,43 @@ from ascend_offload.harness.servers import Server, free_port, stop_all, wait_hea
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
-LENGTHS = [50, 1500, 333, 97, 760, 1024, 64, 420, 1200, 150, 999, 77, 512, 1350, 240, 880, 55, 640, 1111, 300]
+LENGTHS = [
+    50,
+    1500,
+    333,
+    97,
+    760,
+    1024,
+    64,
+    420,
+    1200,
+    150,
+    999,
+    77,
+    512,
+    1350,
+    240,
+    880,
+    55,
+    640,
+    1111,
+    300,
+]
 PROMPT_SEED = 11
 WARMUP_LENGTHS = [64, 700, 200]
 STARTUP_S = 420.0
+# Pause before each interleaved block: vLLM's CPU workers busy-wait 1 s after their last message.
+SETTLE_S = 1.2
 REQUEST_TIMEOUT_S = 180.0
 SETUPS = ("colocated", "ours", "mooncake")
 # Lines meaning a KV load failed and vLLM recomputed (parity would then prove nothing).
-BAD_LOG = ("Recovered from KV load failure", "blocks failed to load", "Failed to connect to bootstrap",
-           "Traceback", "Timeout waiting for P side ready")
+BAD_LOG = (
+    "Recovered from KV load failure",
+    "blocks failed to load",
+    "Failed to connect to bootstrap",
+    "Traceback",
+    "Timeout waiting for P side ready",
+)
 
 # sitecustomize.py for the Mooncake servers' processes (API server, engine core, spawned worker).
 MOONCAKE_SITECUSTOMIZE = (
@@ -80,20 +113,45 @@ def _autogroup() -> str:
 
 
 @contextmanager
-def _cluster(setup: str, model: str, log_dir: Path,
-             startup_s: float) -> Iterator[tuple[str, str, list[Server]]]:
+def _cluster(
+    setup: str, model: str, log_dir: Path, startup_s: float
+) -> Iterator[tuple[str, str, list[Server]]]:
     """Start one setup's processes, yield (entry URL, generating engine URL, servers); always stop them all."""
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = ["--model", model, "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-            "--max-model-len", "4096", "--seed", "0", "--host", "127.0.0.1", "--no-enable-prefix-caching"]
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    args = [
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--enforce-eager",
+        "--max-model-len",
+        "4096",
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--no-enable-prefix-caching",
+    ]
     api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     servers: list[Server] = []
     try:
         if setup == "colocated":
             port = free_port()
-            servers.append(Server("colocated", [*api, "--port", str(port)],
-                                  dict(env, VLLM_CPU_OMP_THREADS_BIND="0"), log_dir))
+            servers.append(
+                Server(
+                    "colocated",
+                    [*api, "--port", str(port)],
+                    dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
+                    log_dir,
+                )
+            )
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
         elif setup == "ours":
@@ -101,21 +159,57 @@ def _cluster(setup: str, model: str, log_dir: Path,
             extra = {"ack_timeout_s": 20, "request_timeout_s": 10, "registration_timeout_s": 20}
 
             def kv(role: str, kv_port: int) -> str:
-                return json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": role, "kv_port": kv_port,
-                                   "kv_load_failure_policy": "recompute",
-                                   "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
-                                   "kv_connector_extra_config": extra})
+                return json.dumps(
+                    {
+                        "kv_connector": "SfaRemoteD2HConnector",
+                        "kv_role": role,
+                        "kv_port": kv_port,
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
+                        "kv_connector_extra_config": extra,
+                    }
+                )
 
-            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                              kv("kv_producer", p_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
-                                  log_dir))
-            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                             kv("kv_consumer", d_kv)], dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                                  log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
-                                            str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
-                                            str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                            str(d_port)], env, log_dir))
+            servers.append(
+                Server(
+                    "prefill",
+                    [*api, "--port", str(p_port), "--kv-transfer-config", kv("kv_producer", p_kv)],
+                    dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
+                    log_dir,
+                )
+            )
+            servers.append(
+                Server(
+                    "decode",
+                    [*api, "--port", str(d_port), "--kv-transfer-config", kv("kv_consumer", d_kv)],
+                    dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                    log_dir,
+                )
+            )
+            servers.append(
+                Server(
+                    "proxy",
+                    [
+                        sys.executable,
+                        "-m",
+                        "proxy.cli",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(proxy_port),
+                        "--prefiller-hosts",
+                        "127.0.0.1",
+                        "--prefiller-ports",
+                        str(p_port),
+                        "--decoder-hosts",
+                        "127.0.0.1",
+                        "--decoder-ports",
+                        str(d_port),
+                    ],
+                    env,
+                    log_dir,
+                )
+            )
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         elif setup == "mooncake":
@@ -127,24 +221,59 @@ def _cluster(setup: str, model: str, log_dir: Path,
             mc_env = dict(env, PYTHONPATH=str(patch_dir) + os.pathsep + env["PYTHONPATH"])
 
             def mc(role: str) -> str:
-                cfg: dict[str, Any] = {"kv_connector": "MooncakeConnector", "kv_role": role,
-                                       "kv_load_failure_policy": "recompute",
-                                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+                cfg: dict[str, Any] = {
+                    "kv_connector": "MooncakeConnector",
+                    "kv_role": role,
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+                }
                 if role == "kv_producer":
                     cfg["engine_id"] = engine_id
                 return json.dumps(cfg)
 
-            servers.append(Server("prefill", [*api, "--port", str(p_port), "--kv-transfer-config",
-                                              mc("kv_producer")],
-                                  dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="0", VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot)),
-                                  log_dir))
-            servers.append(Server("decode", [*api, "--port", str(d_port), "--kv-transfer-config",
-                                             mc("kv_consumer")], dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                                  log_dir))
-            servers.append(Server("proxy", [sys.executable, "-m", "ascend_offload.bench.e2e_pd", "--mooncake-proxy",
-                                            "--port", str(proxy_port), "--prefill", f"http://127.0.0.1:{p_port}",
-                                            "--decode", f"http://127.0.0.1:{d_port}", "--engine-id", engine_id,
-                                            "--bootstrap", f"http://127.0.0.1:{boot}"], env, log_dir))
+            servers.append(
+                Server(
+                    "prefill",
+                    [*api, "--port", str(p_port), "--kv-transfer-config", mc("kv_producer")],
+                    dict(
+                        mc_env,
+                        VLLM_CPU_OMP_THREADS_BIND="0",
+                        VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot),
+                    ),
+                    log_dir,
+                )
+            )
+            servers.append(
+                Server(
+                    "decode",
+                    [*api, "--port", str(d_port), "--kv-transfer-config", mc("kv_consumer")],
+                    dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"),
+                    log_dir,
+                )
+            )
+            servers.append(
+                Server(
+                    "proxy",
+                    [
+                        sys.executable,
+                        "-m",
+                        "ascend_offload.bench.e2e_pd",
+                        "--mooncake-proxy",
+                        "--port",
+                        str(proxy_port),
+                        "--prefill",
+                        f"http://127.0.0.1:{p_port}",
+                        "--decode",
+                        f"http://127.0.0.1:{d_port}",
+                        "--engine-id",
+                        engine_id,
+                        "--bootstrap",
+                        f"http://127.0.0.1:{boot}",
+                    ],
+                    env,
+                    log_dir,
+                )
+            )
             entry, ports = f"http://127.0.0.1:{proxy_port}", [p_port, d_port, proxy_port]
             engine = f"http://127.0.0.1:{d_port}"
         else:
@@ -160,7 +289,9 @@ def _cluster(setup: str, model: str, log_dir: Path,
 # ---------------------------------------------------------------------- Mooncake toy proxy
 
 
-def _serve_mooncake_proxy(port: int, prefill: str, decode: str, engine_id: str, bootstrap: str) -> int:
+def _serve_mooncake_proxy(
+    port: int, prefill: str, decode: str, engine_id: str, bootstrap: str
+) -> int:
     """Minimal P/D proxy for MooncakeConnector: concurrent prefill (max_tokens 1) and decode, relay decode."""
     import aiohttp
     from aiohttp import web
@@ -186,18 +317,35 @@ def _serve_mooncake_proxy(port: int, prefill: str, decode: str, engine_id: str, 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         tid = uuid.uuid4().hex
-        p_body = dict(body, max_tokens=1, stream=False,
-                      kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+        p_body = dict(
+            body,
+            max_tokens=1,
+            stream=False,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": tid,
+            },
+        )
         for k in ("stream_options", "min_tokens"):
             p_body.pop(k, None)
-        d_body = dict(body, kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": False,
-                                                "remote_engine_id": engine_id, "remote_bootstrap_addr": bootstrap,
-                                                "transfer_id": tid})
+        d_body = dict(
+            body,
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": engine_id,
+                "remote_bootstrap_addr": bootstrap,
+                "transfer_id": tid,
+            },
+        )
         p_task = asyncio.create_task(prefill_call(p_body))
         try:
             async with state["s"].post(f"{decode}/v1/completions", json=d_body) as r:
-                resp = web.StreamResponse(status=r.status, headers={
-                    "Content-Type": r.headers.get("Content-Type", "application/json")})
+                resp = web.StreamResponse(
+                    status=r.status,
+                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")},
+                )
                 await resp.prepare(request)
                 async for chunk in r.content.iter_any():
                     await resp.write(chunk)
@@ -242,7 +390,9 @@ def _stream_one(client: Any, url: str, body: dict[str, Any]) -> Result:
     first = last = None
     n_chunks = 0
     try:
-        with client.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        with client.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+        ) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {r.read()[:300]!r}"
                 return res
@@ -273,7 +423,9 @@ def _stream_one(client: Any, url: str, body: dict[str, Any]) -> Result:
         return res
     res.ttft_ms = (first - t0) * 1e3
     if n_chunks > 1 and last is not None:
-        res.tpot_ms = (last - first) * 1e3 / (len(res.tokens) - 1 if len(res.tokens) > 1 else n_chunks - 1)
+        res.tpot_ms = (
+            (last - first) * 1e3 / (len(res.tokens) - 1 if len(res.tokens) > 1 else n_chunks - 1)
+        )
     return res
 
 
@@ -287,8 +439,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
 
 
 def _prompt_sources(client: Any, engine: str) -> dict[str, float]:
@@ -299,7 +458,12 @@ def _prompt_sources(client: Any, engine: str) -> dict[str, float]:
     except Exception:  # metrics are evidence, not a reason to fail the run
         return out
     for line in text.splitlines():
-        if line.startswith(("vllm:prompt_tokens_by_source{", "vllm:prompt_tokens_by_source_total{")) and 'source="' in line:
+        if (
+            line.startswith(
+                ("vllm:prompt_tokens_by_source{", "vllm:prompt_tokens_by_source_total{")
+            )
+            and 'source="' in line
+        ):
             src = line.split('source="', 1)[1].split('"', 1)[0]
             out[src] = out.get(src, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -309,39 +473,10 @@ def _loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def run_setup(setup: str, model: str, prompts: list[list[int]], warmup: list[list[int]], output_tokens: int,
-              log_dir: Path, startup_s: float, rounds: int = 1) -> dict[str, Any]:
-    """Start one setup, warm it up, send every prompt ``rounds`` times (concurrency 1), tear it down."""
-    import httpx
-
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"setup": setup}
-    with _cluster(setup, model, log_dir, startup_s) as (url, engine, servers):
-        out["startup_s"] = round(time.monotonic() - t0, 1)
-        sizes = {s.name: len(s.text()) for s in servers}
-        with httpx.Client() as client:
-            for p in warmup:
-                w = _stream_one(client, url, _body(model, p, output_tokens))
-                if w.error:
-                    raise RuntimeError(f"{setup}: warm-up request failed: {w.error}")
-            before = _prompt_sources(client, engine)
-            out["loadavg_start"] = _loadavg()
-            results = []
-            for rnd in range(rounds):
-                for i, p in enumerate(prompts):
-                    r = _stream_one(client, url, _body(model, p, output_tokens))
-                    r.prompt, r.round = i, rnd
-                    results.append(r)
-            out["loadavg_end"] = _loadavg()
-            after = _prompt_sources(client, engine)
-        # Prompt tokens of the measured requests on the generating engine, by where they came from.
-        out["engine_prompt_tokens"] = {k: after[k] - before.get(k, 0.0) for k in after}
-        bad = [f"{s.name}: {line.strip()[:200]}" for s in servers for line in s.text()[sizes[s.name]:].splitlines()
-               if any(b in line for b in BAD_LOG)]
+def _summarise(out: dict[str, Any], results: list[Result]) -> None:
+    """Per-setup figures from its requests: errors, TTFT/TPOT percentiles, best-of-rounds TTFT."""
     out["requests"] = [asdict(r) for r in results]
     out["errors"] = sum(r.error is not None for r in results)
-    out["bad_log_lines"] = bad[:20]
-    out["bad_log_count"] = len(bad)
     ttft = [r.ttft_ms for r in results if r.error is None]
     tpot = [r.tpot_ms for r in results if r.error is None]
     out["ttft_ms"] = {"median": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)}
@@ -351,8 +486,93 @@ def run_setup(setup: str, model: str, prompts: list[list[int]], warmup: list[lis
     for r in results:
         if r.error is None:
             best[r.prompt] = min(best.get(r.prompt, float("inf")), r.ttft_ms)
-    out["ttft_best_of_rounds_ms"] = {"median": _pct(list(best.values()), 0.5), "p90": _pct(list(best.values()), 0.9)}
-    return out
+    out["ttft_best_of_rounds_ms"] = {
+        "median": _pct(list(best.values()), 0.5),
+        "p90": _pct(list(best.values()), 0.9),
+    }
+
+
+def block_order(setups: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, setup) blocks in measuring order: every round visits each setup once, the
+    order rotated by one setup per round, so no setup always follows the same one."""
+    return [
+        (rnd, setups[(rnd + k) % len(setups)]) for rnd in range(rounds) for k in range(len(setups))
+    ]
+
+
+def run_interleaved(
+    setups: list[str],
+    model: str,
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    output_tokens: int,
+    log_root: Path,
+    startup_s: float,
+    rounds: int = 1,
+    settle_s: float = SETTLE_S,
+) -> dict[str, dict[str, Any]]:
+    """Start every setup in ``setups`` at once, warm each up, then measure them interleaved.
+
+    The prompt set is sent ``rounds`` times per setup (concurrency 1) in blocks of one
+    round of one setup, ordered by :func:`block_order`; before each block the bench
+    waits ``settle_s`` so the previous block's vLLM workers, which busy-wait 1 s after
+    their last message, are idle again. Every setup is then measured under the same
+    machine conditions, minute by minute. All servers are stopped at the end.
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    outs: dict[str, dict[str, Any]] = {s: {"setup": s} for s in setups}
+    live: dict[str, tuple[str, str, list[Server]]] = {}
+    with ExitStack() as stack, httpx.Client() as client:
+        for s in setups:
+            d = log_root / s
+            d.mkdir(parents=True, exist_ok=True)
+            print(
+                f"[e2e-pd] {s}: starting (logs in {d}), load1 {_loadavg()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            live[s] = stack.enter_context(_cluster(s, model, d, startup_s))
+        startup = round(time.monotonic() - t0, 1)
+        sizes: dict[str, dict[str, int]] = {}
+        before: dict[str, dict[str, float]] = {}
+        for s, (url, engine, servers) in live.items():
+            outs[s]["startup_s"] = startup
+            sizes[s] = {sv.name: len(sv.text()) for sv in servers}
+            for p in warmup:
+                w = _stream_one(client, url, _body(model, p, output_tokens))
+                if w.error:
+                    raise RuntimeError(f"{s}: warm-up request failed: {w.error}")
+            before[s] = _prompt_sources(client, engine)
+        load_start = _loadavg()
+        results: dict[str, list[Result]] = {s: [] for s in setups}
+        for rnd, s in block_order(setups, rounds):
+            if len(setups) > 1:
+                time.sleep(settle_s)
+            url = live[s][0]
+            for i, p in enumerate(prompts):
+                r = _stream_one(client, url, _body(model, p, output_tokens))
+                r.prompt, r.round = i, rnd
+                results[s].append(r)
+        load_end = _loadavg()
+        for s, (_url, engine, servers) in live.items():
+            out = outs[s]
+            out["loadavg_start"], out["loadavg_end"] = load_start, load_end
+            after = _prompt_sources(client, engine)
+            # Prompt tokens of the measured requests on the generating engine, by where they came from.
+            out["engine_prompt_tokens"] = {k: after[k] - before[s].get(k, 0.0) for k in after}
+            bad = [
+                f"{sv.name}: {line.strip()[:200]}"
+                for sv in servers
+                for line in sv.text()[sizes[s][sv.name] :].splitlines()
+                if any(b in line for b in BAD_LOG)
+            ]
+            out["bad_log_lines"] = bad[:20]
+            out["bad_log_count"] = len(bad)
+    for s in setups:
+        _summarise(outs[s], results[s])
+    return outs
 
 
 def _ratio(a: float, b: float) -> float:
@@ -361,25 +581,40 @@ def _ratio(a: float, b: float) -> float:
 
 def report(res: dict[str, Any]) -> str:
     """Human table: latency, parity, load; then ratios."""
-    rows = [f"{'setup':<10} {'TTFT med':>9} {'TTFT p90':>9} {'TPOT med':>9} {'TPOT p90':>9} {'parity':>7} "
-            f"{'errors':>6} {'badlog':>6} {'load1':>11} {'best med':>9}"]
+    rows = [
+        f"{'setup':<10} {'TTFT med':>9} {'TTFT p90':>9} {'TPOT med':>9} {'TPOT p90':>9} {'parity':>7} "
+        f"{'errors':>6} {'badlog':>6} {'load1':>11} {'best med':>9}"
+    ]
     for name, s in res["setups"].items():
-        rows.append(f"{name:<10} {s['ttft_ms']['median']:>9.1f} {s['ttft_ms']['p90']:>9.1f} "
-                    f"{s['tpot_ms']['median']:>9.2f} {s['tpot_ms']['p90']:>9.2f} {s.get('parity', '-'):>7} "
-                    f"{s['errors']:>6} {s['bad_log_count']:>6} "
-                    f"{s['loadavg_start']:>5.2f}-{s['loadavg_end']:<5.2f} "
-                    f"{s.get('ttft_best_of_rounds_ms', {}).get('median', float('nan')):>9.1f}")
-    rows.append("(ms; TPOT = (last - first token) / (n - 1); load1 = 1-min load average at start-end of measuring;"
-                " best med = median over prompts of each prompt's fastest TTFT across --rounds)")
+        rows.append(
+            f"{name:<10} {s['ttft_ms']['median']:>9.1f} {s['ttft_ms']['p90']:>9.1f} "
+            f"{s['tpot_ms']['median']:>9.2f} {s['tpot_ms']['p90']:>9.2f} {s.get('parity', '-'):>7} "
+            f"{s['errors']:>6} {s['bad_log_count']:>6} "
+            f"{s['loadavg_start']:>5.2f}-{s['loadavg_end']:<5.2f} "
+            f"{s.get('ttft_best_of_rounds_ms', {}).get('median', float('nan')):>9.1f}"
+        )
+    rows.append(
+        "(ms; TPOT = (last - first token) / (n - 1); load1 = 1-min load average at start-end of measuring;"
+        " best med = median over prompts of each prompt's fastest TTFT across --rounds)"
+    )
+    if res.get("interleaved_setups"):
+        rows.append(
+            f"interleaved: {', '.join(res['interleaved_setups'])} up together, rounds alternated "
+            f"({' '.join(res.get('block_order', []))})"
+        )
     for name, s in res["setups"].items():
         src = s.get("engine_prompt_tokens", {})
-        rows.append(f"{name}: generating engine's prompt tokens by source: "
-                    + ", ".join(f"{k} {int(v)}" for k, v in sorted(src.items())))
+        rows.append(
+            f"{name}: generating engine's prompt tokens by source: "
+            + ", ".join(f"{k} {int(v)}" for k, v in sorted(src.items()))
+        )
     for k, v in res["ratios"].items():
         rows.append(f"{k:<40} {v:6.2f}")
     if "target_ttft_ours_le_mooncake" in res:
-        rows.append(f"target (our median TTFT <= MooncakeConnector's): "
-                    f"{'met' if res['target_ttft_ours_le_mooncake'] else 'NOT met'}")
+        rows.append(
+            f"target (our median TTFT <= MooncakeConnector's): "
+            f"{'met' if res['target_ttft_ours_le_mooncake'] else 'NOT met'}"
+        )
     return "\n".join(rows)
 
 
@@ -394,60 +629,112 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = str(make_tiny_llama(cache / "tiny-llama-4l", num_layers=4))
     prompts = random_prompts(args.prompts, LENGTHS, seed=PROMPT_SEED)
     warmup = random_prompts(len(WARMUP_LENGTHS), WARMUP_LENGTHS, seed=PROMPT_SEED + 1000)
-    log_root = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-pd-"))
+    log_root = (
+        Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-pd-"))
+    )
     res: dict[str, Any] = {
-        "config": {"model": "tiny-llama 4 layers, hidden 128, float32", "block_size": BLOCK_SIZE,
-                   "prompts": args.prompts, "prompt_lengths": [len(p) for p in prompts], "prompt_seed": PROMPT_SEED,
-                   "output_tokens": args.output_tokens, "rounds": args.rounds, "concurrency": 1, "warmup_requests": len(warmup),
-                   "cpus": os.cpu_count(), "log_dir": str(log_root),
-                   "sched_autogroup_enabled": _autogroup(), "servers_session": "the bench's own"},
+        "config": {
+            "model": "tiny-llama 4 layers, hidden 128, float32",
+            "block_size": BLOCK_SIZE,
+            "prompts": args.prompts,
+            "prompt_lengths": [len(p) for p in prompts],
+            "prompt_seed": PROMPT_SEED,
+            "output_tokens": args.output_tokens,
+            "rounds": args.rounds,
+            "concurrency": 1,
+            "warmup_requests": len(warmup),
+            "cpus": os.cpu_count(),
+            "log_dir": str(log_root),
+            "sched_autogroup_enabled": _autogroup(),
+            "servers_session": "the bench's own",
+            "settle_s": SETTLE_S,
+        },
+        # The P/D setups run at the same time, their rounds alternated (block_order); the
+        # colocated reference runs alone before them.
+        "interleaved": True,
+        "interleaved_setups": [s for s in setups if s != "colocated"],
+        "block_order": [
+            f"{s}#{r}" for r, s in block_order([s for s in setups if s != "colocated"], args.rounds)
+        ],
         "setups": {},
     }
-    for s in setups:
-        d = log_root / s
-        d.mkdir(parents=True, exist_ok=True)
-        print(f"[e2e-pd] {s}: starting (logs in {d}), load1 {_loadavg()}", file=sys.stderr, flush=True)
-        res["setups"][s] = run_setup(s, model, prompts, warmup, args.output_tokens, d, args.startup_s, args.rounds)
-        r = res["setups"][s]
-        print(f"[e2e-pd] {s}: TTFT median {r['ttft_ms']['median']:.1f} ms, errors {r['errors']}",
-              file=sys.stderr, flush=True)
+    # The colocated reference alone first, then the P/D setups up together and interleaved.
+    groups = [[s] for s in setups if s == "colocated"] + [[s for s in setups if s != "colocated"]]
+    for group in (g for g in groups if g):
+        got = run_interleaved(
+            group, model, prompts, warmup, args.output_tokens, log_root, args.startup_s, args.rounds
+        )
+        for s in group:
+            res["setups"][s] = got[s]
+            print(
+                f"[e2e-pd] {s}: TTFT median {got[s]['ttft_ms']['median']:.1f} ms, errors {got[s]['errors']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    res["setups"] = {s: res["setups"][s] for s in setups}
     base = res["setups"].get("colocated")
     for s in res["setups"].values():
         if base is None:
             continue
         # Every request (any round) against the colocated first-round answer to the same prompt.
         ref = {r["prompt"]: r["tokens"] for r in base["requests"] if r["round"] == 0}
-        bad = [(r["round"], r["prompt"]) for r in s["requests"] if not ref[r["prompt"]] or r["tokens"] != ref[r["prompt"]]]
+        bad = [
+            (r["round"], r["prompt"])
+            for r in s["requests"]
+            if not ref[r["prompt"]] or r["tokens"] != ref[r["prompt"]]
+        ]
         s["parity"] = f"{len(s['requests']) - len(bad)}/{len(s['requests'])}"
         s["parity_mismatch"] = bad
     st = res["setups"]
     ratios: dict[str, float] = {}
     for name in ("ours", "mooncake"):
         if name in st and "colocated" in st:
-            ratios[f"{name}/colocated TTFT median"] = _ratio(st[name]["ttft_ms"]["median"],
-                                                             st["colocated"]["ttft_ms"]["median"])
-            ratios[f"{name}/colocated TPOT median"] = _ratio(st[name]["tpot_ms"]["median"],
-                                                             st["colocated"]["tpot_ms"]["median"])
+            ratios[f"{name}/colocated TTFT median"] = _ratio(
+                st[name]["ttft_ms"]["median"], st["colocated"]["ttft_ms"]["median"]
+            )
+            ratios[f"{name}/colocated TPOT median"] = _ratio(
+                st[name]["tpot_ms"]["median"], st["colocated"]["tpot_ms"]["median"]
+            )
     if "ours" in st and "mooncake" in st:
         for m in ("ttft_ms", "tpot_ms"):
             for q in ("median", "p90"):
-                ratios[f"ours/mooncake {m[:4].upper()} {q}"] = _ratio(st["ours"][m][q], st["mooncake"][m][q])
+                ratios[f"ours/mooncake {m[:4].upper()} {q}"] = _ratio(
+                    st["ours"][m][q], st["mooncake"][m][q]
+                )
         ratios["ours/mooncake TTFT best-of-rounds median"] = _ratio(
-            st["ours"]["ttft_best_of_rounds_ms"]["median"], st["mooncake"]["ttft_best_of_rounds_ms"]["median"])
-        res["target_ttft_ours_le_mooncake"] = bool(st["ours"]["ttft_ms"]["median"]
-                                                   <= st["mooncake"]["ttft_ms"]["median"])
+            st["ours"]["ttft_best_of_rounds_ms"]["median"],
+            st["mooncake"]["ttft_best_of_rounds_ms"]["median"],
+        )
+        res["target_ttft_ours_le_mooncake"] = bool(
+            st["ours"]["ttft_ms"]["median"] <= st["mooncake"]["ttft_ms"]["median"]
+        )
     res["ratios"] = ratios
     return res
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ascend-offload bench e2e-pd", description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=20, help="number of prompts (lengths cycle over 50-1500)")
+    p = argparse.ArgumentParser(
+        prog="ascend-offload bench e2e-pd", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--prompts", type=int, default=20, help="number of prompts (lengths cycle over 50-1500)"
+    )
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="send the prompt set this many times per setup (more samples on a noisy machine)")
-    p.add_argument("--setups", default=",".join(SETUPS), help="comma list of colocated,ours,mooncake")
-    p.add_argument("--startup-s", type=float, default=STARTUP_S, help="deadline for one setup's servers to be up")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="send the prompt set this many times per setup; the P/D setups alternate round by round",
+    )
+    p.add_argument(
+        "--setups", default=",".join(SETUPS), help="comma list of colocated,ours,mooncake"
+    )
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=STARTUP_S,
+        help="deadline for the servers started together to be up",
+    )
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
     p.add_argument("--json", default=None, help="write the results here")
     # Internal: the Mooncake toy proxy runs as its own process, like our proxy.
@@ -463,15 +750,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.mooncake_proxy:
-        return _serve_mooncake_proxy(args.port, args.prefill, args.decode, args.engine_id, args.bootstrap)
+        return _serve_mooncake_proxy(
+            args.port, args.prefill, args.decode, args.engine_id, args.bootstrap
+        )
     if args.prompts < 1 or args.output_tokens < 2 or args.rounds < 1:
         print("--prompts and --rounds must be >= 1, --output-tokens >= 2", file=sys.stderr)
         return 2
     res = run_server_bench("e2e-pd", lambda: run(args), report, args.json)
     if isinstance(res, int):
         return res
-    bad = any(s.get("parity", "").split("/")[0] != s.get("parity", "").split("/")[-1] or s["errors"]
-              for s in res["setups"].values())
+    bad = any(
+        s.get("parity", "").split("/")[0] != s.get("parity", "").split("/")[-1] or s["errors"]
+        for s in res["setups"].values()
+    )
     return 1 if bad else 0
 
 

@@ -77,10 +77,25 @@ def _serve(kind: str) -> ThreadingHTTPServer:
 def test_mooncake_proxy_flow_and_client_timing() -> None:
     pre, dec = _serve("prefill"), _serve("decode")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ascend_offload.bench.e2e_pd", "--mooncake-proxy", "--port",
-                             str(port), "--prefill", f"http://127.0.0.1:{pre.server_port}", "--decode",
-                             f"http://127.0.0.1:{dec.server_port}", "--engine-id", "eng-p", "--bootstrap",
-                             "http://127.0.0.1:1234"], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ascend_offload.bench.e2e_pd",
+            "--mooncake-proxy",
+            "--port",
+            str(port),
+            "--prefill",
+            f"http://127.0.0.1:{pre.server_port}",
+            "--decode",
+            f"http://127.0.0.1:{dec.server_port}",
+            "--engine-id",
+            "eng-p",
+            "--bootstrap",
+            "http://127.0.0.1:1234",
+        ],
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -93,12 +108,16 @@ def test_mooncake_proxy_flow_and_client_timing() -> None:
             assert proc.poll() is None, "toy proxy exited"
             time.sleep(0.2)
         with httpx.Client() as client:
-            res = e2e_pd._stream_one(client, f"http://127.0.0.1:{port}", e2e_pd._body("m", [3, 4, 5], 3))
+            res = e2e_pd._stream_one(
+                client, f"http://127.0.0.1:{port}", e2e_pd._body("m", [3, 4, 5], 3)
+            )
         assert res.error is None, res.error
         assert res.tokens == [7, 8, 9]
         assert res.ttft_ms > 0 and res.tpot_ms > 0
         # Per-chunk arrival times (for per-request timelines): one per token chunk, in order.
-        assert len(res.chunk_ms) == 3 and res.chunk_ms == sorted(res.chunk_ms) and res.start_unix > 0
+        assert (
+            len(res.chunk_ms) == 3 and res.chunk_ms == sorted(res.chunk_ms) and res.start_unix > 0
+        )
         deadline = time.monotonic() + 10
         while not pre.seen and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.05)
@@ -119,8 +138,33 @@ def test_mooncake_proxy_flow_and_client_timing() -> None:
 
 def test_percentile_and_report() -> None:
     assert e2e_pd._pct([3.0, 1.0, 2.0, float("nan")], 0.5) == 2.0
-    s = {"ttft_ms": {"median": 1.0, "p90": 2.0}, "tpot_ms": {"median": 0.5, "p90": 0.6}, "parity": "1/1",
-         "errors": 0, "bad_log_count": 0, "loadavg_start": 1.0, "loadavg_end": 1.5}
-    text = e2e_pd.report({"setups": {"ours": s}, "ratios": {"ours/mooncake TTFT median": 0.9},
-                          "target_ttft_ours_le_mooncake": True})
+    s = {
+        "ttft_ms": {"median": 1.0, "p90": 2.0},
+        "tpot_ms": {"median": 0.5, "p90": 0.6},
+        "parity": "1/1",
+        "errors": 0,
+        "bad_log_count": 0,
+        "loadavg_start": 1.0,
+        "loadavg_end": 1.5,
+    }
+    text = e2e_pd.report(
+        {
+            "setups": {"ours": s},
+            "ratios": {"ours/mooncake TTFT median": 0.9},
+            "target_ttft_ours_le_mooncake": True,
+        }
+    )
     assert "ours" in text and "met" in text
+
+
+def test_block_order_alternates_rounds() -> None:
+    # Every round visits each setup once; the first setup of a round rotates.
+    assert e2e_pd.block_order(["ours", "mooncake"], 3) == [
+        (0, "ours"),
+        (0, "mooncake"),
+        (1, "mooncake"),
+        (1, "ours"),
+        (2, "ours"),
+        (2, "mooncake"),
+    ]
+    assert e2e_pd.block_order(["colocated"], 2) == [(0, "colocated"), (1, "colocated")]
