@@ -56,7 +56,9 @@ def _nested_schema(annotation: Any) -> type[BaseModel] | None:
     """The schema a field holds (``X`` or ``X | None``), or None for a plain value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    models = [
+        a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)
+    ]
     return models[0] if len(models) == 1 else None
 
 
@@ -85,9 +87,15 @@ def _accepted(model: type[BaseModel], key: str) -> str:
     literal_args = [a for a in args if typing.get_origin(a) is Literal]
     if literal_args:
         vals = [repr(v) for a in literal_args for v in typing.get_args(a)]
-        return "one of: " + ", ".join(vals) + " (or " + " | ".join(
-            getattr(a, "__name__", str(a)) for a in args if typing.get_origin(a) is not Literal
-        ) + ")"
+        return (
+            "one of: "
+            + ", ".join(vals)
+            + " (or "
+            + " | ".join(
+                getattr(a, "__name__", str(a)) for a in args if typing.get_origin(a) is not Literal
+            )
+            + ")"
+        )
     name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
     constraints = ", ".join(str(m) for m in field.metadata)
     return f"{name}" + (f" with {constraints}" if constraints else "")
@@ -190,8 +198,15 @@ class MemcacheStoreConfig(_Strict):
     # tcp://host:port of its config store (ock.mmc.local_service.config_store_url).
     config_store_url: str = "tcp://127.0.0.1:6000"
     # ock.mmc.local_service.protocol: how bytes move between clients' pooled memory.
-    protocol: Literal["device_sdma", "device_rdma", "device_urma", "host_rdma", "host_tcp",
-                      "host_shm", "host_urma"] = "device_sdma"
+    protocol: Literal[
+        "device_sdma",
+        "device_rdma",
+        "device_urma",
+        "host_rdma",
+        "host_tcp",
+        "host_shm",
+        "host_urma",
+    ] = "device_sdma"
     # Pooled memory this client contributes (memcache size strings: "1GB", "512MB", "0").
     dram_size: str = Field("1GB", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
     hbm_size: str = Field("0", pattern=r"^\d+(\.\d+)?\s*([KMGTkmgt][Bb]?)?$")
@@ -210,8 +225,10 @@ class MemcacheStoreConfig(_Strict):
         if v == "" and info.field_name == "meta_service_url":
             return v
         if not _TCP_URL.fullmatch(v) or not 0 < int(v.rsplit(":", 1)[1]) < 65536:
-            raise ValueError("must be tcp://host:port (a host name, IPv4 address or "
-                             "[IPv6] address, and a port 1-65535)")
+            raise ValueError(
+                "must be tcp://host:port (a host name, IPv4 address or "
+                "[IPv6] address, and a port 1-65535)"
+            )
         return v
 
 
@@ -274,7 +291,9 @@ def check_store_backend(cfg: StoreConnectorConfig) -> None:
             "local backend's; the shared tier already holds what the host pages lose)"
         )
     if cfg.local.ssd is not None and cfg.use_layerwise:
-        raise ConfigError("key 'local.ssd' is not supported with use_layerwise=True (whole-prefix mode only)")
+        raise ConfigError(
+            "key 'local.ssd' is not supported with use_layerwise=True (whole-prefix mode only)"
+        )
 
 
 # --------------------------------------------------------------------------- sparse
@@ -321,16 +340,20 @@ class SparseOffloadConfig(_Strict):
         # Both residency tables refuse more when they are built (host: the native table
         # and its torch twin; device: the same limit), i.e. at the engine's first step.
         if v > MAX_TOPK_BUFFER_SIZE:
-            raise ValueError(f"must be <= {MAX_TOPK_BUFFER_SIZE} (the residency tables' limit: "
-                             "the host table packs a hot-buffer slot into 16 bits)")
+            raise ValueError(
+                f"must be <= {MAX_TOPK_BUFFER_SIZE} (the residency tables' limit: "
+                "the host table packs a hot-buffer slot into 16 bits)"
+            )
         return v
 
     @field_validator("residency_backend")
     @classmethod
     def _device_is_lru(cls, v: str, info: ValidationInfo) -> str:
         if v == "device" and info.data.get("residency_policy", "lru") != "lru":
-            raise ValueError("the device residency implements exact LRU only; use "
-                             "residency_policy 'lru' with it, or residency_backend 'host'")
+            raise ValueError(
+                "the device residency implements exact LRU only; use "
+                "residency_policy 'lru' with it, or residency_backend 'host'"
+            )
         return v
 
     def check_against(self, *, block_size: int, index_topk: int | None = None) -> None:
@@ -378,7 +401,11 @@ def parse_faults(spec: str) -> list[Fault | None]:
             continue
         body, _, blocks = part.partition("@")
         kind, _, layer = body.partition(":")
-        if kind not in ("drop", "invalid") or not layer.isdigit() or (blocks and not blocks.isdigit()):
+        if (
+            kind not in ("drop", "invalid")
+            or not layer.isdigit()
+            or (blocks and not blocks.isdigit())
+        ):
             raise ValueError(
                 f"fault spec {part!r} in {spec!r} (accepted: none, drop:<layer>[@<blocks>], "
                 "invalid:<layer>[@<blocks>])"
@@ -424,6 +451,11 @@ class RemoteD2HConfig(_Strict):
     registration_timeout_s: float = _timeout(30.0)
     registration_retries: int = Field(5, ge=0)
     read_retries: int = Field(1, ge=0)
+    # Decode: in a step that computes nothing while pulls are in flight, the worker waits
+    # up to this long for a pull to end (woken the moment one does) instead of returning
+    # at once; vLLM would otherwise run ~1000 empty steps a second only to poll for the
+    # KV, taking CPU from the prefill and the request path. 0: poll every step.
+    idle_wait_ms: float = Field(2.0, ge=0, le=50)
     # Control plane (decode's ZMQ ROUTER). A file holding a shared secret: peers without it
     # cannot connect (CURVE keys derived from it); empty = no authentication (loopback/trusted net).
     control_secret_file: str = ""

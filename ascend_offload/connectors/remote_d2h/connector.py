@@ -66,8 +66,12 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     STATS = RD2HConnectorStats
     PROM = RD2HPromMetrics
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         # vLLM types kv_cache_config as required but stores it as given; None where an
         # engine builds no KV cache config (role checks, refused configs)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
@@ -78,7 +82,8 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         self.sparse_settings: SparseDecodeSettings | None = None
         if self.settings.sparse and self.settings.is_consumer:
             self.sparse_settings = SparseDecodeSettings.from_vllm(
-                vllm_config, self.cfg.sparse_offload, kv_cache_config)
+                vllm_config, self.cfg.sparse_offload, kv_cache_config
+            )
         self.is_producer = self.settings.is_producer
         self.is_consumer = self.settings.is_consumer
         self.scheduler: RemoteD2HScheduler | None = None
@@ -88,8 +93,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         self._prepared: KVConnectorMetadata | None = None
         self._deltas = CounterDeltas(RD2HConnectorStats)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = RemoteD2HScheduler(self.settings, self.sparse_settings,
-                                                vllm_config.kv_transfer_config)
+            self.scheduler = RemoteD2HScheduler(
+                self.settings, self.sparse_settings, vllm_config.kv_transfer_config
+            )
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -124,16 +130,22 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         this step, so vLLM waits instead of preempting."""
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -164,11 +176,19 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         device_id = (first.device.index or 0) if first is not None else 0
         if self.decode is not None and self.sparse_settings is not None:
             layers = self.decode.pool_layers(kv_caches, pairs, num_blocks)
-            self._region = open_region(layers, self.cfg, self.settings.host,
-                                       is_producer=is_producer, device_id=device_id)
+            self._region = open_region(
+                layers, self.cfg, self.settings.host, is_producer=is_producer, device_id=device_id
+            )
         else:  # vLLM's KV, in place or staged through host memory (kv_region)
-            self._region = open_kv_region(kv_caches, pairs, num_blocks, self.cfg, self.settings.host,
-                                          is_producer=is_producer, device_id=device_id)
+            self._region = open_kv_region(
+                kv_caches,
+                pairs,
+                num_blocks,
+                self.cfg,
+                self.settings.host,
+                is_producer=is_producer,
+                device_id=device_id,
+            )
         if self.decode is not None:
             self.decode.start(self._region)
         if self.prefill is not None:
@@ -209,7 +229,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         # arrived); this hook only makes sure the step's metadata is applied.
         self._prepare()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         self._prepare()
         if self.prefill is not None:
             self.prefill.save_kv_layer(layer_name)
@@ -225,7 +247,11 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         sending: set[str] = set()
         recving: set[str] = set()
         if self.decode is not None:
-            sending, recving = self.decode.get_finished(finished_req_ids)
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            idle = isinstance(meta, RemoteD2HMetadata) and meta.idle
+            sending, recving = self.decode.get_finished(
+                finished_req_ids, wait_s=self.cfg.idle_wait_ms / 1000 if idle else 0.0
+            )
         if self.prefill is not None:
             sending |= self.prefill.get_finished(finished_req_ids)
         return (sending or None), (recving or None)
@@ -242,19 +268,23 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         sparse = self.decode.sparse if self.decode is not None else None
         if sparse is not None:
             totals.update({f"sparse_{k}": v for k, v in sparse.decode.counters().items()})
-            gauges.update({f"sparse_{k}": v for k, v in
-                           {**sparse.decode.gauges(), **sparse.device_kv_gauges()}.items()})
+            gauges.update(
+                {
+                    f"sparse_{k}": v
+                    for k, v in {**sparse.decode.gauges(), **sparse.device_kv_gauges()}.items()
+                }
+            )
         out = self._deltas.take(totals, gauges) if totals or gauges else None
         assert out is None or isinstance(out, RD2HConnectorStats)
         return out
-
 
     # ======================================================================= sparse decode adapter
     # (the model's attention finds the active connector; see sparse/adapter.py)
 
     def _sparse(self) -> ColocatedSparseDecode:
-        assert self.decode is not None and self.decode.sparse is not None, \
+        assert self.decode is not None and self.decode.sparse is not None, (
             f"{NAME}: sparse decode call without sparse offload on this decode"
+        )
         self._prepare()
         return self.decode.sparse.decode
 
@@ -275,8 +305,9 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     def hot_buffer(self, layer: int) -> torch.Tensor:
         return self._sparse().hot_buffer(layer)
 
-    def context_rows(self, layer: int, batch_index: int, positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_rows(
+        self, layer: int, batch_index: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._sparse().context_rows(layer, batch_index, positions)
 
     # ======================================================================= load errors

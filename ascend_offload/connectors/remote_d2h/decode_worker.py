@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -63,11 +64,13 @@ def _loopback(host: str) -> bool:
 #: Request ids remembered as reported, to drop a second outcome (a few minutes of traffic).
 MAX_REPORTED = 1 << 16
 
+
 class DecodeWorker:
     """Decode state of one rank: the consumer, and with sparse offload the pool's worker."""
 
-    def __init__(self, settings: Settings, tp_rank: int, *,
-                 sparse: SparseDecodeSettings | None = None) -> None:
+    def __init__(
+        self, settings: Settings, tp_rank: int, *, sparse: SparseDecodeSettings | None = None
+    ) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.consumer: Consumer | None = None
@@ -83,7 +86,9 @@ class DecodeWorker:
         # Sparse offload: the pool's worker (the model's adapter), per-request state.
         self.sparse: SparseDecodeWorker | None = None
         self.pool: HostKVPool | None = None
-        self._pool_jobs: dict[str, tuple[int, ...]] = {}  # loading into the pool -> device load-error set
+        self._pool_jobs: dict[
+            str, tuple[int, ...]
+        ] = {}  # loading into the pool -> device load-error set
         self._pool_finished: set[str] = set()  # vLLM finished them while their reads were in flight
         # Hybrid residency: per wire layer, where the resident main-KV rows are (a view over
         # the paired indexer cache); a resident request's main KV lands there
@@ -92,8 +97,12 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ startup
 
-    def pool_layers(self, kv_caches: Mapping[str, torch.Tensor],
-                    pairs: Sequence[tuple[str, str | None]], num_blocks: int) -> list[LayerDesc]:
+    def pool_layers(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        pairs: Sequence[tuple[str, str | None]],
+        num_blocks: int,
+    ) -> list[LayerDesc]:
         """Sparse offload: the wire destination is the host pool for the main KV and
         vLLM's device blocks for each layer's indexer cache."""
         from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
@@ -101,21 +110,29 @@ class DecodeWorker:
         assert self._sparse_settings is not None
         if any(idx is None for _, idx in pairs):
             missing = [m for m, idx in pairs if idx is None]
-            raise ConfigError(f"key 'sparse_offload.enabled'=True: main-KV layers {missing[:4]} have "
-                              "no indexer cache; nothing would select their rows")
+            raise ConfigError(
+                f"key 'sparse_offload.enabled'=True: main-KV layers {missing[:4]} have "
+                "no indexer cache; nothing would select their rows"
+            )
         self.sparse = SparseDecodeWorker(self._sparse_settings, kv_caches, tp_rank=self.tp_rank)
         self.pool = self.sparse.manager.pool
         names = [m for m, _ in pairs]
         if list(self.sparse.decode.layer_names) != names:
-            raise ConfigError(f"sparse main-KV layers {self.sparse.decode.layer_names} != wire layers "
-                              f"{names}")
-        indexers = [paged_views(kv_caches[idx], num_blocks)[0] for _, idx in pairs if idx is not None]
+            raise ConfigError(
+                f"sparse main-KV layers {self.sparse.decode.layer_names} != wire layers {names}"
+            )
+        indexers = [
+            paged_views(kv_caches[idx], num_blocks)[0] for _, idx in pairs if idx is not None
+        ]
         if any(device.is_accelerator(t) for t in indexers):
-            raise ConfigError("key 'sparse_offload.enabled'=True: the indexer caches are device "
-                              "memory; pulling them into device blocks needs a transfer engine that "
-                              "reaches device memory (MemFabric), not staged host reads")
-        layers = pool_layer_descs(self.pool.kv, self.settings.block_size, indexers,
-                                  kv_row_bytes=self.pool.row_bytes)
+            raise ConfigError(
+                "key 'sparse_offload.enabled'=True: the indexer caches are device "
+                "memory; pulling them into device blocks needs a transfer engine that "
+                "reaches device memory (MemFabric), not staged host reads"
+            )
+        layers = pool_layer_descs(
+            self.pool.kv, self.settings.block_size, indexers, kv_row_bytes=self.pool.row_bytes
+        )
         area = self.sparse.manager.area
         if area is not None:
             self.row_areas = resident_row_areas(area.views, layers)
@@ -131,27 +148,53 @@ class DecodeWorker:
         if self.row_areas is not None:
             extra["row_areas"] = self.row_areas
         self.consumer = Consumer(
-            engine_id=s.engine_id, d_rank=self.tp_rank, topology=s.topology, transfer=region.engine,
-            layers=region.layers, host=s.host,
+            engine_id=s.engine_id,
+            d_rank=self.tp_rank,
+            topology=s.topology,
+            transfer=region.engine,
+            layers=region.layers,
+            host=s.host,
             port=decode_port(s.kv_port, dp_rank=s.dp_rank, d_tp=s.tp_size, tp_rank=self.tp_rank),
-            read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
-            read_retries=cfg.read_retries, register_memory=False, keys=s.keys,
-            max_peers=cfg.max_prefill_peers, reader_idle_s=cfg.reader_idle_s,
-            max_msg_bytes=cfg.max_message_mib << 20, **extra,
+            read_timeout_s=cfg.read_timeout_s,
+            request_timeout_s=cfg.request_timeout_s,
+            read_retries=cfg.read_retries,
+            register_memory=False,
+            keys=s.keys,
+            max_peers=cfg.max_prefill_peers,
+            reader_idle_s=cfg.reader_idle_s,
+            max_msg_bytes=cfg.max_message_mib << 20,
+            **extra,
         )
         if s.keys is None and not _loopback(s.host):
-            log.warning("%s: decode rank %d listens on %s without authentication; set "
-                        "'control_secret_file' on both sides unless this network is trusted",
-                        NAME, self.tp_rank, self.consumer.address)
+            log.warning(
+                "%s: decode rank %d listens on %s without authentication; set "
+                "'control_secret_file' on both sides unless this network is trusted",
+                NAME,
+                self.tp_rank,
+                self.consumer.address,
+            )
         if self.pool is None:
-            log.info("%s: decode rank %d pulls into %d layers, listening on %s", NAME, self.tp_rank,
-                     len(region.layers), self.consumer.address)
+            log.info(
+                "%s: decode rank %d pulls into %d layers, listening on %s",
+                NAME,
+                self.tp_rank,
+                len(region.layers),
+                self.consumer.address,
+            )
             return
         kv = self.pool.kv
-        log.info("%s: decode rank %d pulls main KV of %d layers into a host pool of %d rows x %s %s "
-                 "(%.2f GiB) and their indexer caches into device blocks, listening on %s", NAME,
-                 self.tp_rank, kv.shape[0], kv.shape[1], tuple(kv.shape[2:]), kv.dtype,
-                 kv.numel() * kv.element_size() / 2**30, self.consumer.address)
+        log.info(
+            "%s: decode rank %d pulls main KV of %d layers into a host pool of %d rows x %s %s "
+            "(%.2f GiB) and their indexer caches into device blocks, listening on %s",
+            NAME,
+            self.tp_rank,
+            kv.shape[0],
+            kv.shape[1],
+            tuple(kv.shape[2:]),
+            kv.dtype,
+            kv.numel() * kv.element_size() / 2**30,
+            self.consumer.address,
+        )
 
     # ------------------------------------------------------------------ per step
 
@@ -178,13 +221,24 @@ class DecodeWorker:
                     # Admission failure ends the request as a failed outcome (load errors below).
                     self._pool_jobs[job.request_id] = job.block_ids
                     # cached prefix blocks: rows shared, indexer rows loaded now, not pulled
-                    shared = (self.sparse.decode.take_prefix(job.request_id, job.prefix)
-                              if isinstance(job.prefix, PrefixHit) else [])
+                    shared = (
+                        self.sparse.decode.take_prefix(job.request_id, job.prefix)
+                        if isinstance(job.prefix, PrefixHit)
+                        else []
+                    )
                     rows = self._resident_rows(job.request_id, job.prompt_tokens)
-                    if self.consumer.expect_pool(job.request_id, self.pool,
-                                                 prompt_tokens=job.prompt_tokens,
-                                                 max_tokens=job.max_tokens, index_blocks=job.block_ids,
-                                                 shared=shared, rows=rows) and rows is not None:
+                    if (
+                        self.consumer.expect_pool(
+                            job.request_id,
+                            self.pool,
+                            prompt_tokens=job.prompt_tokens,
+                            max_tokens=job.max_tokens,
+                            index_blocks=job.block_ids,
+                            shared=shared,
+                            rows=rows,
+                        )
+                        and rows is not None
+                    ):
                         self.landed_resident += 1
                 else:
                     self.consumer.expect(job.request_id, job.block_ids)
@@ -212,12 +266,25 @@ class DecodeWorker:
             raise ValueError(f"resident with {rows.numel()} rows for a prompt of {prompt_tokens}")
         return rows[:prompt_tokens].tolist()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(cancelled pulls now stopped: blocks may be freed, requests received)."""
+    def get_finished(
+        self, finished_req_ids: set[str], wait_s: float = 0.0
+    ) -> tuple[set[str], set[str]]:
+        """(cancelled pulls now stopped: blocks may be freed, requests received).
+
+        ``wait_s`` > 0 (a step that computes nothing, ``idle_wait_ms``): when no pull has
+        ended yet but some are in flight and vLLM finished nothing, wait up to ``wait_s``
+        for one to end. The consumer wakes the wait as the outcome is recorded, so a
+        finished pull reaches the scheduler at once instead of at a later polling step,
+        and vLLM's empty steps (each a round trip through the engine core and every
+        worker) stop spinning while the KV is on its way.
+        """
         sending: set[str] = set()
         recving: set[str] = set()
         if self.consumer is not None:
-            for o in self.consumer.finished():
+            outcomes = self.consumer.finished()
+            if not outcomes and wait_s > 0 and not finished_req_ids and self.consumer.active():
+                outcomes = self.consumer.wait_finished(1, wait_s)
+            for o in outcomes:
                 if o.request_id in self._reported:
                     log.debug("%s: request %s: a second outcome ignored", NAME, o.request_id)
                     continue
@@ -236,9 +303,16 @@ class DecodeWorker:
                 if not o.ok:
                     # Pool destination: failed_blocks are pool blocks; vLLM must hear of its own
                     # device blocks, and a partial pool prompt is unusable, so all of them fail.
-                    self._load_errors.update(o.failed_blocks if device_blocks is None else device_blocks)
-                    log.warning("%s: request %s: %d blocks failed to load: %s", NAME, o.request_id,
-                                len(o.failed_blocks), "; ".join(o.reasons)[:500])
+                    self._load_errors.update(
+                        o.failed_blocks if device_blocks is None else device_blocks
+                    )
+                    log.warning(
+                        "%s: request %s: %d blocks failed to load: %s",
+                        NAME,
+                        o.request_id,
+                        len(o.failed_blocks),
+                        "; ".join(o.reasons)[:500],
+                    )
             for rid in self._recv_failed - sending - recving:
                 if rid not in self._reported:
                     self._reported[rid] = None
@@ -267,17 +341,26 @@ class DecodeWorker:
         if self.consumer is None:
             return {}
         st = self.consumer.stats
-        return {"layers_pulled": st.reads, "bytes_pulled": st.bytes_read, "read_descriptors": st.descriptors,
-                "read_failures": st.failed, "read_retries": st.read_retries, "rejected_messages": st.rejected,
-                "resident_pulls": self.landed_resident}
+        return {
+            "layers_pulled": st.reads,
+            "bytes_pulled": st.bytes_read,
+            "read_descriptors": st.descriptors,
+            "read_failures": st.failed,
+            "read_retries": st.read_retries,
+            "rejected_messages": st.rejected,
+            "resident_pulls": self.landed_resident,
+        }
 
     def gauges(self) -> dict[str, int]:
         """This rank's receive state (0 when idle): in-flight reads, parked messages,
         requests being received."""
         if self.consumer is None:
             return {}
-        return {"inflight_reads": self.consumer.inflight(), "parked_messages": self.consumer.parked(),
-                "active_requests": len(self.consumer.active())}
+        return {
+            "inflight_reads": self.consumer.inflight(),
+            "parked_messages": self.consumer.parked(),
+            "active_requests": len(self.consumer.active()),
+        }
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -300,17 +383,24 @@ def resident_row_areas(views: Sequence[torch.Tensor], layers: Sequence[LayerDesc
     inside it (a layer pairing that differed would land rows in another layer's cache).
     """
     if len(views) != len(layers):
-        raise ConfigError(f"key 'sparse_offload.hybrid'=True: {len(views)} resident row views for "
-                          f"{len(layers)} wire layers")
+        raise ConfigError(
+            f"key 'sparse_offload.hybrid'=True: {len(views)} resident row views for "
+            f"{len(layers)} wire layers"
+        )
     out = []
     for i, (v, layer) in enumerate(zip(views, layers, strict=True)):
         area = RowArea(v.data_ptr(), v.stride(0) * v.element_size(), v.shape[0])
         idx = layer.indexer
-        span_end = (idx.base_addr + (idx.num_blocks - 1) * idx.block_stride + idx.block_bytes
-                    if idx is not None and idx.num_blocks else 0)
+        span_end = (
+            idx.base_addr + (idx.num_blocks - 1) * idx.block_stride + idx.block_bytes
+            if idx is not None and idx.num_blocks
+            else 0
+        )
         if idx is None or area.base_addr != idx.base_addr or area.end > span_end:
-            raise ConfigError(f"key 'sparse_offload.hybrid'=True: wire layer {i}'s resident rows "
-                              f"[{area.base_addr:#x}, {area.end:#x}) are not its indexer cache's "
-                              f"blocks ({idx}); accepted: False")
+            raise ConfigError(
+                f"key 'sparse_offload.hybrid'=True: wire layer {i}'s resident rows "
+                f"[{area.base_addr:#x}, {area.end:#x}) are not its indexer cache's "
+                f"blocks ({idx}); accepted: False"
+            )
         out.append(area)
     return out

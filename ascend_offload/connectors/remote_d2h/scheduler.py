@@ -43,20 +43,35 @@ if TYPE_CHECKING:
 class RemoteD2HScheduler:
     """Scheduler state of one connector: decode's pulls and/or prefill's sends."""
 
-    def __init__(self, settings: Settings, sparse: SparseDecodeSettings | None = None,
-                 kv_transfer_config: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sparse: SparseDecodeSettings | None = None,
+        kv_transfer_config: Any = None,
+    ) -> None:
         """``kv_transfer_config``: vLLM's, handed to the sparse scheduler (it sets the
         load-failure policy its preemption stash relies on)."""
         cfg = settings.cfg
-        self.decode = DecodeRequests(
-            settings.endpoint, block_size=settings.block_size, sparse=settings.sparse,
-            registrar=Registrar(timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries),
-            reservation=None if sparse is None else sparse.reservation,
-        ) if settings.is_consumer else None
+        self.decode = (
+            DecodeRequests(
+                settings.endpoint,
+                block_size=settings.block_size,
+                sparse=settings.sparse,
+                registrar=Registrar(
+                    timeout_s=cfg.registration_timeout_s, retries=cfg.registration_retries
+                ),
+                reservation=None if sparse is None else sparse.reservation,
+            )
+            if settings.is_consumer
+            else None
+        )
         self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.
-        self.sparse = (SparseDecodeScheduler(sparse, kv_transfer_config)
-                       if sparse is not None and self.decode else None)
+        self.sparse = (
+            SparseDecodeScheduler(sparse, kv_transfer_config)
+            if sparse is not None and self.decode
+            else None
+        )
         self._ledger_after_pull: set[str] = set()  # finished while pulling: released once stopped
         self._kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
 
@@ -87,8 +102,10 @@ class RemoteD2HScheduler:
         assert self.sparse is not None
         pull = wants_remote_prefill(request.kv_transfer_params)
         return self.sparse.hybrid_wait(
-            request, num_computed_tokens,
-            request.num_prompt_tokens - num_computed_tokens if pull else None)
+            request,
+            num_computed_tokens,
+            request.num_prompt_tokens - num_computed_tokens if pull else None,
+        )
 
     def has_pending_block_frees(self) -> bool:
         return self.sparse is not None and self.sparse.pending_frees()
@@ -97,7 +114,9 @@ class RemoteD2HScheduler:
         mgr = self.kv_cache_manager
         return list(mgr.get_block_ids(request_id)[0]) if mgr is not None else None
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self.decode is None:
             return 0, False
         if self.sparse is not None and not self.sparse.admit(request):
@@ -111,7 +130,9 @@ class RemoteD2HScheduler:
             return resumed or self.sparse.prefix_offer(request, num_computed_tokens), False
         return count, load_async
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self.sparse is not None and self.sparse.after_alloc(request, num_external_tokens):
             return  # a resumed preempted request: its stash loads, nothing is pulled
         params = request.kv_transfer_params
@@ -132,8 +153,9 @@ class RemoteD2HScheduler:
                 hits.append(hit)
                 return hit
 
-            self.decode.after_alloc(request, ids, num_external_tokens,
-                                    cached=None if sparse is None else cached)
+            self.decode.after_alloc(
+                request, ids, num_external_tokens, cached=None if sparse is None else cached
+            )
             book = self.hybrid
             rid = request.request_id
             if book is not None and rid in self.decode.receiving:
@@ -149,6 +171,7 @@ class RemoteD2HScheduler:
         if self.decode is not None:
             step = self.decode.take_step()
             meta.recv, meta.fail_recv, meta.cancel_recv = step.recv, step.fail, step.cancel
+            meta.idle = not any(scheduler_output.num_scheduled_tokens.values())
         if self.sparse is not None:
             meta.sparse = self.sparse.build_meta(scheduler_output)
             book = self.hybrid
@@ -156,10 +179,14 @@ class RemoteD2HScheduler:
                 for r in scheduler_output.scheduled_new_reqs:
                     book.unpin(r.req_id)
         if self.prefill is not None:
-            meta.send = self.prefill.take_sends(scheduler_output.num_scheduled_tokens, self._block_ids)
+            meta.send = self.prefill.take_sends(
+                scheduler_output.num_scheduled_tokens, self._block_ids
+            )
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing while decode still pulls into the blocks or reads from them."""
         rid = request.request_id
         reading = self.prefill.request_finished(rid) if self.prefill is not None else False

@@ -42,8 +42,11 @@ from tests.unit.pd.test_connector_sparse import (
     _vllm_config,
 )
 
-HYBRID = {**SPARSE, "hybrid": True,  # a host pool of 64 blocks
-          "dram_size_per_dp_GB": 64 * BLOCK * CFG.num_layers * CFG.latent * 4 / 2**30}
+HYBRID = {
+    **SPARSE,
+    "hybrid": True,  # a host pool of 64 blocks
+    "dram_size_per_dp_GB": 64 * BLOCK * CFG.num_layers * CFG.latent * 4 / 2**30,
+}
 PAGE = BLOCK * CFG.index_dim * 4  # one block of an indexer layer: 512 B = 8 main-KV rows
 DEV_BLOCKS = 40
 
@@ -52,8 +55,9 @@ def _hybrid_cut_config(dev_blocks: int = DEV_BLOCKS) -> SimpleNamespace:
     """The cut config plus what hybrid residency plans with: the indexer layers' block
     layout (layer-outermost pages of ``PAGE``) and their page size."""
     cfg = _cut_config(dev_blocks)
-    cfg.kv_cache_tensors = [SimpleNamespace(layers=list(INDEXERS), block_stride=PAGE,
-                                            layer_stride=PAGE * dev_blocks)]
+    cfg.kv_cache_tensors = [
+        SimpleNamespace(layers=list(INDEXERS), block_stride=PAGE, layer_stride=PAGE * dev_blocks)
+    ]
     mark_cut(cfg, CutFacts(tuple(MAINS), CFG.latent * 4, 0, index_page=PAGE))
     return cfg
 
@@ -62,29 +66,45 @@ def _out(new=(), cached=(), scheduled=None, finished=(), preempted=()) -> Simple
     """A SchedulerOutput with the fields the connector reads."""
     ids = [r for r, _ in cached]
     return SimpleNamespace(
-        scheduled_new_reqs=list(new), num_scheduled_tokens=dict(scheduled or {}),
-        finished_req_ids=set(finished), preempted_req_ids=set(preempted),
-        scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[n for _, n in cached],
-                                              resumed_req_ids=set()))
+        scheduled_new_reqs=list(new),
+        num_scheduled_tokens=dict(scheduled or {}),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=ids, num_computed_tokens=[n for _, n in cached], resumed_req_ids=set()
+        ),
+    )
 
 
 def _pulled(rid: str, n: int) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, num_prompt_tokens=n, num_tokens=n, max_tokens=10,
-                           prompt_token_ids=[1] * n, sampling_params=SimpleNamespace(max_tokens=10),
-                           kv_transfer_params={"do_remote_prefill": True,
-                                               "metaserver": "http://127.0.0.1:1",
-                                               "proxy_request_id": f"p-{rid}"})
+    return SimpleNamespace(
+        request_id=rid,
+        num_prompt_tokens=n,
+        num_tokens=n,
+        max_tokens=10,
+        prompt_token_ids=[1] * n,
+        sampling_params=SimpleNamespace(max_tokens=10),
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "metaserver": "http://127.0.0.1:1",
+            "proxy_request_id": f"p-{rid}",
+        },
+    )
 
 
 def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_early(monkeypatch):
-    conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=1, sparse=HYBRID),
-                                    KVConnectorRole.SCHEDULER, _hybrid_cut_config())
+    conn = rd.SfaRemoteD2HConnector(
+        _vllm_config(producer=False, port=1, sparse=HYBRID),
+        KVConnectorRole.SCHEDULER,
+        _hybrid_cut_config(),
+    )
     monkeypatch.setattr(conn.scheduler.decode.registrar, "submit", lambda *a, **kw: None)
     pool = BlockPool(DEV_BLOCKS, False, BLOCK)  # vLLM's own: block 0 is its null block
     held: dict[str, list[int]] = {}
     # vLLM binds its KV cache manager; the base class hands us its block pool from there
-    conn.bind_kv_cache_manager(SimpleNamespace(block_pool=pool,
-                                               get_block_ids=lambda rid: (held[rid],)))
+    conn.bind_kv_cache_manager(
+        SimpleNamespace(block_pool=pool, get_block_ids=lambda rid: (held[rid],))
+    )
     book = conn.scheduler.hybrid
     assert isinstance(book, ResidentBook) and book.keep_free == 4
 
@@ -110,22 +130,35 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
         assert conn.get_num_new_matched_tokens(_pulled("w", 100), 0) == (100, True)
         meta = conn.build_connector_meta(_out())
         assert [(type(o), o.req_id, len(o.blocks)) for o in meta.sparse.hybrid_ops] == [
-            (GrowOp, "c", 5), (GrowOp, "r", 9)]
+            (GrowOp, "c", 5),
+            (GrowOp, "r", 9),
+        ]
         assert [j.request_id for j in meta.recv] == ["c", "r", "big"]  # the same step's pulls
-        conn.update_connector_output(SimpleNamespace(finished_recving=("r", "big"), finished_sending=()))
+        assert meta.idle  # nothing computed this step: the workers may wait for a pull
+        conn.update_connector_output(
+            SimpleNamespace(finished_recving=("r", "big"), finished_sending=())
+        )
         # vLLM schedules "r" and "big" (the last prompt token): "r" grows within its rows,
         # "big" landed in the pool and is never placed; "r" is attached by the workers now
-        new = [SimpleNamespace(req_id=rid, num_computed_tokens=n - 1, prompt_token_ids=[1] * n,
-                               sampling_params=SimpleNamespace(max_tokens=10))
-               for rid, n in (("r", 70), ("big", 150))]
+        new = [
+            SimpleNamespace(
+                req_id=rid,
+                num_computed_tokens=n - 1,
+                prompt_token_ids=[1] * n,
+                sampling_params=SimpleNamespace(max_tokens=10),
+            )
+            for rid, n in (("r", 70), ("big", 150))
+        ]
         meta = conn.build_connector_meta(_out(new=new, scheduled={"r": 1, "big": 1}))
         assert meta.sparse.hybrid_ops == () and not book.holds("big") and book.pinned == {"c"}
+        assert not meta.idle
         # vLLM wants 13 blocks for "w2": "r" moves at the end of the step, "c" (older, still
         # pulling) does not, though 16 free blocks are still short of 13 + 4 kept free
         assert conn.has_pending_block_frees()
         assert conn.get_num_new_matched_tokens(_pulled("w2", 190), 0) == (None, False)
-        meta = conn.build_connector_meta(_out(cached=[("r", 70), ("big", 150)],
-                                              scheduled={"r": 1, "big": 1}))
+        meta = conn.build_connector_meta(
+            _out(cached=[("r", 70), ("big", 150)], scheduled={"r": 1, "big": 1})
+        )
         assert meta.sparse.hybrid_ops == (MoveOp("r"),)
         assert book.holds("c") and pool.get_num_free_blocks() == 16
         assert book.counters.moved_requests == 1
@@ -142,8 +175,14 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
         assert book.holds("p")
         conn.build_connector_meta(_out())
         conn.update_connector_output(SimpleNamespace(finished_recving=("p",), finished_sending=()))
-        new = [SimpleNamespace(req_id="p", num_computed_tokens=39, prompt_token_ids=[1] * 40,
-                               sampling_params=SimpleNamespace(max_tokens=10))]
+        new = [
+            SimpleNamespace(
+                req_id="p",
+                num_computed_tokens=39,
+                prompt_token_ids=[1] * 40,
+                sampling_params=SimpleNamespace(max_tokens=10),
+            )
+        ]
         conn.build_connector_meta(_out(new=new, scheduled={"p": 1}))
         conn.build_connector_meta(_out(cached=[("p", 40)], scheduled={"p": 1}))
         meta = conn.build_connector_meta(_out(preempted={"p"}))
@@ -153,14 +192,19 @@ def test_scheduler_places_pulls_pins_them_until_scheduled_and_never_moves_them_e
         conn.shutdown()
 
 
-def test_decode_worker_lands_resident_pulls_in_their_rows_and_moves_them_bit_for_bit(monkeypatch, port):
+def test_decode_worker_lands_resident_pulls_in_their_rows_and_moves_them_bit_for_bit(
+    monkeypatch, port
+):
     pytest.importorskip("mooncake.engine")
     from ascend_offload.pd.producer import DecodeTarget
     from ascend_offload.transfer.mooncake import MooncakeEngine
 
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
-    conn = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=port, sparse=HYBRID),
-                                    KVConnectorRole.WORKER, _hybrid_cut_config())
+    conn = rd.SfaRemoteD2HConnector(
+        _vllm_config(producer=False, port=port, sparse=HYBRID),
+        KVConnectorRole.WORKER,
+        _hybrid_cut_config(),
+    )
     peng = MooncakeEngine(host="127.0.0.1", timeout_s=10)
     reqs = prompts({"a": 70, "b": 37})
     pre = build_prefill(reqs, with_indexer=True)
@@ -168,9 +212,14 @@ def test_decode_worker_lands_resident_pulls_in_their_rows_and_moves_them_bit_for
 
     def step(**sparse) -> None:
         recv = sparse.pop("recv", [])
-        conn.bind_connector_metadata(rd.RemoteD2HMetadata(
-            recv=recv, sparse=SparseDecodeMetadata(sparse.pop("new", {}), {}, sparse.pop("finished", ()),
-                                                   **sparse)))
+        conn.bind_connector_metadata(
+            rd.RemoteD2HMetadata(
+                recv=recv,
+                sparse=SparseDecodeMetadata(
+                    sparse.pop("new", {}), {}, sparse.pop("finished", ()), **sparse
+                ),
+            )
+        )
         conn.start_load_kv(None)
 
     try:
@@ -190,8 +239,10 @@ def test_decode_worker_lands_resident_pulls_in_their_rows_and_moves_them_bit_for
         dev = {"a": (3, 11, 4, 15, 0), "b": (30, 31, 32)}
         before = {n: kv[n].clone() for n in INDEXERS}
         # one step: "a" placed (its growth first), "a" and "b" pulled
-        step(hybrid_ops=(GrowOp("a", borrowed),),
-             recv=[rd.RecvJob(r, dev[r], len(p), len(p) + 20) for r, p in reqs.items()])
+        step(
+            hybrid_ops=(GrowOp("a", borrowed),),
+            recv=[rd.RecvJob(r, dev[r], len(p), len(p) + 20) for r, p in reqs.items()],
+        )
         assert dec.landed_resident == 1 and sorted(pool.admitted()) == ["a", "b"]
         for rid in reqs:
             prod.add_request(rid, pre.blocks[rid], DecodeTarget("127.0.0.1", port, 1))

@@ -8,6 +8,7 @@ hung up while registrations flooded the proxy)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -36,8 +37,9 @@ def _drain(conn: rd.SfaRemoteD2HConnector, seconds: float) -> tuple[list[str], l
 @pytest.fixture
 def conn(monkeypatch: pytest.MonkeyPatch, port: int):
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
-    c = rd.SfaRemoteD2HConnector(_vllm_config(producer=False, port=port), KVConnectorRole.WORKER,
-                                 _cut_config(40))
+    c = rd.SfaRemoteD2HConnector(
+        _vllm_config(producer=False, port=port), KVConnectorRole.WORKER, _cut_config(40)
+    )
     c.register_kv_caches(_cut_caches(40))
     yield c
     c.shutdown()
@@ -63,3 +65,39 @@ def test_abandoned_after_its_outcome_is_reported_once(conn) -> None:
     _step(conn, cancel_recv=["f"])  # vLLM finished it meanwhile: the scheduler cancels
     sent, recv = _drain(conn, 1.0)
     assert len(sent + recv) == 1 and set(sent + recv) == {"f"}, (sent, recv)
+
+
+def test_idle_wait_returns_the_pull_that_ends_during_it(conn) -> None:
+    # A worker asked to wait (an idle step) returns as soon as a pull in flight ends,
+    # in the same call: the outcome is not left for a later polling step.
+    _step(conn, recv=[rd.RecvJob("g", (1, 2), 20, 30)])
+    threading.Thread(
+        target=conn.decode.consumer.fail, args=("g", "registration refused (503)")
+    ).start()
+    sent, recv = conn.decode.get_finished(set(), wait_s=60.0)
+    assert (sent, recv) == (set(), {"g"})
+
+
+def test_idle_wait_only_with_pulls_in_flight_and_nothing_finished(conn, monkeypatch) -> None:
+    def no_wait(count: int, timeout_s: float) -> list:
+        raise AssertionError("waited")
+
+    monkeypatch.setattr(conn.decode.consumer, "wait_finished", no_wait)
+    assert conn.decode.get_finished(set(), wait_s=60.0) == (set(), set())  # no pull in flight
+    _step(conn, recv=[rd.RecvJob("h", (1, 2), 20, 30)])
+    assert conn.decode.get_finished({"x"}, wait_s=60.0) == (set(), set())  # vLLM finished one
+
+
+def test_facade_waits_on_idle_steps_only(conn, monkeypatch) -> None:
+    seen: list[float] = []
+
+    def record(finished: set[str], wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        seen.append(wait_s)
+        return set(), set()
+
+    monkeypatch.setattr(conn.decode, "get_finished", record)
+    _step(conn, idle=True)
+    conn.get_finished(set())
+    _step(conn)
+    conn.get_finished(set())
+    assert seen == [conn.cfg.idle_wait_ms / 1000, 0.0] and seen[0] > 0
