@@ -141,17 +141,20 @@ def _cluster(
     ]
     api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     servers: list[Server] = []
+
+    def vllm(
+        name: str, port: int, base: dict[str, str], bind: str, kv: str | None = None, **more: str
+    ) -> None:
+        """One vLLM server: OMP threads bound to core ``bind``, the KV connector config ``kv``."""
+        cmd = [*api, "--port", str(port)] + (["--kv-transfer-config", kv] if kv is not None else [])
+        servers.append(
+            Server(name, cmd, dict(base, VLLM_CPU_OMP_THREADS_BIND=bind, **more), log_dir)
+        )
+
     try:
         if setup == "colocated":
             port = free_port()
-            servers.append(
-                Server(
-                    "colocated",
-                    [*api, "--port", str(port)],
-                    dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
-                    log_dir,
-                )
-            )
+            vllm("colocated", port, env, "0")
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
         elif setup == "ours":
@@ -170,22 +173,8 @@ def _cluster(
                     }
                 )
 
-            servers.append(
-                Server(
-                    "prefill",
-                    [*api, "--port", str(p_port), "--kv-transfer-config", kv("kv_producer", p_kv)],
-                    dict(env, VLLM_CPU_OMP_THREADS_BIND="0"),
-                    log_dir,
-                )
-            )
-            servers.append(
-                Server(
-                    "decode",
-                    [*api, "--port", str(d_port), "--kv-transfer-config", kv("kv_consumer", d_kv)],
-                    dict(env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                    log_dir,
-                )
-            )
+            vllm("prefill", p_port, env, "0", kv("kv_producer", p_kv))
+            vllm("decode", d_port, env, "1", kv("kv_consumer", d_kv))
             servers.append(
                 Server(
                     "proxy",
@@ -231,26 +220,15 @@ def _cluster(
                     cfg["engine_id"] = engine_id
                 return json.dumps(cfg)
 
-            servers.append(
-                Server(
-                    "prefill",
-                    [*api, "--port", str(p_port), "--kv-transfer-config", mc("kv_producer")],
-                    dict(
-                        mc_env,
-                        VLLM_CPU_OMP_THREADS_BIND="0",
-                        VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot),
-                    ),
-                    log_dir,
-                )
+            vllm(
+                "prefill",
+                p_port,
+                mc_env,
+                "0",
+                mc("kv_producer"),
+                VLLM_MOONCAKE_BOOTSTRAP_PORT=str(boot),
             )
-            servers.append(
-                Server(
-                    "decode",
-                    [*api, "--port", str(d_port), "--kv-transfer-config", mc("kv_consumer")],
-                    dict(mc_env, VLLM_CPU_OMP_THREADS_BIND="1"),
-                    log_dir,
-                )
-            )
+            vllm("decode", d_port, mc_env, "1", mc("kv_consumer"))
             servers.append(
                 Server(
                     "proxy",
