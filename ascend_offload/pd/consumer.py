@@ -44,6 +44,7 @@ from ascend_offload.pd.consumer_records import (
     BlockPool,
     ConsumerStats,
     ParkedItem,
+    ReadJob,
     ReadResult,
     RecvOutcome,
     RequestState,
@@ -56,9 +57,9 @@ from ascend_offload.pd.layout import (
     row_area_error,
     row_runs,
 )
-from ascend_offload.pd.reads import PeerReader, affected_blocks, build_ops, item_error
+from ascend_offload.pd.reads import PeerReader, ReadRunner, affected_blocks, build_ops, item_error
 from ascend_offload.pd.topology import Topology
-from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+from ascend_offload.transfer.base import PendingRead, ReadOp, TransferEngine
 
 # Largest control message accepted (ZMQ_MAXMSGSIZE): a peer sending more is disconnected.
 DEFAULT_MAX_MSG_BYTES = 64 << 20
@@ -148,6 +149,7 @@ class Consumer:
         self._metas: OrderedDict[tuple[str, int], P.MfMeta] = OrderedDict()  # LRU, <= max_peers
         self._commands: list[tuple[str, str]] = []
         self._readers: dict[str, PeerReader] = {}
+        self._runner = ReadRunner(transfer, retries=read_retries, clock=clock)
         self._results: list[ReadResult] = []
         self._finished: list[RecvOutcome] = []
         self._finished_cv = threading.Condition(self._lock)
@@ -475,9 +477,11 @@ class Consumer:
         assert meta is not None
         ops = self._ops(meta, req, it)
         if not ops:  # a contributor with nothing to send: acknowledge at once
+            empty = ReadResult(p, req, "", "", 0, 0, 0)
+            self._answer(empty)
             with self._lock:
                 self.stats.acked_empty += 1
-            self._finish_item(ReadResult(p, req, "", "", 0, 0, 0), counted=False)
+                self._record(empty, counted=False)
             return
         budget_end = p.received + min(p.budget_s, self.read_timeout_s)
         reader = self._readers.get(meta.endpoint)
@@ -491,44 +495,39 @@ class Consumer:
                     if self._requests.get(it.request_id) is req:
                         self._terminal(req, p.p_rank, it.layer, False, f"{P.FAIL_READ}: {reason}")
                 return
-            reader = self._readers[meta.endpoint] = PeerReader(meta.endpoint, self._read_job, clock=self._clock)
+            reader = self._readers[meta.endpoint] = PeerReader(meta.endpoint, self._runner.start,
+                                                               self._finish_read, clock=self._clock)
         with self._lock:
             req.inflight += 1
-        reader.submit((p, req, meta.endpoint, ops, budget_end))
+        reader.submit(ReadJob(p, req, meta.endpoint, ops, budget_end))
 
-    def _read_job(self, job: tuple[ParkedItem, RequestState, str, list[ReadOp], float]) -> None:
-        """Reader thread: one batched read with retries inside the budget; result to the I/O thread."""
-        p, req, endpoint, ops, budget_end = job
-        err, ndesc, retries = "unexpected error", 0, 0
-        try:
-            for attempt in range(self.read_retries + 1):
-                try:
-                    ndesc = self.transfer.read(endpoint, ops)
-                    err = ""
-                    break
-                except TransferError as exc:
-                    err = str(exc)
-                    if attempt < self.read_retries and self._clock() < budget_end:
-                        retries += 1
-                        log.warning("read attempt %d of request %r layer %d failed: %s; retrying",
-                                    attempt + 1, p.item.request_id, p.item.layer, exc)
-                        continue
-                    break
-        except Exception as exc:  # anything else is not retried, but the item still gets its answer
-            err = f"{type(exc).__name__}: {exc}"
-            log.exception("read of request %r layer %d from %s failed", p.item.request_id, p.item.layer,
-                          endpoint)
-        finally:
-            code = P.FAIL_READ if err else ""
-            if not err and self._clock() > budget_end:
-                code, err = P.FAIL_LATE, "read finished after its budget; prefill may have reused the slot"
-            res = ReadResult(p, req, code, err, ndesc, sum(o.length for o in ops), retries)
-            with self._lock:
-                self._results.append(res)
-            self._loop.wake()
+    def _finish_read(self, job: ReadJob, started: PendingRead | Exception | None) -> None:
+        """Reader thread: wait for the read and record its outcome at once (a request whose
+        last read this was is reported from here, no hand-off); only the answer to prefill
+        waits for the I/O thread, which owns the socket."""
+        res = self._runner.finish(job, started)
+        with self._lock:
+            self._record(res)
+            self._results.append(res)
+        self._loop.wake()
 
-    def _finish_item(self, r: ReadResult, *, counted: bool = True) -> None:
-        """I/O thread: answer prefill and record one item's outcome."""
+    def _record(self, r: ReadResult, *, counted: bool = True) -> None:
+        """Under the lock, any thread: count one item's read and make its (layer, contributor) terminal."""
+        it = r.parked.item
+        if counted:
+            r.req.inflight -= 1
+            self.stats.read_retries += r.retries
+            if not r.code or r.code == P.FAIL_LATE:
+                self.stats.reads += 1
+                self.stats.descriptors += r.descriptors
+            if not r.code:
+                self.stats.bytes_read += r.nbytes
+        if self._requests.get(it.request_id) is r.req:
+            self._terminal(r.req, r.parked.p_rank, it.layer, not r.code, f"{r.code}: {r.err}")
+        self._maybe_finish(r.req)
+
+    def _answer(self, r: ReadResult) -> None:
+        """I/O thread: tell prefill how one item's read ended."""
         p, it = r.parked, r.parked.item
         if r.code:
             self._fail(p.ident, p.p_rank, it, r.code, r.err)
@@ -537,24 +536,12 @@ class Consumer:
                 version=P.PROTOCOL_VERSION, engine_id=self.engine_id, d_rank=self.d_rank, p_rank=p.p_rank,
                 request_id=it.request_id, layer=it.layer, slot=it.slot, generation=it.generation,
             ))
-        with self._lock:
-            if counted:
-                r.req.inflight -= 1
-                self.stats.read_retries += r.retries
-                if not r.code or r.code == P.FAIL_LATE:
-                    self.stats.reads += 1
-                    self.stats.descriptors += r.descriptors
-                if not r.code:
-                    self.stats.bytes_read += r.nbytes
-            if self._requests.get(it.request_id) is r.req:
-                self._terminal(r.req, p.p_rank, it.layer, not r.code, f"{r.code}: {r.err}")
-            self._maybe_finish(r.req)
 
     def _drain_results(self) -> None:
         with self._lock:
             results, self._results = self._results, []
         for r in results:
-            self._finish_item(r)
+            self._answer(r)
 
     def _run_commands(self) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ascend_offload.pd import protocol as P
+from ascend_offload.transfer.base import ReadOp
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,17 @@ class ParkedItem:
     budget_s: float
     received: float
     item: P.ReadReady
+
+
+@dataclass
+class ReadJob:
+    """One item's batched read, handed from the I/O thread to its peer's reader."""
+
+    parked: ParkedItem
+    req: RequestState
+    endpoint: str
+    ops: list[ReadOp]
+    budget_end: float  # the read must end by then (else ``late``)
 
 
 @dataclass

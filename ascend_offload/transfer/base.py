@@ -106,8 +106,41 @@ class TransferEngine(abc.ABC):
             self._read(peer, batch)
         return len(batch)
 
+    def start_read(self, peer: str, ops: Iterable[ReadOp]) -> PendingRead:
+        """Begin :meth:`read` of ``ops`` and return at once; the bytes are in place when
+        :meth:`PendingRead.wait` returns.
+
+        Why: a reader that starts the next batch before waiting for the current one keeps
+        the link busy across the bookkeeping between reads. The default defers the whole
+        read to ``wait`` (same bytes, same order, no overlap), so an engine without
+        asynchronous reads needs nothing. A started read must be waited for, even when
+        its result no longer matters: until then bytes may still land.
+        """
+        return DeferredRead(self, peer, list(ops))
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources; the default has none."""
+
+
+class PendingRead(abc.ABC):
+    """A read begun by :meth:`TransferEngine.start_read`: in flight until :meth:`wait` ends it."""
+
+    @abc.abstractmethod
+    def wait(self) -> int:
+        """Block until the read ended (within the engine's read deadline); the descriptor
+        count, or :class:`TransferError`. Call it once."""
+
+
+class DeferredRead(PendingRead):
+    """An engine without asynchronous reads: the read runs, synchronously, in :meth:`wait`."""
+
+    def __init__(self, engine: TransferEngine, peer: str, ops: Sequence[ReadOp]) -> None:
+        self._engine = engine
+        self._peer = peer
+        self._ops = ops
+
+    def wait(self) -> int:
+        return self._engine.read(self._peer, self._ops)
 
 
 class LibraryEngine(TransferEngine):

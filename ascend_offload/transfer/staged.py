@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ascend_offload.transfer.base import ReadOp, TransferEngine, TransferError
+from ascend_offload.transfer.base import PendingRead, ReadOp, TransferEngine, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +89,12 @@ class StagedEngine(TransferEngine):
             self._land(ops)
         return n
 
+    def start_read(self, peer: str, ops: Iterable[ReadOp]) -> PendingRead:
+        """The inner engine's read starts now; the device copies follow in ``wait``, after it
+        succeeded (as in :meth:`read`)."""
+        ops = list(ops)
+        return _StagedRead(self, self.inner.start_read(peer, ops), ops)
+
     def _land(self, ops: Sequence[ReadOp]) -> None:
         blocks: defaultdict[int, set[int]] = defaultdict(set)
         for op in ops:
@@ -115,3 +121,18 @@ class StagedEngine(TransferEngine):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _StagedRead(PendingRead):
+    """An inner read into the host twins; waiting lands its blocks on the device."""
+
+    def __init__(self, engine: StagedEngine, inner: PendingRead, ops: Sequence[ReadOp]) -> None:
+        self._engine = engine
+        self._inner = inner
+        self._ops = ops
+
+    def wait(self) -> int:
+        n = self._inner.wait()
+        if self._ops:
+            self._engine._land(self._ops)
+        return n
