@@ -152,9 +152,11 @@ def test_percentile_and_report() -> None:
             "setups": {"ours": s},
             "ratios": {"ours/mooncake TTFT median": 0.9},
             "target_ttft_ours_le_mooncake": True,
+            "target_ttft_ratio": 0.8,
+            "target_ttft_ratio_met": False,
         }
     )
-    assert "ours" in text and "met" in text
+    assert "ours" in text and "met" in text and "<= 0.8): NOT met" in text
 
 
 def test_block_order_alternates_rounds() -> None:
