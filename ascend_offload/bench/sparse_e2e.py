@@ -35,7 +35,7 @@ prefill's offload is not counted). ``indexer`` (indexer scores + top-k
 selection) and ``attention`` (gather + MQA over the selected rows) are wall
 times of the model's ``indexer_scores``/``select_topk``/``sparse_attention``
 calls with one query (decode rows), wrapped in the worker by the worker
-extension :class:`WorkerProbe` in both engines alike (about a hundred wrapped
+extension :class:`~ascend_offload.bench.sparse_probe.WorkerProbe` in both engines alike (about a hundred wrapped
 calls per step). ``layer_rest`` is the rest of the model's attention-layer
 call (``SparseMLACache.run``, timed whole in decode-only steps): cache writes,
 slot mapping and, offloading, the plan / pool-position building / top-k remap
@@ -90,7 +90,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,94 +122,7 @@ _HYBRID_TOTALS = ("miss_rows", "resolved_positions", "pool_query_tokens", "offlo
 _HYBRID_DECODE = ("resident_rows", "resident_query_tokens")
 # the engines of the hybrid engine's paired rounds
 _HYBRID_ROUND = ("baseline", "hybrid", "connector")
-# model functions timed in the worker (first argument: the request's queries or scores)
-_TIMED = ("indexer_scores", "select_topk", "sparse_attention")
 _COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
-
-
-# ---------------------------------------------------------------------- worker side
-
-
-class WorkerProbe:
-    """vLLM worker extension (``worker_extension_cls``): methods run in the worker
-    process through ``LLM.collective_rpc``. Needs no state of its own until
-    :meth:`bench_probe_timers` installs the model-function timers."""
-
-    def bench_probe_timers(self, on: bool, query_tokens: int = 1) -> None:
-        """Wrap (``on``) or restore the model's indexer/attention functions in
-        ``ascend_offload.models.attention`` with wall-clock accumulators, for decode
-        rows (at most ``query_tokens`` queries: 1 + the draft tokens)."""
-        from ascend_offload.models import attention as mod
-
-        orig: dict[str, Callable[..., Any]] = getattr(mod, "_bench_orig", {})
-        if not on:
-            for name, fn in orig.items():
-                setattr(mod, name, fn)
-            if orig:
-                mod.SparseMLACache.run = mod._bench_layer_run  # type: ignore[attr-defined,method-assign]
-            mod._bench_orig = {}  # type: ignore[attr-defined]
-            return
-        if orig:
-            return
-        totals: dict[str, int] = {n: 0 for n in _TIMED}
-        mod._bench_totals = totals  # type: ignore[attr-defined]
-
-        def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapper(*a: Any, **k: Any) -> Any:
-                if a[0].shape[0] > query_tokens:  # a prefill chunk: not timed
-                    return fn(*a, **k)
-                t0 = time.perf_counter_ns()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    totals[name] += time.perf_counter_ns() - t0
-            return wrapper
-
-        for name in _TIMED:
-            orig[name] = getattr(mod, name)
-            setattr(mod, name, timed(name, orig[name]))
-        layer_run = mod.SparseMLACache.run
-        totals["layer"] = 0
-
-        def timed_layer(layer: Any, meta: Any, *a: Any) -> None:
-            # whole decode-only steps: every request one query token (or 1 + drafts)
-            if meta is None or meta.num_actual_tokens > len(meta.requests) * query_tokens:
-                return layer_run(layer, meta, *a)
-            t0 = time.perf_counter_ns()
-            try:
-                return layer_run(layer, meta, *a)
-            finally:
-                totals["layer"] += time.perf_counter_ns() - t0
-
-        mod.SparseMLACache.run = timed_layer  # type: ignore[assignment]
-        mod._bench_orig = orig  # type: ignore[attr-defined]
-        mod._bench_layer_run = layer_run  # type: ignore[attr-defined]
-
-    def bench_probe_read(self) -> dict[str, Any]:
-        """Timer totals (ns), the offload counters and device KV split (if offloading) and
-        the main-KV layers' paged bytes (without offload; with it their views overlap)."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        from ascend_offload.models import attention as mod
-
-        ctx = self.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
-        main_kv = 0
-        for layer in ctx.values():
-            if isinstance(layer, mod.SparseMLACache):
-                caches = layer.kv_cache if isinstance(layer.kv_cache, list) else [layer.kv_cache]
-                main_kv += sum(c.numel() * c.element_size() for c in caches)
-        out: dict[str, Any] = {"timers_ns": dict(getattr(mod, "_bench_totals", {})),
-                               "paged_main_kv_bytes": main_kv, "device_kv": {}, "counters": {}}
-        if has_kv_transfer_group():
-            worker = getattr(get_kv_transfer_group(), "worker", None)
-            if worker is not None:
-                out["counters"] = worker.decode.counters()
-                out["gauges"] = worker.decode.gauges()
-                out["device_kv"] = worker.device_kv_gauges()
-                out["hot_buffer_bytes"] = int(worker.manager.hot.nbytes)
-                table = worker.manager.residency
-                out["residency"] = {"kind": table.kind, "kernel": getattr(table, "kernel", None)}
-        return out
 
 
 # ---------------------------------------------------------------------- engines
@@ -312,7 +225,7 @@ def _engine(a: argparse.Namespace, model: str, backend: str | None, hybrid: bool
             enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=a.batch,
             max_model_len=_max_model_len(a),
             max_num_batched_tokens=a.batch * a.context,
-            worker_extension_cls=f"{__name__}.WorkerProbe", **kw)) as llm:
+            worker_extension_cls="ascend_offload.bench.sparse_probe.WorkerProbe", **kw)) as llm:
         yield llm
 
 
