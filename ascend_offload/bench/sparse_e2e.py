@@ -1,6 +1,6 @@
 """``ascend-offload bench sparse-e2e``: decode step time with sparse decode offload vs without.
 
-Five real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
+Six real vLLM CPU engines of the tiny sparse-MLA model (float32, eager, same
 engine config, same process, all alive for the whole run): the baseline has no
 connector, the other two run ``AscendSparseDecodeConnector`` (colocated mode: the
 engine prefills, then one-token rows attend over per-layer hot buffers filled
@@ -17,7 +17,9 @@ memory enough for every request of the batch to stay resident (:func:`_hybrid_kv
 its main-KV rows live in device blocks borrowed from vLLM's free blocks and attention
 reads them directly (no resolve, no miss copy). The fifth, ``connector``, is the
 baseline with a KV connector that moves nothing (``bench/null_connector.py``): vLLM's
-own per-step work for any connector, which no connector can skip.
+own per-step work for any connector, which no connector can skip. The sixth,
+``baseline2``, is a second baseline: the A/A control, two engines that differ in
+nothing measured in the same rounds (what a ratio of 1 looks like on this machine).
 
 Step time: per request ``(last_token_ts - first_token_ts) / (n - 1)`` from
 vLLM's own per-request engine-core timestamps (``RequestOutput.metrics``); a
@@ -59,10 +61,11 @@ model timers then cover rows of up to ``1 + k`` query tokens.
 ``hybrid_step_ratio``: per batch size of ``--hybrid-batches`` (default 1 and
 ``--batch``), the median over its paired rounds of the hybrid engine's step time / the
 baseline's. At ``--batch`` the rounds of all engines serve; every other size runs
-``--rounds`` rounds of its own, the baseline, the hybrid and the null-connector engine
-only (each first in every third round, fresh prompts). ``hybrid_connector_step_ratio``
+``--rounds`` rounds of its own, the baseline, the hybrid, the null-connector engine and
+the second baseline only (each first in every fourth round, fresh prompts). ``hybrid_connector_step_ratio``
 (null connector / baseline) and ``hybrid_vs_connector_step_ratio`` (hybrid / null
-connector) split the same rounds' ratio into vLLM's share and ours. Per batch size the JSON (``hybrid``) also has the hybrid engine's
+connector) split the same rounds' ratio into vLLM's share and ours;
+``hybrid_aa_step_ratio`` (second baseline / baseline) is the A/A control of the same rounds. Per batch size the JSON (``hybrid``) also has the hybrid engine's
 miss rows, resolved positions and pool query tokens (all 0 while every request is
 resident), moved and placed requests, the resident rows written and query tokens
 attended by the decode steps (prefill pass subtracted: ``layers x batch x (decode_tokens
@@ -109,19 +112,20 @@ DEVICE_TARGET_RATIO = 1.15
 HYBRID_TARGET_RATIO = 1.02
 HYBRID_FREE_FRACTION = 0.1  # sparse_offload.hybrid_free_fraction's default (not set here)
 PAGE = 4096  # the cut page-aligns each hot region
-ENGINES = ("baseline", "offload", "device", "hybrid", "connector")
+ENGINES = ("baseline", "offload", "device", "hybrid", "connector", "baseline2")
 # started in this order: the device engine last, whose vLLM registry --spec-tokens reads
-START_ORDER = ("baseline", "connector", "offload", "hybrid", "device")
+START_ORDER = ("baseline", "baseline2", "connector", "offload", "hybrid", "device")
 # "connector": vLLM with a connector that moves nothing (bench/null_connector.py)
+# "baseline2": a second baseline engine, the A/A control (identical engines, same rounds)
 BACKENDS = {"baseline": None, "offload": "host", "device": "device", "hybrid": "host",
-            "connector": NULL}
+            "connector": NULL, "baseline2": None}
 # the hybrid engine's counters reported per batch size: totals over its rounds (prefill
 # passes included) and the resident rows / query tokens of the decode steps only
 _HYBRID_TOTALS = ("miss_rows", "resolved_positions", "pool_query_tokens", "offload_rows",
                   "moved_requests", "moved_bytes", "placed_requests")
 _HYBRID_DECODE = ("resident_rows", "resident_query_tokens")
 # the engines of the hybrid engine's paired rounds
-_HYBRID_ROUND = ("baseline", "hybrid", "connector")
+_HYBRID_ROUND = ("baseline", "hybrid", "connector", "baseline2")
 _COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pass subtracted)
 
 
@@ -358,6 +362,7 @@ class _HybridBatch:
 
         ratios = paired("hybrid", "baseline")
         vllm_share, ours = paired("connector", "baseline"), paired("hybrid", "connector")
+        aa = paired("baseline2", "baseline")
         n_steps = len(ratios) * (a.decode_tokens - 1)
         med = {n: statistics.median(s) for n, s in self.steps.items()}
         ratio = statistics.median(ratios)
@@ -372,6 +377,10 @@ class _HybridBatch:
             "connector_step_ratio_rounds": _spread(vllm_share),
             "vs_connector_step_ratio": statistics.median(ours),
             "vs_connector_step_ratio_rounds": _spread(ours),
+            # two identical baseline engines in the same rounds: what the measurement
+            # itself gives between engines that differ in nothing (the A/A control)
+            "aa_step_ratio": statistics.median(aa),
+            "aa_step_ratio_rounds": _spread(aa),
             "parity": self.parity, "counters": dict(self.counters),
             "breakdown_ms_per_step": {n: _breakdown(self.phase_ns[n], self.steps[n], n_steps)
                                       for n in self.steps},
@@ -435,8 +444,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if a.verbose:
                 print(f"round {r}: " + ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in ENGINES),
                       file=sys.stderr, flush=True)
-        # the other batch sizes: rounds of the baseline, the hybrid and the null-connector
-        # engine only, each engine first in every third round
+        # the other batch sizes: rounds of the baseline, the hybrid, the null-connector
+        # engine and the second baseline only, each engine first in every fourth round
         for b in hybrid_batches:
             if b == a.batch:
                 continue
@@ -452,7 +461,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     if name == "hybrid":
                         hb.add_hybrid(pr)
                         probes["hybrid"] = pr[2]
-                hb.parity = hb.parity and toks["hybrid"] == toks["baseline"] == toks["connector"]
+                hb.parity = hb.parity and toks["hybrid"] == toks["baseline"] == toks["connector"] == toks["baseline2"]
                 load.append(os.getloadavg()[0])
                 if a.verbose:
                     print(f"batch {b} round {r}: " + ", ".join(
@@ -501,6 +510,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "hybrid_connector_step_ratio": {k: v["connector_step_ratio"] for k, v in hybrid.items()},
         "hybrid_vs_connector_step_ratio": {k: v["vs_connector_step_ratio"]
                                            for k, v in hybrid.items()},
+        # the same rounds' second baseline engine / the baseline: the A/A control
+        "hybrid_aa_step_ratio": {k: v["aa_step_ratio"] for k, v in hybrid.items()},
         "hybrid_target_step_ratio": HYBRID_TARGET_RATIO,
         "hybrid_target_met": {k: v["target_met"] for k, v in hybrid.items()},
         "hybrid_miss_rows": {k: v["counters"]["miss_rows"] for k, v in hybrid.items()},
@@ -573,7 +584,8 @@ def report(res: dict[str, Any]) -> str:
             f"ratio of medians {h['step_ratio_of_medians']:.3f}); null-connector engine "
             f"{sm['connector']['median']:.3f} ms: vLLM's connector work "
             f"{h['connector_step_ratio']:.3f}x the baseline, the hybrid engine "
-            f"{h['vs_connector_step_ratio']:.3f}x that engine; miss rows {cn['miss_rows']}, "
+            f"{h['vs_connector_step_ratio']:.3f}x that engine; A/A (a second baseline engine) "
+            f"{h['aa_step_ratio']:.3f}x the baseline; miss rows {cn['miss_rows']}, "
             f"moved requests {cn['moved_requests']}, placed {cn['placed_requests']}, resident "
             f"query tokens {cn['resident_query_tokens']}"
             + (f" (expected {want})" if want is not None else "")

@@ -69,7 +69,7 @@ def test_bad_settings_are_refused_before_any_engine_starts() -> None:
 @pytest.mark.bench
 @pytest.mark.e2e
 @pytest.mark.integration
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(720)
 def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
     stdout, res = _run_bench(tmp_path, [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()])
     assert "step_ratio" in stdout and "decode_device_kv_ratio" in stdout
@@ -90,7 +90,7 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
 
     bd = res["breakdown_ms_per_step"]
     for phase in ("resolve", "miss_copy", "offload"):
-        assert phase not in bd["baseline"] and phase not in bd["connector"], bd
+        assert all(phase not in bd[n] for n in ("baseline", "connector", "baseline2")), bd
         assert phase in bd["offload"] and phase in bd["device"], bd
     # no prefill-pass subtraction touches these (a prefill resolves and copies nothing);
     # offload and layer_rest are differences of timings: on a loaded machine either may
@@ -147,6 +147,7 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     assert main["hybrid"]["rounds"] == res["step_ms"]["hybrid"]["rounds"]
     assert main["baseline"]["rounds"] == res["step_ms"]["baseline"]["rounds"]
     assert main["connector"]["rounds"] == res["step_ms"]["connector"]["rounds"]
+    assert main["baseline2"]["rounds"] == res["step_ms"]["baseline2"]["rounds"]
     rounds = ARGS["rounds"]
     for key, h in res["hybrid"].items():
         b = int(key)
@@ -156,13 +157,16 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
         assert res["hybrid_step_ratio"][key] == h["step_ratio"] == pytest.approx(
             statistics.median(ratios), rel=1e-3)
         # the same rounds split at the null-connector engine: vLLM's share and ours
+        # and the A/A control: a second baseline engine against the baseline
         for num, den, name in (("connector", "baseline", "connector_step_ratio"),
-                               ("hybrid", "connector", "vs_connector_step_ratio")):
+                               ("hybrid", "connector", "vs_connector_step_ratio"),
+                               ("baseline2", "baseline", "aa_step_ratio")):
             split = [x / y for x, y in zip(h["step_ms"][num]["rounds"],
                                            h["step_ms"][den]["rounds"], strict=True)]
             assert h[name] == pytest.approx(statistics.median(split), rel=1e-3)
         assert res["hybrid_connector_step_ratio"][key] == h["connector_step_ratio"]
         assert res["hybrid_vs_connector_step_ratio"][key] == h["vs_connector_step_ratio"]
+        assert res["hybrid_aa_step_ratio"][key] == h["aa_step_ratio"]
         c = h["counters"]
         assert c["miss_rows"] == c["resolved_positions"] == c["pool_query_tokens"] == 0, c
         assert c["offload_rows"] == c["moved_requests"] == c["moved_bytes"] == 0, c
@@ -199,7 +203,7 @@ def test_a_hot_buffer_too_small_for_the_drafts_is_refused_before_any_engine_star
 @pytest.mark.bench
 @pytest.mark.e2e
 @pytest.mark.integration
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(720)
 def test_tiny_speculating_run_writes_the_spec_keys(tmp_path: Path) -> None:
     """``--spec-tokens``: every engine speculates; the spec keys are the run's ratios, no
     verification row went to the pool, both offload engines verified the same rows."""
