@@ -617,6 +617,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_root = (
         Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-pd-"))
     )
+    pd_setups = [s for s in setups if s != "colocated"]
     res: dict[str, Any] = {
         "config": {
             "model": "tiny-llama 4 layers, hidden 128, float32",
@@ -637,14 +638,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The P/D setups run at the same time, their rounds alternated (block_order); the
         # colocated reference runs alone before them.
         "interleaved": True,
-        "interleaved_setups": [s for s in setups if s != "colocated"],
-        "block_order": [
-            f"{s}#{r}" for r, s in block_order([s for s in setups if s != "colocated"], args.rounds)
-        ],
+        "interleaved_setups": pd_setups,
+        "block_order": [f"{s}#{r}" for r, s in block_order(pd_setups, args.rounds)],
         "setups": {},
     }
     # The colocated reference alone first, then the P/D setups up together and interleaved.
-    groups = [[s] for s in setups if s == "colocated"] + [[s for s in setups if s != "colocated"]]
+    groups = [[s] for s in setups if s == "colocated"] + [pd_setups]
     for group in (g for g in groups if g):
         got = run_interleaved(
             group, model, prompts, warmup, args.output_tokens, log_root, args.startup_s, args.rounds

@@ -146,7 +146,8 @@ class _MooncakeRead(PendingRead):
         self._eng = eng
         self._peer = peer
         self._ops = ops
-        self._end = time.monotonic() + limit_s + sum(o.length for o in ops) * 1e-9
+        self._nbytes = sum(o.length for o in ops)
+        self._end = time.monotonic() + limit_s + self._nbytes * 1e-9
         self.ids: list[int] = []
         self.refused = ""
         self._error: TransferError | None = None
@@ -159,7 +160,7 @@ class _MooncakeRead(PendingRead):
             why = self.refused or (f"{failed} of {len(self._ops)} runs failed" if failed else "")
             if why:
                 self._error = TransferError(
-                    f"mooncake read of {len(self._ops)} runs ({sum(o.length for o in self._ops)} B) "
+                    f"mooncake read of {len(self._ops)} runs ({self._nbytes} B) "
                     f"from {self._peer} failed: {why}")
         if self._error is not None:
             raise self._error

@@ -21,9 +21,8 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     fail_recv: dict[str, str] = dataclasses.field(default_factory=dict)
     cancel_recv: list[str] = dataclasses.field(default_factory=list)
     send: list[SendJob] = dataclasses.field(default_factory=list)
-    sparse: SparseDecodeMetadata | None = (
-        None  # decode with sparse offload: request names, finishes
-    )
+    # decode with sparse offload: request names, finishes
+    sparse: SparseDecodeMetadata | None = None
     # Decode: the step computes no token (vLLM steps only to poll the connector), so a
     # worker may wait there for a pull to end (idle_wait_ms).
     idle: bool = False
