@@ -145,11 +145,10 @@ def test_settled_waits_for_idle_and_two_equal_reads() -> None:
     assert m["vllm:x"] == 3.0
 
 
-def test_settled_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run, "IDLE_TIMEOUT_S", 0.0)
+def test_settled_gives_up_at_its_deadline() -> None:
     with _client(lambda req: httpx.Response(200, text="vllm:num_requests_running 1\n")) as client, \
             pytest.raises(RuntimeError, match="not idle"):
-        run.settled(client, ["http://a"])
+        run.settled(client, ["http://a"], timeout_s=0.0)
 
 
 def test_complete_streamed_collects_token_ids_and_times() -> None:
