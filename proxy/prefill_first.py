@@ -38,7 +38,6 @@ from aiohttp import web
 from proxy.backend import JSON_HEADERS, json_error
 from proxy.errors import ProxyError
 from proxy.metaserver import Pending
-from proxy.prefill import send_prefill
 from proxy.registration import Envelope, parse_params, token_matches
 
 if TYPE_CHECKING:
@@ -61,15 +60,7 @@ def start_prefill(proxy: Proxy, p: Pending) -> None:
         "proxy_request_id": p.id,
         "registration_token": p.fetch_token,
     }
-    loop = asyncio.get_running_loop()
-    p.dispatched = loop.create_future()
-    assert proxy._psession is not None
-    task = loop.create_task(
-        send_prefill(p, proxy._psession, proxy.prefillers, proxy.metrics, proxy.cfg.timeout_s)
-    )
-    p.prefill_task = task
-    proxy._bg.add(task)
-    task.add_done_callback(proxy._bg.discard)
+    proxy.dispatch_prefill(p)
 
 
 def record_registration(proxy: Proxy, p: Pending, env: Envelope) -> web.Response:
