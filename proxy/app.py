@@ -256,7 +256,15 @@ class Proxy:
             except ProxyError as e:
                 return self._meta_reject(e, "malformed")
             p.disarm_deadline()  # from here the prefill's own deadline applies
-            self.dispatch_prefill(p)
+            loop = asyncio.get_running_loop()
+            p.dispatched = loop.create_future()
+            assert self._psession is not None
+            task = loop.create_task(
+                send_prefill(p, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
+            )
+            p.prefill_task = task
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
             result = "dispatched"
         else:
             result = "duplicate"  # a retry after a lost answer: idempotent
@@ -267,19 +275,6 @@ class Proxy:
             return json_error(e)
         self.metrics.registration(result)
         return web.Response(body=_DISPATCHED, headers=JSON_HEADERS)
-
-    def dispatch_prefill(self, p: Pending) -> None:
-        """Send ``p``'s prefill (its ``params`` set) in the background; ``p.dispatched``
-        resolves once it is on the wire, and a failure aborts ``p`` (``send_prefill``)."""
-        loop = asyncio.get_running_loop()
-        p.dispatched = loop.create_future()
-        assert self._psession is not None
-        task = loop.create_task(
-            send_prefill(p, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
-        )
-        p.prefill_task = task
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
 
     def _meta_reject(self, err: ProxyError, result: str) -> web.Response:
         log.warning("%s", err.message)

@@ -38,6 +38,7 @@ from aiohttp import web
 from proxy.backend import JSON_HEADERS, json_error
 from proxy.errors import ProxyError
 from proxy.metaserver import Pending
+from proxy.prefill import send_prefill
 from proxy.registration import Envelope, parse_params, token_matches
 
 if TYPE_CHECKING:
@@ -60,7 +61,15 @@ def start_prefill(proxy: Proxy, p: Pending) -> None:
         "proxy_request_id": p.id,
         "registration_token": p.fetch_token,
     }
-    proxy.dispatch_prefill(p)
+    loop = asyncio.get_running_loop()
+    p.dispatched = loop.create_future()
+    assert proxy._psession is not None
+    task = loop.create_task(
+        send_prefill(p, proxy._psession, proxy.prefillers, proxy.metrics, proxy.cfg.timeout_s)
+    )
+    p.prefill_task = task
+    proxy._bg.add(task)
+    task.add_done_callback(proxy._bg.discard)
 
 
 def record_registration(proxy: Proxy, p: Pending, env: Envelope) -> web.Response:
