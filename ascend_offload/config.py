@@ -458,8 +458,7 @@ class RemoteD2HConfig(_Strict):
     # Decode: in a step that computes nothing while pulls are in flight, the worker waits
     # up to this long for a pull to end (woken the moment one does) instead of returning
     # at once; vLLM would otherwise run ~1000 empty steps a second only to poll for the
-    # KV, taking CPU from the prefill and the request path. Prefill (prefill-first): the
-    # same wait while requests wait for their registration. 0: poll every step.
+    # KV, taking CPU from the prefill and the request path. 0: poll every step.
     idle_wait_ms: float = Field(2.0, ge=0, le=50)
     # Control plane (decode's ZMQ ROUTER). A file holding a shared secret: peers without it
     # cannot connect (CURVE keys derived from it); empty = no authentication (loopback/trusted net).

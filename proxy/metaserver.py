@@ -110,8 +110,6 @@ class Pending:
         return True
 
     def registered(self) -> bool:
-        if self.fetch_token is not None:  # prefill-first: params hold the prefill's fetch ticket
-            return self.registration is not None
         return self.params is not None
 
 

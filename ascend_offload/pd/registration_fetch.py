@@ -86,7 +86,6 @@ class RegistrationFetcher:
         self.max_backoff_s = max_backoff_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)
         self._done: dict[str, FetchResult] = {}
         self._futures: dict[str, cf.Future[None]] = {}
         self._loop = asyncio.new_event_loop()
@@ -112,11 +111,6 @@ class RegistrationFetcher:
         for key in out:
             self._futures.pop(key, None)
         return out
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block until a fetch ended (True) or ``timeout_s`` passed; the GIL is free meanwhile."""
-        with self._arrived:
-            return self._arrived.wait_for(lambda: bool(self._done), timeout_s)
 
     def cancel(self, key: str) -> None:
         fut = self._futures.pop(key, None)
@@ -150,9 +144,8 @@ class RegistrationFetcher:
             raise
         except Exception as exc:  # a bug or an odd peer: this request alone fails
             result = FetchFailed(f"{type(exc).__name__}: {exc}")
-        with self._arrived:
+        with self._lock:
             self._done[key] = result
-            self._arrived.notify_all()
 
     async def _until(self, ticket: FetchTicket, deadline: float) -> FetchResult:
         if self._client is None:

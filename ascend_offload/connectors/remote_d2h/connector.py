@@ -246,12 +246,14 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending: set[str] = set()
         recving: set[str] = set()
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        wait_s = self.cfg.idle_wait_ms / 1000 if isinstance(meta, RemoteD2HMetadata) and meta.idle else 0.0
         if self.decode is not None:
-            sending, recving = self.decode.get_finished(finished_req_ids, wait_s=wait_s)
-        if self.prefill is not None:  # waits only where no decode role did
-            sending |= self.prefill.get_finished(finished_req_ids, wait_s=0.0 if self.decode else wait_s)
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            idle = isinstance(meta, RemoteD2HMetadata) and meta.idle
+            sending, recving = self.decode.get_finished(
+                finished_req_ids, wait_s=self.cfg.idle_wait_ms / 1000 if idle else 0.0
+            )
+        if self.prefill is not None:
+            sending |= self.prefill.get_finished(finished_req_ids)
         return (sending or None), (recving or None)
 
     def get_kv_connector_stats(self) -> RD2HConnectorStats | None:

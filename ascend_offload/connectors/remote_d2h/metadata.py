@@ -23,9 +23,8 @@ class RemoteD2HMetadata(KVConnectorMetadata):
     send: list[SendJob] = dataclasses.field(default_factory=list)
     # decode with sparse offload: request names, finishes
     sparse: SparseDecodeMetadata | None = None
-    # The step computes no token (vLLM steps only to poll the connector), so a worker may
-    # wait there (idle_wait_ms) for a pull to end (decode) or a registration to arrive
-    # (prefill, prefill-first).
+    # Decode: the step computes no token (vLLM steps only to poll the connector), so a
+    # worker may wait there for a pull to end (idle_wait_ms).
     idle: bool = False
 
     @property

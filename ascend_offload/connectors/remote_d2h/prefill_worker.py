@@ -324,16 +324,9 @@ class PrefillWorker:
         self._step_sends = {}
         self._step_blocks = []
 
-    def get_finished(self, finished_req_ids: set[str], wait_s: float = 0.0) -> set[str]:
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: vLLM finished them *and* decode answered every
-        published layer (or the ack deadline passed).
-
-        ``wait_s`` > 0 (a step that computes nothing, ``idle_wait_ms``): while prefill-first
-        requests wait for their registration and vLLM finished nothing, wait up to ``wait_s``
-        for a fetch to end (woken the moment one does) and publish at once, instead of
-        vLLM stepping empty only to poll."""
-        if wait_s > 0 and self._awaiting and not finished_req_ids:
-            self._awaiting.fetcher.wait(wait_s)
+        published layer (or the ack deadline passed)."""
         self._poll_awaiting()
         waiting = self._awaiting if self._awaiting is not None else ()
         mine = {rid for rid in finished_req_ids

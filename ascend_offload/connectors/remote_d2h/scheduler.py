@@ -168,10 +168,10 @@ class RemoteD2HScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RemoteD2HMetadata:
         meta = RemoteD2HMetadata()
-        meta.idle = not any(scheduler_output.num_scheduled_tokens.values())
         if self.decode is not None:
             step = self.decode.take_step()
             meta.recv, meta.fail_recv, meta.cancel_recv = step.recv, step.fail, step.cancel
+            meta.idle = not any(scheduler_output.num_scheduled_tokens.values())
         if self.sparse is not None:
             meta.sparse = self.sparse.build_meta(scheduler_output)
             book = self.hybrid

@@ -85,7 +85,7 @@ def test_registration_during_after_or_never(monkeypatch: pytest.MonkeyPatch, arr
 
 
             def step() -> bool:  # both engines keep stepping (vLLM: a held request keeps it stepping)
-                sent.update(pre.prefill.get_finished(set(), wait_s=0.01))  # an idle step's wait
+                sent.update(pre.prefill.get_finished(set()))
                 received.update(dec.decode.get_finished(set())[1])
                 return "r1" in received
 
