@@ -1,5 +1,4 @@
-"""The proxy's HTTP side: routes, the decode-first flow and backend I/O (the
-prefill-first flow, ``dispatch: prefill_first``, is in ``prefill_first.py``).
+"""The proxy's HTTP side: routes, the decode-first flow and backend I/O.
 
 One request (after fan-out, see ``bodies.py``) goes:
 
@@ -46,7 +45,6 @@ from proxy.backend import (
     backend_headers,
     json_error,
     on_headers_sent,
-    relay_models,
     snippet,
     uncancel,
 )
@@ -209,7 +207,24 @@ class Proxy:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         assert self._dsession is not None
-        return await relay_models(self._dsession, self.decoders, request)
+        tried: list[Instance] = []
+        while (inst := self.decoders.pick(tried)) is not None:
+            tried.append(inst)
+            try:
+                auth = request.headers.get("Authorization")
+                headers = {"Authorization": auth} if auth else None
+                async with self._dsession.get(inst.url + "/v1/models", headers=headers) as resp:
+                    data = await resp.read()
+                    return web.Response(
+                        status=resp.status,
+                        body=data,
+                        headers={"Content-Type": resp.headers.get("Content-Type", JSON_TYPE)},
+                    )
+            except CONNECT_ERRORS:
+                self.decoders.mark_down(inst)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
+        return json_error(ProxyError(503, "no decode instance reachable"))
 
     async def handle_fetch(self, request: web.Request) -> web.Response:
         return await handle_fetch(self, request)

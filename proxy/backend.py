@@ -1,6 +1,5 @@
 """Small pieces of the proxy's backend I/O: an open decode response, the headers of
-backend requests, the trace hook that marks a prefill as dispatched, JSON errors,
-``/v1/models`` passed through to a decode."""
+backend requests, the trace hook that marks a prefill as dispatched, JSON errors."""
 
 from __future__ import annotations
 
@@ -87,25 +86,3 @@ async def on_headers_sent(
     p = ctx.trace_request_ctx
     if isinstance(p, Pending) and p.dispatched is not None and not p.dispatched.done():
         p.dispatched.set_result(True)
-
-
-async def relay_models(session: aiohttp.ClientSession, decoders: Balancer, request: web.Request) -> web.Response:
-    """``GET /v1/models``, passed through to a reachable decode."""
-    tried: list[Instance] = []
-    while (inst := decoders.pick(tried)) is not None:
-        tried.append(inst)
-        try:
-            auth = request.headers.get("Authorization")
-            headers = {"Authorization": auth} if auth else None
-            async with session.get(inst.url + "/v1/models", headers=headers) as resp:
-                data = await resp.read()
-                return web.Response(
-                    status=resp.status,
-                    body=data,
-                    headers={"Content-Type": resp.headers.get("Content-Type", JSON_TYPE)},
-                )
-        except CONNECT_ERRORS:
-            decoders.mark_down(inst)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
-    return json_error(ProxyError(503, "no decode instance reachable"))

@@ -51,7 +51,6 @@ from typing import Any
 
 from ascend_offload.bench import run_server_bench
 from ascend_offload.harness.servers import Server, free_port, stop_all, wait_health
-from proxy.config import DISPATCH_MODES, ProxyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -117,10 +116,9 @@ def _autogroup() -> str:
 
 @contextmanager
 def _cluster(
-    setup: str, model: str, log_dir: Path, startup_s: float, dispatch: str = ""
+    setup: str, model: str, log_dir: Path, startup_s: float
 ) -> Iterator[tuple[str, str, list[Server]]]:
-    """Start one setup's processes, yield (entry URL, generating engine URL, servers); always stop them all.
-    ``dispatch``: our proxy's ``--dispatch`` (empty: its default)."""
+    """Start one setup's processes, yield (entry URL, generating engine URL, servers); always stop them all."""
     env = dict(
         os.environ,
         VLLM_HOST_IP="127.0.0.1",
@@ -198,7 +196,6 @@ def _cluster(
                         "127.0.0.1",
                         "--decoder-ports",
                         str(d_port),
-                        *(["--dispatch", dispatch] if dispatch else []),
                     ],
                     env,
                     log_dir,
@@ -493,7 +490,6 @@ def run_interleaved(
     startup_s: float,
     rounds: int = 1,
     settle_s: float = SETTLE_S,
-    dispatch: str = "",
 ) -> dict[str, dict[str, Any]]:
     """Start every setup in ``setups`` at once, warm each up, then measure them interleaved.
 
@@ -517,7 +513,7 @@ def run_interleaved(
                 file=sys.stderr,
                 flush=True,
             )
-            live[s] = stack.enter_context(_cluster(s, model, d, startup_s, dispatch))
+            live[s] = stack.enter_context(_cluster(s, model, d, startup_s))
         startup = round(time.monotonic() - t0, 1)
         sizes: dict[str, dict[str, int]] = {}
         before: dict[str, dict[str, float]] = {}
@@ -638,7 +634,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sched_autogroup_enabled": _autogroup(),
             "servers_session": "the bench's own",
             "settle_s": SETTLE_S,
-            "ours_dispatch": args.dispatch,
         },
         # The P/D setups run at the same time, their rounds alternated (block_order); the
         # colocated reference runs alone before them.
@@ -651,8 +646,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     groups = [[s] for s in setups if s == "colocated"] + [pd_setups]
     for group in (g for g in groups if g):
         got = run_interleaved(
-            group, model, prompts, warmup, args.output_tokens, log_root, args.startup_s, args.rounds,
-            dispatch=args.dispatch,
+            group, model, prompts, warmup, args.output_tokens, log_root, args.startup_s, args.rounds
         )
         for s in group:
             res["setups"][s] = got[s]
@@ -722,12 +716,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--setups", default=",".join(SETUPS), help="comma list of colocated,ours,mooncake"
-    )
-    p.add_argument(
-        "--dispatch",
-        choices=DISPATCH_MODES,
-        default=ProxyConfig.dispatch,
-        help="our proxy's dispatch for the 'ours' setup (default: the proxy's default)",
     )
     p.add_argument(
         "--startup-s",

@@ -36,8 +36,7 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
                decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None,
-               worker_in_core: bool = True,
-               second_proxy_args: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+               worker_in_core: bool = True) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
     are functions of the role's kv port returning the transfer config dict; a ``None`` in
@@ -47,11 +46,8 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
     process (vLLM's uni-process executor, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the API
     server still talks to the engine core across processes), ~10 s less per server.
     ``False`` keeps vLLM's default worker process, where the connectors' scheduler-to-
-    worker metadata is serialized (test_pd_e2e and the demo check that path).
-
-    ``second_proxy_args``: a second proxy in front of the same engines, with these extra
-    arguments (e.g. ``--dispatch prefill_first``), yielded as ``proxy2``."""
-    p_port, d_port, proxy_port, proxy2_port = free_port(), free_port(), free_port(), free_port()
+    worker metadata is serialized (test_pd_e2e and the demo check that path)."""
+    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     p_kv, d_kv = free_port(), free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -70,21 +66,14 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                               {k: v for k, v in {**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
                                                  **(decode_env or {})}.items() if v is not None},
                               log_dir))
-        ports = [p_port, d_port, proxy_port]
-        for name, port, more in (("proxy", proxy_port, ()), ("proxy2", proxy2_port, second_proxy_args)):
-            if more is None:
-                continue
-            servers.append(Server(name, [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
-                                         str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
-                                         str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                         str(d_port), *more], env, log_dir))
-            if name == "proxy2":
-                ports.append(port)
+        servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
+                                        str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+                                        str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
+                                        str(d_port)], env, log_dir))
         deadline = time.monotonic() + STARTUP_S
-        for port, server in zip(ports, servers, strict=True):
+        for port, server in zip((p_port, d_port, proxy_port), servers, strict=True):
             wait_health(f"http://127.0.0.1:{port}/health", servers, deadline, serving=server)
         yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "proxy": f"http://127.0.0.1:{proxy_port}",
-               "proxy2": f"http://127.0.0.1:{proxy2_port}" if second_proxy_args is not None else None,
                "decode": f"http://127.0.0.1:{d_port}", "servers": {s.name: s for s in servers}}
     finally:
         stop_all(servers)
