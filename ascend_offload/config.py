@@ -450,10 +450,6 @@ class RemoteD2HConfig(_Strict):
     request_timeout_s: float = _timeout(120.0)
     registration_timeout_s: float = _timeout(30.0)
     registration_retries: int = Field(5, ge=0)
-    # Prefill, prefill-first dispatch: how long a computed request waits for its decode's
-    # registration (its blocks held meanwhile), and how many may wait at once.
-    registration_wait_s: float = _timeout(30.0)
-    max_awaiting_registrations: int = Field(1024, ge=1, le=1_000_000)
     read_retries: int = Field(1, ge=0)
     # Decode: in a step that computes nothing while pulls are in flight, the worker waits
     # up to this long for a pull to end (woken the moment one does) instead of returning

@@ -74,7 +74,6 @@ from proxy.metaserver import Pending, PendingTable
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import ProxyMetrics
 from proxy.prefill import send_prefill
-from proxy.prefill_first import handle_fetch, record_registration, start_prefill
 from proxy.registration import parse_envelope, parse_params, token_matches
 from proxy.relay import SSESplitter, StreamMerger, merge_responses
 
@@ -126,7 +125,6 @@ class Proxy:
         app.router.add_post(CHAT, self.handle_chat)
         if metaserver:
             app.router.add_post("/v1/metaserver", self.handle_metaserver)
-            app.router.add_get("/v1/metaserver", self.handle_fetch)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/v1/models", self.handle_models)
@@ -138,7 +136,6 @@ class Proxy:
         """Registrations only, for a listener on an internal interface (``--metaserver-port``)."""
         app = web.Application(client_max_size=self.cfg.registration_max_bytes)
         app.router.add_post("/v1/metaserver", self.handle_metaserver)
-        app.router.add_get("/v1/metaserver", self.handle_fetch)
         return app
 
     def _connector(self) -> aiohttp.TCPConnector:
@@ -226,9 +223,6 @@ class Proxy:
                 return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
         return json_error(ProxyError(503, "no decode instance reachable"))
 
-    async def handle_fetch(self, request: web.Request) -> web.Response:
-        return await handle_fetch(self, request)
-
     async def handle_metaserver(self, request: web.Request) -> web.Response:
         """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire.
 
@@ -263,8 +257,6 @@ class Proxy:
             return self._meta_reject(
                 ProxyError(403, f"metaserver: wrong registration_token for {p.id!r}", "forbidden"), "forbidden"
             )
-        if self.cfg.dispatch == "prefill_first":
-            return record_registration(self, p, env)
         if p.dispatched is None:
             try:
                 p.params = msgspec.to_builtins(parse_params(env))
@@ -386,8 +378,6 @@ class Proxy:
         assert p.shared is not None
         payload = p.shared.decode_payload(p.body, decode_params(self.metaserver_url, p.id, p.token))
         d: DecodeResponse | None = None
-        if self.cfg.dispatch == "prefill_first":
-            start_prefill(self, p)
         try:
             d = await self._open_decode(p.path, payload, backend_headers(p))
             if stream and d.status == 200:

@@ -17,7 +17,7 @@ import logging
 import signal
 import sys
 
-from proxy.config import DISPATCH_MODES, ProxyConfig
+from proxy.config import ProxyConfig
 from proxy.server import ProxyServer
 
 
@@ -105,9 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "body (one block id per prompt block; 413 above it)")
     ap.add_argument("--block-size", type=int, default=16,
                     help="the decodes' KV block size (tokens), for the registration cap")
-    ap.add_argument("--dispatch", choices=DISPATCH_MODES, default="decode_first",
-                    help="decode_first: prefill sent once the decode registered; prefill_first: both at "
-                         "once, the prefill fetches the registration from the metaserver")
     ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
                     help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
@@ -140,7 +137,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_answer_mb=args.max_answer_mb,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
-        dispatch=args.dispatch,
     )
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-DISPATCH_MODES = ("decode_first", "prefill_first")
 
 MB = 1024 * 1024
 
@@ -81,14 +78,8 @@ class ProxyConfig:
     # registrations (413); too large only loosens the cap.
     max_model_len: int = 262144
     block_size: int = 16
-    # decode_first: the prefill is sent once its decode registered (registration in its
-    # kv_transfer_params). prefill_first: both at once; the prefill fetches the
-    # registration from the metaserver (prefill_first.py).
-    dispatch: Literal["decode_first", "prefill_first"] = "decode_first"
 
     def __post_init__(self) -> None:
-        if self.dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         _check_port("port", self.port)
         if self.metaserver_port is not None:
             _check_port("metaserver_port", self.metaserver_port)

@@ -39,15 +39,11 @@ class Pending:
         "dispatched",
         "done",
         "error",
-        "fetch_token",
-        "fetchers",
         "id",
-        "on_registered",
         "owner",
         "params",
         "path",
         "prefill_task",
-        "registration",
         "shared",
         "started",
         "token",
@@ -71,12 +67,6 @@ class Pending:
         self.started = False
         self.done = False
         self._deadline: asyncio.TimerHandle | None = None
-        # Prefill-first (prefill_first.py): the prefill's own token for fetching the decode's
-        # registration, the registration once it arrived (encoded), waiters' future and count.
-        self.fetch_token: str | None = None
-        self.registration: bytes | None = None
-        self.on_registered: asyncio.Future[bytes] | None = None
-        self.fetchers = 0
 
     def arm_deadline(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
         """Fail with 504 unless the decode registers or answers within ``seconds``."""
@@ -144,10 +134,10 @@ class PendingTable:
         p.done = True
         p.disarm_deadline()
         self._items.pop(p.id, None)
-        for d in (p.dispatched, p.on_registered):
-            if d is not None and not d.done():
-                d.set_exception(ProxyError(404, f"request {p.id} already finished", "finished"))
-                d.exception()  # mark retrieved: nobody may be waiting any more
+        d = p.dispatched
+        if d is not None and not d.done():
+            d.set_exception(ProxyError(404, f"request {p.id} already finished", "finished"))
+            d.exception()  # mark retrieved: nobody may be waiting any more
 
     def __len__(self) -> int:
         return len(self._items)

@@ -69,12 +69,6 @@ class ProxyMetrics:
             ["result"],
             registry=self.registry,
         )
-        self._fetches = Counter(
-            "ascend_offload_proxy_metaserver_fetches",
-            "Prefill-first: prefills' registration fetches by result",
-            ["result"],
-            registry=self.registry,
-        )
         self.latency = Histogram(
             "ascend_offload_proxy_request_seconds",
             "Client request latency, whole response",
@@ -85,7 +79,6 @@ class ProxyMetrics:
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._err_children: dict[tuple[str, str], Counter] = {}
         self._reg_children: dict[str, Counter] = {}
-        self._fetch_children: dict[str, Counter] = {}
 
     def request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
@@ -105,12 +98,6 @@ class ProxyMetrics:
         child = self._reg_children.get(result)
         if child is None:
             child = self._reg_children[result] = self._registrations.labels(result)
-        child.inc()
-
-    def fetch(self, result: str) -> None:
-        child = self._fetch_children.get(result)
-        if child is None:
-            child = self._fetch_children[result] = self._fetches.labels(result)
         child.inc()
 
     def render(self) -> bytes:

@@ -79,13 +79,6 @@ RD2H_COUNTERS: dict[str, str] = {
     "send_errors": "prefill: readiness items that could not be sent (endpoint unreachable, queue full)",
     "gate_holds": "prefill, layer sharing: reuse-gate slots held for decode's reads",
     "gate_hold_failures": "prefill, layer sharing: gate holds released with a failed or unanswered read",
-    "registrations_fetched": "prefill-first: decode registrations fetched from the proxy and served",
-    "registrations_held": "prefill-first: of those, arrived after the forward (blocks held, layers "
-                          "published at once)",
-    "registrations_expired": "prefill-first: requests whose registration did not arrive within "
-                             "registration_wait_s (blocks freed, decode recomputes)",
-    "registrations_refused": "prefill-first: fetches refused or registrations unusable (malformed, "
-                             "wrong protocol, table full, layer sharing)",
 }
 
 # gauge name -> help text: state that must return to 0 when the engine is idle (leak checks).
@@ -95,7 +88,6 @@ RD2H_GAUGES: dict[str, str] = {
     "inflight_reads": "decode: reads submitted to reader threads and not answered yet",
     "parked_messages": "decode: readiness messages parked for requests not started yet",
     "active_requests": "decode: requests still being received",
-    "awaiting_registrations": "prefill-first: computed requests waiting for their decode's registration",
 }
 
 # sparse decode offload (AscendSparseDecodeConnector: vllm:ascend_offload_sparse_*)

@@ -111,11 +111,8 @@ class FakeBackend:
             "register_failed": 0,
             "register_attempts": 0,
             "kv_notified": 0,
-            "fetched": 0,
-            "fetch_failed": 0,
         }
         self._kv_ready: dict[str, asyncio.Event] = {}
-        self._bg: set[asyncio.Task[None]] = set()
         self._ids = 0
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -147,10 +144,6 @@ class FakeBackend:
         return self.port
 
     async def stop(self) -> None:
-        for t in list(self._bg):
-            t.cancel()
-        if self._bg:
-            await asyncio.gather(*self._bg, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -260,11 +253,6 @@ class FakeBackend:
                 self._kv_ready.pop(rid, None)  # also when the client went away meanwhile
         if self.role == "prefill" and params.get("do_remote_decode") and params.get("remote_host"):
             await self._notify_decode(params)
-        if self.role == "prefill" and params.get("do_remote_decode") and params.get("metaserver"):
-            # prefill-first: answer now, deliver once the decode's registration is fetched
-            task = asyncio.get_running_loop().create_task(self._fetch_and_notify(params))
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
 
         if self.fault == "break":
             if body.get("stream") is True:
@@ -317,28 +305,6 @@ class FakeBackend:
             delay = min(delay * 2, 0.5)
         self.stats["register_failed"] += 1
         return f"fake decode: registration failed: {last}"
-
-    async def _fetch_and_notify(self, params: dict[str, Any]) -> None:
-        """Prefill-first: long-poll the metaserver for the decode's registration, then deliver."""
-        assert self._session is not None
-        headers = {"X-Registration-Token": str(params.get("registration_token"))}
-        deadline = time.monotonic() + self.register_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                async with self._session.get(params["metaserver"], headers=headers,
-                                             params={"proxy_request_id": str(params.get("proxy_request_id"))}
-                                             ) as r:
-                    data = await r.read()
-                    if r.status == 200:
-                        self.stats["fetched"] += 1
-                        await self._notify_decode(msgspec.json.decode(data))
-                        return
-                    if r.status < 500:
-                        break
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(0.02)
-        self.stats["fetch_failed"] += 1
 
     async def _notify_decode(self, params: dict[str, Any]) -> None:
         assert self._session is not None

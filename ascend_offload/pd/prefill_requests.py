@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 from ascend_offload.pd.protocol import MAX_NAME
 from ascend_offload.pd.registration import DecodeRegistration, ParamsError, ProtocolGuard
-from ascend_offload.pd.registration_fetch import FetchTicket, is_ticket
 
 # What a read_ready item can carry (protocol.ReadReady.src_blocks).
 MAX_BLOCKS = 1 << 20
@@ -48,23 +47,6 @@ class SendJob:
     kv_port: int
     d_tp: int
     dp_rank: int
-    # Prefill-first: decode had not registered when the proxy sent the prefill; the
-    # workers fetch the registration with this ticket (``block_ids`` are then all of the
-    # request's blocks, and the fields above are placeholders).
-    ticket: FetchTicket | None = None
-
-
-def job_for(request_id: str, reg: DecodeRegistration, mine: Sequence[int]) -> SendJob:
-    """The send of ``request_id``'s blocks ``mine`` to the decode ``reg`` names: the blocks
-    from ``remote_block_offset`` on, as many as decode registered (``ParamsError`` if the
-    prefill has fewer)."""
-    want = len(reg.remote_block_ids)
-    src = tuple(mine[reg.remote_block_offset:reg.remote_block_offset + want])
-    if len(src) != want:
-        raise ParamsError(f"request {request_id} has {len(mine)} prefill blocks from offset "
-                          f"{reg.remote_block_offset}; decode expects {want}")
-    return SendJob(request_id, reg.remote_request_id, src, reg.remote_host, reg.remote_port,
-                   reg.remote_tp_size, reg.remote_dp_rank)
 
 
 class PromptProgress(Protocol):
@@ -116,7 +98,7 @@ class PrefillRequests:
         """``transfer_protocol``: this prefill's ``backend/protocol``; a decode advertising
         another is refused per request (empty: not checked)."""
         self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
-        self._pending: dict[str, tuple[PromptProgress, DecodeRegistration | FetchTicket]] = {}
+        self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
         self._sending: set[str] = set()
         self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
 
@@ -126,19 +108,7 @@ class PrefillRequests:
         return frozenset(self._sending)
 
     def after_alloc(self, request: PromptProgress, params: Mapping[str, Any]) -> bool:
-        """Track ``request`` until its prompt is computed; False if its registration is invalid.
-
-        A prefill-first request carries a fetch ticket instead (the workers fetch the
-        registration once the prompt is computed)."""
-        if is_ticket(params):
-            try:
-                self._pending[request.request_id] = (request, FetchTicket.from_params(params))
-            except ParamsError as exc:
-                log.error("remote-d2h: request %s has do_remote_decode but %s; decode will not get its KV",
-                          request.request_id, exc)
-                self._errors[request.request_id] = f"invalid fetch ticket: {exc}"
-                return False
-            return True
+        """Track ``request`` until its prompt is computed; False if its registration is invalid."""
         try:
             reg = DecodeRegistration.from_params(params)
             check_registration(reg)
@@ -175,17 +145,18 @@ class PrefillRequests:
         return jobs
 
     @staticmethod
-    def _job(rid: str, reg: DecodeRegistration | FetchTicket, mine: Sequence[int] | None) -> SendJob | None:
+    def _job(rid: str, reg: DecodeRegistration, mine: Sequence[int] | None) -> SendJob | None:
         if mine is None:
             log.error("remote-d2h: no KV cache manager bound; cannot send %s", rid)
             return None
-        if isinstance(reg, FetchTicket):
-            return SendJob(rid, "", tuple(mine), "", 0, 0, 0, ticket=reg)
-        try:
-            return job_for(rid, reg, mine)
-        except ParamsError as exc:
-            log.error("remote-d2h: %s", exc)
+        want = len(reg.remote_block_ids)
+        src = tuple(mine[reg.remote_block_offset:reg.remote_block_offset + want])
+        if len(src) != want:
+            log.error("remote-d2h: request %s has %d prefill blocks from offset %d; decode expects %d",
+                      rid, len(mine), reg.remote_block_offset, want)
             return None
+        return SendJob(rid, reg.remote_request_id, src, reg.remote_host, reg.remote_port,
+                       reg.remote_tp_size, reg.remote_dp_rank)
 
     def request_finished(self, request_id: str) -> bool:
         """vLLM finished the request; True: its blocks must wait (decode still reads them)."""

@@ -9,11 +9,6 @@ scheduler's ``request_finished`` delays the free until this worker says so).
 With layer sharing (``AscendMultiConnector``) a layer's physical buffer is
 reused within the forward, so decode's reads hold the buffer's reuse-gate slot
 (:meth:`PrefillWorker.attach_reuse_gate`).
-
-Prefill-first dispatch: a send whose decode had not registered yet arrives with a
-fetch ticket; :class:`~ascend_offload.pd.prefill_first.AwaitingSends` fetches the
-registration, and once it is here the layers already written are published at once
-and the rest as they are written (docs/pd.md, "Prefill-first dispatch").
 """
 
 from __future__ import annotations
@@ -30,11 +25,8 @@ from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
 from ascend_offload.pd.slot_sharing import ReadGate, SlotSharing
 from ascend_offload.pd.topology import Topology, TopologyError
-from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
-    from ascend_offload.pd.prefill_first import AwaitingSends, Ended, Joined
-    from ascend_offload.pd.prefill_requests import SendJob
     from ascend_offload.pd.producer import Producer, SlotRelease
 
 log = logging.getLogger(__name__)
@@ -65,9 +57,6 @@ class PrefillWorker:
         self.gate_holds = 0
         self.gate_hold_failures = 0
         self.withheld_layers = 0  # layers not published after a failed store load of their step
-        # Prefill-first: sends waiting for their decode's registration (made on first use).
-        self._awaiting: AwaitingSends | None = None
-        self.refused_tickets = 0  # prefill-first sends refused outright (layer sharing)
 
     def start(self, region: KVRegion, names: Sequence[str]) -> None:
         """Publish from ``region``; ``names`` in model order give the layer indices on the wire."""
@@ -160,90 +149,24 @@ class PrefillWorker:
 
     def apply(self, meta: RemoteD2HMetadata) -> None:
         """Hand this step's send jobs to the producers (before the first layer is saved)."""
-        step: defaultdict[int, list[str]] = defaultdict(list)
-        blocks: set[int] = set()
-        if self._awaiting is not None:  # a new step: the previous one's forward has ended
-            self._awaiting.end_forward(self._num_layers())
-        for job in meta.send:
-            if job.ticket is not None:
-                self._await(job)
-            elif self._add(job):
-                step[job.d_tp].append(job.remote_request_id)
-                blocks.update(job.block_ids)
-        self._step_sends = dict(step)
-        self._step_blocks = sorted(blocks)
-
-    def _add(self, job: SendJob) -> bool:
-        """Register ``job`` with its producer; False (and freed) when it cannot be sent."""
         from ascend_offload.pd.producer import DecodeTarget
 
-        try:
-            self._producer(job.d_tp).add_request(
-                job.remote_request_id, job.block_ids, DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
-        except (ValueError, TopologyError) as exc:
-            log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
-            self._send_done.add(job.request_id)
-            return False
-        self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
-        self._own[job.request_id] = (job.d_tp, job.remote_request_id)
-        return True
-
-    # ------------------------------------------------------------------ prefill-first
-
-    def _num_layers(self) -> int:
-        return len(self._region.layers) if self._region is not None else 0
-
-    def _await(self, job: SendJob) -> None:
-        """A prefill-first send: fetch its registration; refused under layer sharing, whose
-        buffers a later layer overwrites before a late registration could be served."""
-        if self._gate is not None:
-            self.refused_tickets += 1
-            (log.error if self.refused_tickets == 1 else log.debug)(
-                "%s: %s came prefill-first, but this prefill shares layer buffers: its layers "
-                "are overwritten before a late registration could be served; not sent (decode "
-                "recomputes; use the proxy's decode_first dispatch with layer sharing)", NAME, job.request_id)
-            self._send_done.add(job.request_id)
-            return
-        if self._awaiting is None:
-            from ascend_offload.pd.prefill_first import AwaitingSends
-            from ascend_offload.pd.registration_fetch import RegistrationFetcher
-
-            cfg = self.settings.cfg
-            self._awaiting = AwaitingSends(RegistrationFetcher(), wait_s=cfg.registration_wait_s,
-                                           max_requests=cfg.max_awaiting_registrations,
-                                           protocol=transfer_protocol(cfg))
-        ended = self._awaiting.add(job)
-        if ended is not None:
-            self._send_done.add(ended.request_id)
-
-    def _poll_awaiting(self) -> None:
-        """Registrations that arrived: publish what is written; expired or refused: free."""
-        if not self._awaiting:
-            return
-        joined, ended = self._awaiting.take()
-        for e in ended:
-            self._ended(e)
-        for j in joined:
-            self._join(j)
-
-    def _ended(self, e: Ended) -> None:
-        self._send_done.add(e.request_id)
-
-    def _join(self, j: Joined) -> None:
-        job = j.job
-        if not self._add(job):
-            return
-        rid = job.remote_request_id
-        if j.layers:
-            device.synchronize()  # the written layers' KV must be in memory before decode reads it
-            prod = self._producers[job.d_tp]
-            for layer in j.layers:
-                if self._region is not None:
-                    self._region.stage_out(layer, list(job.block_ids))
-                prod.publish_layer(layer, unique_slot=True, request_ids=[rid])
-        if j.in_forward:  # its later layers go out with the step's sends
-            self._step_sends.setdefault(job.d_tp, []).append(rid)
-            self._step_blocks = sorted(set(self._step_blocks).union(job.block_ids))
+        step: defaultdict[int, list[str]] = defaultdict(list)
+        blocks: set[int] = set()
+        for job in meta.send:
+            try:
+                self._producer(job.d_tp).add_request(
+                    job.remote_request_id, job.block_ids, DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
+            except (ValueError, TopologyError) as exc:
+                log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
+                self._send_done.add(job.request_id)
+                continue
+            self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
+            self._own[job.request_id] = (job.d_tp, job.remote_request_id)
+            step[job.d_tp].append(job.remote_request_id)
+            blocks.update(job.block_ids)
+        self._step_sends = dict(step)
+        self._step_blocks = sorted(blocks)
 
     def _publish(self, layer: int, name: str | None = None) -> None:
         failed = self._failed_requests(name)
@@ -297,28 +220,19 @@ class PrefillWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""
-        if not self.settings.cfg.use_layerwise:
-            return
-        self._poll_awaiting()  # joined now: the layers before this one go out at once
-        if self._step_sends or self._awaiting:
+        if self._step_sends and self.settings.cfg.use_layerwise:
             idx = self._layer_index.get(layer_name)
             if idx is None:
                 log.error("%s: unknown layer %r; not published", NAME, layer_name)
                 return
-            if self._step_sends:
-                self._publish(idx, layer_name)
-            if self._awaiting:
-                self._awaiting.layer_written(idx)
+            self._publish(idx, layer_name)
 
     def wait_for_save(self) -> None:
         """End of the forward: publish every layer now unless published per layer."""
-        self._poll_awaiting()
         if self._step_sends and not self.settings.cfg.use_layerwise:
             assert self._region is not None
             for i in range(len(self._region.layers)):
                 self._publish(i)
-        if self._awaiting is not None:
-            self._awaiting.end_forward(self._num_layers())
         if self._gate_tokens:
             self._release_gate_tokens()
         self._step_sends = {}
@@ -327,10 +241,7 @@ class PrefillWorker:
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: vLLM finished them *and* decode answered every
         published layer (or the ack deadline passed)."""
-        self._poll_awaiting()
-        waiting = self._awaiting if self._awaiting is not None else ()
-        mine = {rid for rid in finished_req_ids
-                if rid in self._own or rid in self._send_done or rid in waiting}
+        mine = {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
         self._seen_finished |= mine
         for rid in mine:
             key = self._own.get(rid)
@@ -355,11 +266,6 @@ class PrefillWorker:
         out = {"layers_published": 0, "acks": 0, "acks_late": 0, "ack_timeouts": 0, "failed_answers": 0,
                "send_errors": 0, "rejected_messages": 0,
                "gate_holds": self.gate_holds, "gate_hold_failures": self.gate_hold_failures}
-        st = self._awaiting.stats if self._awaiting is not None else None
-        out.update({"registrations_fetched": st.fetched if st else 0,
-                    "registrations_held": st.held if st else 0,
-                    "registrations_expired": st.expired if st else 0,
-                    "registrations_refused": (st.refused if st else 0) + self.refused_tickets})
         for prod in self._producers.values():
             st = prod.stats
             for key, value in (("layers_published", st.published_items), ("acks", st.acked),
@@ -371,11 +277,8 @@ class PrefillWorker:
 
     def gauges(self) -> dict[str, int]:
         """Published slot uses still waiting for decode's answers or their deadline (0 when idle)."""
-        return {"pending_slot_uses": sum(len(p.pending_slots()) for p in self._producers.values()),
-                "awaiting_registrations": len(self._awaiting) if self._awaiting is not None else 0}
+        return {"pending_slot_uses": sum(len(p.pending_slots()) for p in self._producers.values())}
 
     def close(self) -> None:
-        if self._awaiting is not None:
-            self._awaiting.close()
         for prod in self._producers.values():
             prod.close()

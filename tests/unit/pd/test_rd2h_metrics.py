@@ -47,7 +47,6 @@ def test_deltas_reach_prometheus_counters() -> None:
     conn.decode.consumer, conn.decode.sparse, conn.decode.landed_resident = cons, None, 2
     conn.prefill = PrefillWorker.__new__(PrefillWorker)
     conn.prefill.gate_holds, conn.prefill.gate_hold_failures = 4, 1
-    conn.prefill._awaiting, conn.prefill.refused_tickets = None, 0
     conn.prefill._producers = {1: SimpleNamespace(stats=ProducerStats(published_items=6, acked=5, stale=1,
                                                                        timed_out=1, rejected=1),
                                                       pending_slots=lambda: dict(state["slots"]))}
@@ -58,7 +57,7 @@ def test_deltas_reach_prometheus_counters() -> None:
                           "ack_timeouts": 1, "gate_holds": 4, "gate_hold_failures": 1,
                           "resident_pulls": 2,
                           "inflight_reads": 2, "parked_messages": 1, "active_requests": 1,
-                          "pending_slot_uses": 1, "awaiting_registrations": 0}
+                          "pending_slot_uses": 1}
     assert set(first.data) <= set(RD2H_COUNTERS) | set(RD2H_GAUGES)
     assert conn.get_kv_connector_stats() is None  # nothing new since
     cons.stats.reads += 2
