@@ -45,6 +45,7 @@ from ascend_offload.models.sparse_attention import (
     sparse_attention,
 )
 from ascend_offload.sparse.adapter import BatchRow, SparseDecodeAdapter, SparseStepPlan
+from ascend_offload.sparse.hybrid import resident_slots, write_resident
 
 _UNSET = object()
 
@@ -242,14 +243,15 @@ class SparseMLACache(_CacheLayer):
         return None if layer is None else (adapter, layer)
 
     def _new_row_positions(self, meta: SparseMLAMetadata, plan: SparseStepPlan
-                           ) -> tuple[torch.Tensor | int, torch.Tensor]:
+                           ) -> tuple[torch.Tensor | int, torch.Tensor | None]:
         """The step's new tokens (batch indices, or their count when they are the batch's
         first tokens in order, as in every decode step: a slice, no gather) and their
-        (batch entry, position) pairs for ``offload_new_kv``: built once per step, in
+        (batch entry, position) pairs for ``offload_new_kv`` (``None`` for a resident
+        step: :attr:`SparseStepPlan.resident` has their rows): built once per step, in
         Python lists (a decode step has one token per request; per-request tensor ops
         cost more than the lists)."""
         src: list[int] = []
-        pos: list[tuple[int, int]] = []
+        pos: list[tuple[int, int]] | None = [] if plan.resident is None else None
         for i, req in enumerate(meta.requests):
             b, first = plan.batch_index[i], plan.offload_from[i]
             seq, n_new = req.slots.shape[0], req.end - req.start
@@ -260,8 +262,9 @@ class SparseMLACache(_CacheLayer):
                        f"lacks pool rows {first}..{seq - n_new - 1} this step did not compute")
                     + ": the device has no main KV to attend over instead")
             src.extend(range(req.start, req.end))
-            pos.extend((b, p) for p in range(first, seq))
-        rows = torch.tensor(pos, dtype=torch.int64).view(len(pos), 2)
+            if pos is not None:
+                pos.extend((b, p) for p in range(first, seq))
+        rows = None if pos is None else torch.tensor(pos, dtype=torch.int64).view(len(pos), 2)
         if src == list(range(len(src))):
             return len(src), rows
         return torch.tensor(src, dtype=torch.int64), rows
@@ -328,11 +331,13 @@ class SparseMLACache(_CacheLayer):
         if meta.offload_new_rows is None:
             meta.offload_new_rows = self._new_row_positions(meta, plan)
         src, pos = meta.offload_new_rows
-        if isinstance(src, int):
-            if src:
-                adapter.offload_new_kv(layer, new_kv[:src], pos)
-        elif src.numel():
-            adapter.offload_new_kv(layer, new_kv[src], pos)
+        new = new_kv[:src] if isinstance(src, int) else new_kv[src]
+        if plan.resident is not None:
+            self._run_resident(meta, plan, layer, q, new, index_q, index_w, key_rows, out)
+            return
+        if new.shape[0]:
+            assert pos is not None
+            adapter.offload_new_kv(layer, new, pos)
         selected = [self._positions(req, index_q, index_w, key_rows) for req in meta.requests]
         hot_slots = None
         if plan.any_decode:
@@ -354,6 +359,23 @@ class SparseMLACache(_CacheLayer):
                 store, rows = adapter.context_rows(layer, b, positions)
                 out[sl] = sparse_attention(q[sl], store, rows, scale=self.scale,
                                            v_dim=self.kv_lora_rank)
+
+    def _run_resident(self, meta: SparseMLAMetadata, plan: SparseStepPlan, layer: int,
+                      q: torch.Tensor, new: torch.Tensor, index_q: torch.Tensor,
+                      index_w: torch.Tensor, key_rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Every entry resident (hybrid residency): the step as without offload, over the
+        device rows borrowed for the main KV (one scatter of the new rows, one gather per
+        row), with no adapter call."""
+        res = plan.resident
+        assert res is not None
+        view = res.views[layer]
+        if new.shape[0]:
+            write_resident(view, res.new_rows, new)
+        for req, b in zip(meta.requests, plan.batch_index, strict=True):
+            sl = slice(req.start, req.end)
+            rows = resident_slots(res.tables[b], self._positions(req, index_q, index_w, key_rows))
+            out[sl] = sparse_attention(q[sl], view, rows, scale=self.scale,
+                                       v_dim=self.kv_lora_rank)
 
 
 @maybe_transfer_kv_layer

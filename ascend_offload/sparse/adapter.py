@@ -16,6 +16,13 @@ Per layer and step the attention calls, in this order::
     ... sparse attention over adapter.hot_buffer(layer)[slots] for plan.decode rows ...
     store, rows = adapter.context_rows(layer, b, positions)  # other (multi-token) rows
 
+A step whose entries are all resident (hybrid residency: their main KV in device rows
+borrowed from the engine's KV blocks) comes with :attr:`SparseStepPlan.resident`, and
+the layer runs it as a plain paged step over those rows instead: it writes the new rows
+to ``resident.views[layer][resident.new_rows]`` and gathers entry ``b``'s positions
+through ``resident.tables[b]``, with no adapter call per layer (what a step of the
+engine without offload costs).
+
 ``B`` is :attr:`SparseStepPlan.num_entries` (the offloaded requests of the
 step, in the order of :attr:`SparseStepPlan.batch_index`), ``K`` the model's
 ``index_topk``, ``T`` :attr:`SparseStepPlan.query_tokens` (1, or 1 + the draft tokens
@@ -46,6 +53,22 @@ class BatchRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResidentStep:
+    """A step whose entries are all resident: where their main-KV rows live on the device.
+    Built once per step; the layers use it with tensor ops only (static per step, no host
+    synchronization, nothing counted per layer)."""
+
+    # per pool layer: the ``[rows, row]`` device view the rows below index
+    views: Sequence[torch.Tensor]
+    # ``[N]`` int64: the row of every new token of the step, in the order of the step's
+    # new main-KV rows (batch rows in order, each row's positions in order)
+    new_rows: torch.Tensor
+    # per step entry: the row of every position, then ``-1`` (a ``-1`` padded position
+    # gathers ``-1``): ``table[positions]`` are the rows to attend over
+    tables: Sequence[torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class SparseStepPlan:
     """What the attention does with each of its batch rows this step."""
 
@@ -63,6 +86,9 @@ class SparseStepPlan:
     # [num_entries, query_tokens * K], query token t of a row in columns t*K..(t+1)*K-1
     # (one resolve of the union of the row's top-k sets; -1 padded, static width)
     query_tokens: int = 1
+    # every entry resident (hybrid residency): the layers write and read their device rows
+    # directly, with no offload_new_kv or context_rows call; None otherwise
+    resident: ResidentStep | None = None
 
     @property
     def any_decode(self) -> bool:
@@ -104,4 +130,4 @@ class SparseDecodeAdapter(Protocol):
         ...
 
 
-__all__: Sequence[str] = ["BatchRow", "SparseDecodeAdapter", "SparseStepPlan"]
+__all__: Sequence[str] = ["BatchRow", "ResidentStep", "SparseDecodeAdapter", "SparseStepPlan"]

@@ -284,11 +284,13 @@ class ColocatedSparseDecode:
             # positions written this step are not trusted in the hot buffer (recomputation,
             # rewritten rejected drafts): the stable-length rule
             entries.append(StepEntry(req, row.num_tokens, first))
-        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries),
-                              self.query_tokens)
+        resident = None
         if entries:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
+            resident = self.manager.resident_step([row.num_new for row in rows])
+        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries),
+                              self.query_tokens, resident)
         for row, e in zip(rows, entries, strict=True):
             high = self._high.get(e.req_id, 0)
             # positions this step writes that the pool already held (a recomputation)

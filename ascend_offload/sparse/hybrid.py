@@ -349,7 +349,9 @@ def resident_slots(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 def write_resident(view: torch.Tensor, dst: torch.Tensor, new_rows: torch.Tensor) -> None:
     """A step's new main-KV rows into a layer's resident rows ``dst`` (one device scatter)."""
-    view.index_copy_(0, dst, new_rows.to(view.dtype))
+    # the same dtype in practice: skip the no-op conversion's dispatch (~2 us per layer)
+    view.index_copy_(0, dst, new_rows if new_rows.dtype == view.dtype
+                     else new_rows.to(view.dtype))
 
 
 def area_views(caches: Sequence[torch.Tensor], geometry: AreaGeometry, num_blocks: int,

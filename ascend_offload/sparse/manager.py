@@ -32,6 +32,7 @@ import torch
 from ascend_offload import device as dev
 from ascend_offload import native
 from ascend_offload.config import ConfigError, SparseOffloadConfig
+from ascend_offload.sparse.adapter import ResidentStep
 from ascend_offload.sparse.device_residency import (
     DeviceResidency,
     scatter_new_rows,
@@ -171,6 +172,8 @@ class SparseOffloadManager:
                            torch.Tensor | None] | None = None
         self._split_of: torch.Tensor | None = None
         self._bound = False  # this step bound the residency (some entry is not resident)
+        # every entry of this step resident: where the layers write and read (resident_step)
+        self._resident_step: ResidentStep | None = None
         self.stats = SparseStats()
 
     def _no_device_path(self) -> str | None:
@@ -311,6 +314,7 @@ class SparseOffloadManager:
         self._resident = resident
         self._split = None
         self._split_of = None
+        self._resident_step = None
         self._step_lens = lens
         self._step_no += 1
         self._new_dst = None
@@ -337,6 +341,30 @@ class SparseOffloadManager:
         # Bound once per step: each layer's onload_topk then passes only its top-k.
         self.residency.bind_step(b["rows"], b["tags"], b["stable"], b["lens"], bt, self.block_size)
         self.stats.steps += 1
+
+    def resident_step(self, new_tokens: Sequence[int]) -> ResidentStep | None:
+        """After :meth:`begin_step`: when every entry of the step is resident, where its
+        new rows go and what it attends over (``new_tokens``: each entry's tokens computed
+        this step, its last positions), for the layers to use with tensor ops only; the
+        step's resident rows and query tokens are counted here for every layer at once.
+        ``None`` when any entry is not resident (the layers then call the adapter)."""
+        if self._bound or self.area is None or not self._step:
+            return None
+        area = self.area
+        dst: list[int] = []
+        for e, n in zip(self._step, new_tokens, strict=True):
+            rows = area.row_list(e.req_id)
+            if not 0 <= n <= e.num_tokens <= len(rows):
+                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens, "
+                                 f"{len(rows)} resident rows")
+            dst.extend(rows[e.num_tokens - n:e.num_tokens])
+        layers = len(area.views)
+        self.stats.resident_rows += len(dst) * layers
+        self.stats.resident_query_tokens += sum(new_tokens) * layers
+        self._resident_step = ResidentStep(
+            area.views, torch.tensor(dst, dtype=torch.int64, device=self.hot.device),
+            cast(list[torch.Tensor], self._resident))
+        return self._resident_step
 
     def end_step(self) -> None:
         """Make the host pool writes of this step visible before the next one (CPU: no-op).
@@ -410,7 +438,8 @@ class SparseOffloadManager:
         if n:
             rows = new_kv if area_sel is None else new_kv.index_select(0, area_sel)
             write_resident(self.area.view(layer), area_dst, rows)
-            self.stats.resident_rows += n
+            if self._resident_step is None:  # else counted for every layer at once
+                self.stats.resident_rows += n
         if pool_sel is None:
             return None
         assert pool_pos is not None
@@ -605,7 +634,8 @@ class SparseOffloadManager:
             # a resident entry: its rows in the layer's device rows, tensor ops only, no
             # check per layer (the rows cover the entry's tokens, checked when the step
             # was planned; positions are the attention's, below its length)
-            self.stats.resident_query_tokens += positions.shape[0]
+            if self._resident_step is None:  # else counted for every layer at once
+                self.stats.resident_query_tokens += positions.shape[0]
             return self.area.view(layer), resident_slots(table, positions)  # type: ignore[union-attr]
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)

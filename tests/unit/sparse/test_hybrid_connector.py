@@ -15,8 +15,14 @@ from vllm.v1.core.block_pool import BlockPool
 from ascend_offload.config import SparseOffloadConfig
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeScheduler
 from ascend_offload.connectors.sparse_decode.worker import SparseDecodeWorker
-from ascend_offload.sparse.adapter import BatchRow
-from ascend_offload.sparse.hybrid import AreaGeometry, GrowOp, MoveOp
+from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
+from ascend_offload.sparse.hybrid import (
+    AreaGeometry,
+    GrowOp,
+    MoveOp,
+    resident_slots,
+    write_resident,
+)
 from tests.unit.sparse.test_sparse_preemption_connector import (
     BS,
     IDX,
@@ -47,15 +53,23 @@ def _setup() -> tuple[SparseDecodeScheduler, SparseDecodeWorker, dict[str, torch
     return sched, SparseDecodeWorker(s, caches), caches, blocks, pool
 
 
-def _step(worker: SparseDecodeWorker, meta: Any, rows: list[BatchRow], value: float) -> None:
+def _step(worker: SparseDecodeWorker, meta: Any, rows: list[BatchRow], value: float
+          ) -> SparseStepPlan:
     worker.handle_preemptions(meta)
     worker.apply(meta)
     d = worker.decode
     plan = d.plan_step(rows)
     pos = [(plan.batch_index[i], p) for i, r in enumerate(rows)
            for p in range(plan.offload_from[i], r.num_tokens)]
-    d.offload_new_kv(0, torch.full((len(pos), ROW), value), torch.tensor(pos, dtype=torch.int64))
+    new = torch.full((len(pos), ROW), value)
+    if plan.resident is not None:  # every entry resident: the layer writes its rows itself
+        for view in plan.resident.views:
+            write_resident(view, plan.resident.new_rows, new)
+    else:
+        for layer in range(len(worker.manager.hot.buffers)):
+            d.offload_new_kv(layer, new, torch.tensor(pos, dtype=torch.int64))
     worker.end_step()
+    return plan
 
 
 def test_resident_rows_live_in_borrowed_indexer_pages_and_move_under_pressure() -> None:
@@ -81,7 +95,7 @@ def test_resident_rows_live_in_borrowed_indexer_pages_and_move_under_pressure() 
     table = host.block_list("a")
     pool_rows = [table[p // BS] * BS + p % BS for p in range(9)]
     assert (host.layer(0)[pool_rows] == 0).all()
-    assert worker.decode.counters()["resident_rows"] == 9
+    assert worker.decode.counters()["resident_rows"] == 9 * len(worker.manager.area.views)  # type: ignore[union-attr]
 
     # a waiting request that does not fit in vLLM's free blocks: it waits one step and the
     # resident gives its blocks back at the end of this one
@@ -119,7 +133,8 @@ def test_a_running_request_that_cannot_allocate_makes_residents_give_back() -> N
     assert meta.hybrid_ops[0] == MoveOp("a")  # the longest-running first
     # vLLM got a block per request of the last step beyond what was free
     assert pool.get_num_free_blocks() >= sched.hybrid.keep_free + 1  # type: ignore[union-attr]
-    _step(worker, meta, [BatchRow(2, 10, 1)], 2.0)
+    # a step with an entry that is not resident: the layers go through the adapter
+    assert _step(worker, meta, [BatchRow(2, 10, 1)], 2.0).resident is None
     assert not worker.decode.resident("a")
     assert worker.decode.counters()["moved_bytes"] >= 9 * ROW * 4
     sched.finished("a")
@@ -172,3 +187,42 @@ def test_prefix_cache_keeps_a_resident_requests_rows_and_hits_start_offloaded() 
     assert host.block_list("b")[:2] == table[:2] and not worker.decode.resident("b")
     c = worker.decode.counters()
     assert c["prefix_loaded_blocks"] == 2 and c["placed_requests"] == 1
+
+
+def test_a_step_of_resident_requests_plans_where_its_rows_live() -> None:
+    """Every entry resident: the plan carries the device rows of the step's new tokens (in
+    the order of its new rows) and each entry's row table, so the layers write and gather
+    with tensor ops and no adapter call; the rows and query tokens are counted once for
+    every layer."""
+    sched, worker, _, blocks, pool = _setup()
+    a, b = _req("a", 9), _req("b", 6, prompt=6)
+    for r, ids in ((a, [3, 7, 2]), (b, [4, 5])):
+        assert sched.admit(r)
+        blocks.ids[r.request_id] = ids
+    pool.get_new_blocks(5)
+    area = worker.decode.manager.area
+    assert area is not None
+    layers = len(area.views)
+    plan = _step(worker, sched.build_meta(_output({"a": 9, "b": 6}, new=(a, b))),
+                 [BatchRow(2, 9, 9), BatchRow(5, 6, 6)], 3.0)
+    res = plan.resident
+    assert res is not None and not plan.any_decode
+    assert res.new_rows.tolist() == area.row_list("a")[:9] + area.row_list("b")[:6]
+    assert res.tables[0] is area.table("a") and res.tables[1] is area.table("b")
+    assert list(res.views) == area.views
+    for view in area.views:  # written through the plan: every layer holds the rows
+        assert torch.equal(view[res.new_rows], torch.full((15, ROW), 3.0))
+    c = worker.decode.counters()
+    assert c["resident_rows"] == c["resident_query_tokens"] == 15 * layers
+    assert c["offload_rows"] == 0 and c["pool_query_tokens"] == 0
+    # a decode step: one new row each, at its last position
+    plan = _step(worker, sched.build_meta(_output({"a": 1, "b": 1}, cached={"a": 9, "b": 6})),
+                 [BatchRow(2, 10, 1), BatchRow(5, 7, 1)], 4.0)
+    assert plan.resident is not None
+    assert plan.resident.new_rows.tolist() == [area.row_list("a")[9], area.row_list("b")[6]]
+    # the -1 padding of a selected position gathers -1 through the table
+    got = resident_slots(plan.resident.tables[1], torch.tensor([[6, 0, -1]]))
+    assert got.tolist() == [[area.row_list("b")[6], area.row_list("b")[0], -1]]
+    assert worker.decode.counters()["resident_rows"] == 17 * layers
+    sched.finished("a")
+    sched.finished("b")
