@@ -103,6 +103,7 @@ from ascend_offload.harness.engines import (
     ngram_speculative_config,
     owned_engine,
 )
+from ascend_offload.harness.freeze import EngineFreezer
 
 BLOCK_SIZE = 32
 NULL = "null"  # the reference engine's backend: vLLM's connector plumbing alone
@@ -414,8 +415,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         # baseline first, then the offload engines (vLLM's Prometheus loggers of a later
         # engine replace an earlier one's; this bench reads the workers, not Prometheus)
-        llms = {n: stack.enter_context(_engine(a, model, BACKENDS[n], hybrid=n == "hybrid"))
-                for n in START_ORDER}
+        freezer = EngineFreezer() if a.freeze else None
+        llms = {}
+        for n in START_ORDER:
+            llms[n] = stack.enter_context(_engine(a, model, BACKENDS[n], hybrid=n == "hybrid"))
+            if freezer is not None:
+                freezer.started(n)
+        if freezer is not None:  # runs first on exit: no engine is shut down frozen
+            stack.callback(freezer.resume_all)
         for name in ENGINES:  # warm-up (first-call allocations), not timed
             _round(llms[name], _prompts(a, -1)[: max(1, a.batch // 2)], 4)
             llms[name].collective_rpc("bench_probe_timers", args=(True, 1 + a.spec_tokens))
@@ -425,6 +432,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             prompts = _prompts(a, r)
             toks: dict[str, list[list[int]]] = {}
             for name in order:
+                if freezer is not None:
+                    freezer.run(name)
                 step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
                                                 phase_ns[name])
                 probes[name] = pr[2]
@@ -455,6 +464,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 prompts = _prompts(a, 1000 * b + r)[:b]
                 toks = {}
                 for name in _HYBRID_ROUND[k:] + _HYBRID_ROUND[:k]:
+                    if freezer is not None:
+                        freezer.run(name)
                     step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
                                                     hb.phase_ns[name])
                     hb.steps[name].append(step)
@@ -487,7 +498,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t_start)),
         "config": {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
                                                  "index_topk", "rounds", "core",
-                                                 "device_use_native", "spec_tokens")},
+                                                 "device_use_native", "spec_tokens",
+                                                 "freeze")},
                    "hybrid_batches": hybrid_batches,
                    "kv_cache_memory_bytes": _kv_bytes(a, model),
                    "hybrid_kv_cache_memory_bytes": _hybrid_kv_bytes(a, model)},
@@ -637,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch sizes of the hybrid engine's paired rounds against the baseline, "
                         "comma-separated, each <= --batch (default: 1 and --batch); --batch "
                         "reuses the rounds of all engines, any other runs --rounds pairs of its own")
+    p.add_argument("--no-freeze", dest="freeze", action="store_false",
+                   help="leave the engines not being measured running (by default they are "
+                        "frozen, so their vLLM processes' post-step busy-wait cannot take "
+                        "the measured engine's core)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round")
     a = p.parse_args(argv)
