@@ -87,7 +87,6 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         if self.settings is not None and role == KVConnectorRole.SCHEDULER:
             self.scheduler = SparseDecodeScheduler(self.settings, tc)
         self.worker: SparseDecodeWorker | None = None
-        self._applied: KVConnectorMetadata | None = None  # the step metadata _prepare applied
         self._reporter = StatsReporter()
 
     # ======================================================================= scheduler
@@ -160,13 +159,11 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
                                          tp_rank=get_tensor_model_parallel_rank())
 
     def _prepare(self) -> SparseDecodeWorker | None:
-        """Apply this step's metadata once (finish, admit, request names): every layer's
-        hook calls this, so a step's later calls stop at one identity check."""
-        meta = self._connector_metadata
-        if meta is not None and meta is not self._applied and self.worker is not None:
+        """Apply this step's metadata once (finish, admit, request names)."""
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
             assert isinstance(meta, SparseDecodeMetadata)
             self.worker.apply(meta)
-            self._applied = meta
         return self.worker
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
