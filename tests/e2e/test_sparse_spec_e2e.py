@@ -41,11 +41,19 @@ pulls land, the counts differ from run to run: tests/e2e/test_sparse_preemption_
 The speculating engines run in their own processes: vLLM's n-gram proposer loads numba
 (llvmlite), after which vLLM 0.32's CPU kernel-override scan fails in any engine
 started later in the same process (``'_lib_fn_wrapper' object has no attribute 'get'``).
+They run in-process, one after another, in one child Python process
+(tests/e2e/child_call.py; the kernel scan steps past llvmlite there): one process start
+instead of an engine-core and a worker process per engine, and every engine steps
+synchronously, so the schedules depend on the inputs alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -57,6 +65,7 @@ from ascend_offload.harness.engines import (
     run_requests,
     stepped_engine,
 )
+from tests.e2e.child_call import call_in_child
 from tests.e2e.harness import ngram_sparse_model, registry_value, sparse_decode_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -119,51 +128,108 @@ def _reset_once(eng: Any, out: dict[str, Any]) -> Any:
     return after
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
+def _engines() -> tuple[tuple[str, dict[str, Any], bool], ...]:
+    """(name, engine arguments, in this process) of the six engines, in the order they run."""
+    offload = sparse_decode_config({"topk_buffer_size": HOT, "index_topk": TOPK,
+                                    "dram_size_per_dp_GB": POOL_GB,
+                                    "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})
+    return (("plain", {"kv_cache_memory_bytes": PLAIN_KV_BYTES}, True),
+            ("prefix", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES,
+                        "kv_transfer_config": offload}, True),
+            ("spec", {"kv_cache_memory_bytes": PLAIN_KV_BYTES, "speculative_config": SPEC}, False),
+            ("spec_offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
+                              "kv_transfer_config": sparse_decode_config(
+                                  {"topk_buffer_size": HOT, "index_topk": TOPK,
+                                   "dram_size_per_dp_GB": POOL_GB})}, False),
+            ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
+                         "kv_transfer_config": offload}, False),
+            ("spec_hybrid", {"kv_cache_memory_bytes": HYBRID_KV_BYTES,
+                             "speculative_config": SPEC,
+                             "kv_transfer_config": sparse_decode_config(
+                                 {"topk_buffer_size": HOT, "index_topk": TOPK,
+                                  "dram_size_per_dp_GB": POOL_GB, "hybrid": True,
+                                  "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})}, False))
+
+
+def _run_engine(name: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """Every prompt on one engine of :func:`_engines`, started in this process and stopped
+    after: its tokens and the counters of its run (this process's Prometheus registry
+    holds the counters of the engine started last)."""
     from vllm import SamplingParams
 
     model = ngram_sparse_model(TOPK)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    out: dict[str, Any] = {}
+    rec = StepRecorder()
+    with owned_engine(lambda: stepped_engine(rec, model=model, **ENGINE_ARGS, **kw),
+                      in_process=True) as eng:
+        d0 = {n: registry_value(f"vllm:spec_decode_{n}") for n in ("num_drafts", "num_draft_tokens",
+                                                       "num_accepted_tokens")}
+        h0 = {n: registry_value(f"vllm:external_prefix_cache_{n}") for n in ("queries", "hits")}
+        out["tokens"] = run_requests(eng, PROMPTS, params, after_step=(
+            _reset_once(eng, out) if name == "prefix" else None))
+        out["spec"] = {n: registry_value(f"vllm:spec_decode_{n}") - v for n, v in d0.items()}
+        out["preempted"] = rec.preempted()
+        out["peak"] = rec.peak_running()
+        out["hits"] = {n: registry_value(f"vllm:external_prefix_cache_{n}") - v for n, v in h0.items()}
+        if name in ("prefix", "spec_offload", "offload", "spec_hybrid"):
+            out["metrics"] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}")
+                              for n in SPARSE + HYBRID}
+    return out
+
+
+@contextlib.contextmanager
+def _kernel_scan_past_llvmlite() -> Iterator[None]:
+    """Let one process start engines after an n-gram proposer loaded numba: vLLM's CPU
+    kernel-override scan (``vllm.triton_utils.dispatcher._rebind_kernels``, at every
+    engine start) reads every module attribute's ``__dict__``, and ``llvmlite.binding.ffi.lib``
+    answers that with a foreign function (``'_lib_fn_wrapper' object has no attribute
+    'get'``). The module holds no Triton kernel, so the scan skips it unchanged; used only
+    in a child process of its own (:func:`_run_speculating`)."""
+    from vllm.triton_utils import dispatcher
+
+    scan = dispatcher._rebind_kernels
+
+    def without_llvmlite(overrides: Any) -> None:
+        hidden = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            scan(overrides)
+        finally:
+            if hidden is not None:
+                sys.modules["llvmlite.binding.ffi"] = hidden
+
+    dispatcher._rebind_kernels = without_llvmlite
+    try:
+        yield
+    finally:
+        dispatcher._rebind_kernels = scan
+
+
+def _run_speculating(engines: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """:func:`_run_engine` for each of ``engines`` in turn, in this (child) process."""
+    with _kernel_scan_past_llvmlite():
+        return [_run_engine(name, kw) for name, kw in engines]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": {}, "preempted": {}, "peak": {}, "spec": {}, "metrics": {},
                            "hits": {}}
-    offload = sparse_decode_config({"topk_buffer_size": HOT, "index_topk": TOPK,
-                                    "dram_size_per_dp_GB": POOL_GB,
-                                    "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})
-    engines = (("plain", {"kv_cache_memory_bytes": PLAIN_KV_BYTES}, True),
-               ("prefix", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES,
-                           "kv_transfer_config": offload}, True),
-               ("spec", {"kv_cache_memory_bytes": PLAIN_KV_BYTES, "speculative_config": SPEC}, False),
-               ("spec_offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
-                                 "kv_transfer_config": sparse_decode_config(
-                                     {"topk_buffer_size": HOT, "index_topk": TOPK,
-                                      "dram_size_per_dp_GB": POOL_GB})}, False),
-               ("offload", {"kv_cache_memory_bytes": OFFLOAD_KV_BYTES, "speculative_config": SPEC,
-                            "kv_transfer_config": offload}, False),
-               ("spec_hybrid", {"kv_cache_memory_bytes": HYBRID_KV_BYTES,
-                                "speculative_config": SPEC,
-                                "kv_transfer_config": sparse_decode_config(
-                                    {"topk_buffer_size": HOT, "index_topk": TOPK,
-                                     "dram_size_per_dp_GB": POOL_GB, "hybrid": True,
-                                     "prefix_cache_blocks": PREFIX_CACHE_BLOCKS})}, False))
-    for name, kw, in_process in engines:
-        rec = StepRecorder()
-        with owned_engine(lambda rec=rec, kw=kw: stepped_engine(rec, model=model, **ENGINE_ARGS,
-                                                                 **kw),
-                          in_process=in_process) as eng:
-            d0 = {n: registry_value(f"vllm:spec_decode_{n}") for n in ("num_drafts", "num_draft_tokens",
-                                                           "num_accepted_tokens")}
-            h0 = {n: registry_value(f"vllm:external_prefix_cache_{n}") for n in ("queries", "hits")}
-            out["tokens"][name] = run_requests(eng, PROMPTS, params, after_step=(
-                _reset_once(eng, out) if name == "prefix" else None))
-            out["spec"][name] = {n: registry_value(f"vllm:spec_decode_{n}") - v for n, v in d0.items()}
-            out["preempted"][name] = rec.preempted()
-            out["peak"][name] = rec.peak_running()
-            out["hits"][name] = {n: registry_value(f"vllm:external_prefix_cache_{n}") - v
-                                 for n, v in h0.items()}
-            if name in ("prefix", "spec_offload", "offload", "spec_hybrid"):
-                out["metrics"][name] = {n: registry_value(f"vllm:ascend_offload_sparse_{n}")
-                                        for n in SPARSE + HYBRID}
+    ngram_sparse_model(TOPK)  # generated once, before the child reads it
+    engines = _engines()
+    # the speculating engines one after another in a child process (see the module
+    # docstring), meanwhile the others here: each engine steps on one thread, and neither
+    # process's counters or schedules see the other's engines
+    speculating = [(name, kw) for name, kw, in_process in engines if not in_process]
+    with ThreadPoolExecutor(1) as pool:
+        child = pool.submit(call_in_child, _run_speculating, speculating, timeout_s=800)
+        got = {name: _run_engine(name, kw) for name, kw, in_process in engines if in_process}
+        got.update(zip([name for name, _ in speculating], child.result(), strict=True))
+    for name, _, _ in engines:
+        for key in ("tokens", "spec", "preempted", "peak", "hits", "metrics"):
+            if key in got[name]:
+                out[key][name] = got[name][key]
+    out["reset"] = got["prefix"]["reset"]
     return out
 
 
