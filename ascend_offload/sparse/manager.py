@@ -351,19 +351,22 @@ class SparseOffloadManager:
         if self._bound or self.area is None or not self._step:
             return None
         area = self.area
-        dst: list[int] = []
-        for e, n in zip(self._step, new_tokens, strict=True):
-            rows = area.row_list(e.req_id)
-            if not 0 <= n <= e.num_tokens <= len(rows):
+        tables = cast(list[torch.Tensor], self._resident)
+        # the new tokens' rows are a slice of each entry's row table, already on the
+        # device: no host list, no host-to-device copy per step
+        parts: list[torch.Tensor] = []
+        for e, n, table in zip(self._step, new_tokens, tables, strict=True):
+            cap = area.capacity(e.req_id)
+            if not 0 <= n <= e.num_tokens <= cap:
                 raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens, "
-                                 f"{len(rows)} resident rows")
-            dst.extend(rows[e.num_tokens - n:e.num_tokens])
+                                 f"{cap} resident rows")
+            parts.append(table[e.num_tokens - n:e.num_tokens])
         layers = len(area.views)
-        self.stats.resident_rows += len(dst) * layers
-        self.stats.resident_query_tokens += sum(new_tokens) * layers
+        new = sum(new_tokens)
+        self.stats.resident_rows += new * layers
+        self.stats.resident_query_tokens += new * layers
         self._resident_step = ResidentStep(
-            area.views, torch.tensor(dst, dtype=torch.int64, device=self.hot.device),
-            cast(list[torch.Tensor], self._resident))
+            area.views, parts[0] if len(parts) == 1 else torch.cat(parts), tables)
         return self._resident_step
 
     def end_step(self) -> None:
