@@ -16,6 +16,10 @@ recorded on the compute stream; miss rows are copied H2D on the same stream
 (so a new row is in the pool before it can be onloaded), and the compute stream
 waits on an event recorded after the H2D copies before attention reads the
 hot buffer. On CPU every one of these is an ordered no-op.
+
+Requests whose main KV stays in device rows (hybrid residency) write and attend there
+instead: :class:`~ascend_offload.sparse.resident_path.ResidentPath`, which the manager
+owns and calls once per step and layer.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ascend_offload.sparse.device_residency import (
     DeviceResidency,
     scatter_new_rows,
 )
-from ascend_offload.sparse.hybrid import ResidentArea, resident_slots, write_resident
+from ascend_offload.sparse.hybrid import ResidentArea
 from ascend_offload.sparse.pools import (
     HostKVPool,
     HotBuffers,
@@ -45,6 +49,7 @@ from ascend_offload.sparse.pools import (
     pool_rows_from_config,
 )
 from ascend_offload.sparse.residency import Residency, make_residency
+from ascend_offload.sparse.resident_path import ResidentPath
 
 logger = logging.getLogger(__name__)
 
@@ -163,18 +168,13 @@ class SparseOffloadManager:
         self._batch: dict[str, torch.Tensor] = {}
         self._step_lens: list[int] = []
         self._step_blocks: list[list[int]] = []
-        self.area = area
-        # this step's resident entries (hybrid): per entry its row table or None, and the
-        # step's new rows split from the pool's (resident indices or None when every new
-        # row is resident, their device rows, pool indices, their positions)
-        self._resident: list[torch.Tensor | None] = []
-        self._split: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None,
-                           torch.Tensor | None] | None = None
-        self._split_of: torch.Tensor | None = None
         self._bound = False  # this step bound the residency (some entry is not resident)
-        # every entry of this step resident: where the layers write and read (resident_step)
-        self._resident_step: ResidentStep | None = None
         self.stats = SparseStats()
+        self.area = area
+        # hybrid residency's rows: resident entries write and attend there, not the pool
+        self._resident = None if area is None else ResidentPath(
+            area, pool, self.stats, num_layers=num_layers, block_size=block_size,
+            tp_rank=tp_rank, device=self.hot.device)
 
     def _no_device_path(self) -> str | None:
         """Why the device resolver cannot run here (None: it can; the pool's device view
@@ -293,10 +293,6 @@ class SparseOffloadManager:
         entries are all resident (hybrid residency) resolves nothing: the residency is not
         bound and no block table is built."""
         rows, tags, lens, stable = [], [], [], []
-        area = self.area
-        # resident entries' row tables, fixed for the step (growth is applied before it)
-        resident = [area.table(e.req_id) if area is not None and area.holds(e.req_id) else None
-                    for e in entries]
         for e in entries:
             if e.req_id not in self._rows:
                 raise KeyError(f"request {e.req_id!r} is not admitted")
@@ -311,15 +307,12 @@ class SparseOffloadManager:
             lens.append(e.num_tokens)
             stable.append(e.stable_tokens)
         self._step = list(entries)
-        self._resident = resident
-        self._split = None
-        self._split_of = None
-        self._resident_step = None
         self._step_lens = lens
         self._step_no += 1
         self._new_dst = None
         self._new_rows = None
-        self._bound = not (entries and all(t is not None for t in resident))
+        resident = self._resident
+        self._bound = not (resident is not None and resident.begin(self._step, lens))
         if not self._bound:
             self._step_blocks = []
             self._batch = {}
@@ -348,26 +341,9 @@ class SparseOffloadManager:
         this step, its last positions), for the layers to use with tensor ops only; the
         step's resident rows and query tokens are counted here for every layer at once.
         ``None`` when any entry is not resident (the layers then call the adapter)."""
-        if self._bound or self.area is None or not self._step:
+        if self._bound or self._resident is None or not self._step:
             return None
-        area = self.area
-        tables = cast(list[torch.Tensor], self._resident)
-        # the new tokens' rows are a slice of each entry's row table, already on the
-        # device: no host list, no host-to-device copy per step
-        parts: list[torch.Tensor] = []
-        for e, n, table in zip(self._step, new_tokens, tables, strict=True):
-            cap = area.capacity(e.req_id)
-            if not 0 <= n <= e.num_tokens <= cap:
-                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens, "
-                                 f"{cap} resident rows")
-            parts.append(table[e.num_tokens - n:e.num_tokens])
-        layers = len(area.views)
-        new = sum(new_tokens)
-        self.stats.resident_rows += new * layers
-        self.stats.resident_query_tokens += new * layers
-        self._resident_step = ResidentStep(
-            area.views, parts[0] if len(parts) == 1 else torch.cat(parts), tables)
-        return self._resident_step
+        return self._resident.plan(new_tokens)
 
     def end_step(self) -> None:
         """Make the host pool writes of this step visible before the next one (CPU: no-op).
@@ -398,8 +374,9 @@ class SparseOffloadManager:
         resident requests (hybrid residency) go to their device rows instead, on every
         rank (each holds its own).
         """
-        if self._split is not None or any(t is not None for t in self._resident):
-            rest = self._write_resident(layer, new_kv, positions)
+        resident = self._resident
+        if resident is not None and resident.any_resident:
+            rest = resident.write(layer, new_kv, positions)
             if rest is None:
                 return
             new_kv, positions = rest
@@ -428,94 +405,17 @@ class SparseOffloadManager:
         self.stats.offload_bytes += int(dst.numel()) * self.pool.row_bytes
         self.stats.offload_ns += time.perf_counter_ns() - t0
 
-    def _write_resident(self, layer: int, new_kv: torch.Tensor, positions: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Write resident entries' new rows to their device rows; returns the rest (rows
-        and positions, the same tensors every layer) for the pool, ``None`` if none."""
-        assert self.area is not None
-        if self._split is None or self._split_of is not positions:
-            self._split = self._split_rows(positions)
-            self._split_of = positions
-        area_sel, area_dst, pool_sel, pool_pos = self._split
-        n = area_dst.numel()
-        if n:
-            rows = new_kv if area_sel is None else new_kv.index_select(0, area_sel)
-            write_resident(self.area.view(layer), area_dst, rows)
-            if self._resident_step is None:  # else counted for every layer at once
-                self.stats.resident_rows += n
-        if pool_sel is None:
-            return None
-        assert pool_pos is not None
-        return new_kv.index_select(0, pool_sel), pool_pos
-
-    def _split_rows(self, positions: torch.Tensor
-                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None,
-                               torch.Tensor | None]:
-        """This step's new rows split: (resident indices, their device rows, pool indices,
-        their positions). Every new row resident (the usual hybrid step): the resident
-        indices and both pool parts are None, and the step's rows go over whole."""
-        assert self.area is not None
-        area_sel: list[int] = []
-        area_dst: list[int] = []
-        pool_sel: list[int] = []
-        tables: dict[int, list[int]] = {}
-        pos = positions.tolist()
-        for i, (b, p) in enumerate(pos):
-            if not 0 <= b < len(self._step):
-                raise IndexError("new-KV batch index outside the step batch")
-            if self._resident[b] is None:
-                pool_sel.append(i)
-                continue
-            if not 0 <= p < self._step_lens[b]:
-                raise IndexError(f"new-KV position {p} of batch entry {b} is outside "
-                                 f"[0, num_tokens={self._step_lens[b]})")
-            rows = tables.get(b)
-            if rows is None:
-                rows = tables[b] = self.area.row_list(self._step[b].req_id)
-            if p >= len(rows):
-                raise IndexError(f"request {self._step[b].req_id!r}: position {p} beyond its "
-                                 f"{len(rows)} resident rows")
-            area_sel.append(i)
-            area_dst.append(rows[p])
-        dev_ = self.hot.device
-        dst = torch.tensor(area_dst, dtype=torch.int64, device=dev_)
-        if not pool_sel:  # every new row is resident (the usual hybrid step)
-            return None, dst, None, None
-        sel = torch.tensor(pool_sel, dtype=torch.int64)
-        return (torch.tensor(area_sel, dtype=torch.int64, device=dev_), dst,
-                sel.to(dev_), positions[sel])
-
     def move_to_pool(self, req_id: str, tokens: int) -> int:
-        """Hybrid residency: copy a resident request's first ``tokens`` rows of every layer
-        from its device rows to its host pool rows (rank 0 writes the pool) and forget its
-        device rows; returns the bytes moved per rank. The request keeps its hot row and
-        decodes from the pool from now on (its hot rows start empty)."""
-        assert self.area is not None
-        if not self.area.holds(req_id):
-            return 0
-        moved = self.copy_to_pool(req_id, torch.arange(tokens))
-        self.stats.moved_bytes += moved
-        self.area.drop(req_id)
-        return moved
+        """Hybrid residency: move a resident request's first ``tokens`` rows to its host
+        pool rows (:meth:`ResidentPath.move_to_pool`); returns the bytes moved per rank."""
+        assert self._resident is not None
+        return self._resident.move_to_pool(req_id, tokens)
 
     def copy_to_pool(self, req_id: str, positions: torch.Tensor) -> int:
         """Copy a resident request's rows of ``positions`` (every layer) to its host pool
         rows; rank 0 only (the pool's writer). Returns the bytes copied."""
-        assert self.area is not None
-        if self.tp_rank != 0 or not positions.numel():
-            return 0
-        rows = self.area.rows(req_id)
-        if int(positions.max()) >= rows.numel():
-            raise IndexError(f"request {req_id!r}: position {int(positions.max())} to copy, "
-                             f"{rows.numel()} resident rows")
-        src = rows[positions.to(rows.device)]
-        blocks = torch.tensor(self.pool.block_list(req_id), dtype=torch.int64)
-        bs = self.block_size
-        dst = blocks[positions // bs] * bs + positions % bs
-        for layer in range(self.num_layers):
-            got = dev.host_read(self.area.view(layer).index_select(0, src), reason=dev.MOVE_READ)
-            dev.scatter_rows(got, dst, self.pool.layer(layer))
-        return int(positions.numel()) * self.num_layers * self.pool.row_bytes
+        assert self._resident is not None
+        return self._resident.copy_to_pool(req_id, positions)
 
     def onload_topk(self, layer: int, topk: torch.Tensor) -> torch.Tensor:
         """Resolve ``topk`` ``[B, K]`` logical positions (-1 padding) of ``layer``:
@@ -632,14 +532,9 @@ class SparseOffloadManager:
         if not 0 <= batch_index < len(self._step):
             raise IndexError(f"batch index {batch_index} outside the step batch of "
                              f"{len(self._step)}")
-        table = self._resident[batch_index] if self._resident else None
-        if table is not None:
-            # a resident entry: its rows in the layer's device rows, tensor ops only, no
-            # check per layer (the rows cover the entry's tokens, checked when the step
-            # was planned; positions are the attention's, below its length)
-            if self._resident_step is None:  # else counted for every layer at once
-                self.stats.resident_query_tokens += positions.shape[0]
-            return self.area.view(layer), resident_slots(table, positions)  # type: ignore[union-attr]
+        resident = self._resident
+        if resident is not None and (table := resident.tables[batch_index]) is not None:
+            return resident.context_rows(layer, table, positions)  # its device rows
         if self.tp_rank != 0 and self.pool.shared_name is not None:
             self.pool.wait_published(layer, self._step_no, self.fence_timeout_s)
         self.stats.pool_query_tokens += int(positions.shape[0])
