@@ -155,9 +155,9 @@ def _measure(a: argparse.Namespace, p: dict[str, Any], model: str, kind: str,
         t0 = time.perf_counter()
         toks = run_requests(eng, prompts, [sp] * len(prompts))
         wall = time.perf_counter() - t0
-        gauges = ({n: int(_gauge(n)) for n in ("device_kv_bytes", "device_main_kv_bytes",
-                                               "device_indexer_kv_bytes")}
-                  if kind != "baseline" else {})
+        gauges: dict[str, Any] = ({n: int(_gauge(n)) for n in (
+            "device_kv_bytes", "device_main_kv_bytes", "device_indexer_kv_bytes")}
+            if kind != "baseline" else {})
         if kind == "hybrid":
             gauges["counters"] = {n: int(_gauge(n)) for n in HYBRID_COUNTERS}
     return {"num_gpu_blocks": blocks, "peak_running": rec.peak_running(),

@@ -84,7 +84,7 @@ class SparseMLAMetadata(AttentionMetadata):
     # sparse decode offload: the step's new-row batch indices (or their count when they
     # are the batch's first tokens in order) and (batch entry, position) pairs, the same
     # for every layer of the step (the first offloaded layer makes them)
-    offload_new_rows: tuple[torch.Tensor | int, torch.Tensor] | None = None
+    offload_new_rows: tuple[torch.Tensor | int, torch.Tensor | None] | None = None
     offload_plan: SparseStepPlan | None = None  # the step's plan (the first layer asks once)
 
 

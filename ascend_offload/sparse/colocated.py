@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ascend_offload import device as dev
-from ascend_offload.sparse.adapter import BatchRow, SparseStepPlan
+from ascend_offload.sparse.adapter import BatchRow, ResidentStep, SparseStepPlan
 from ascend_offload.sparse.hybrid import GrowOp, HybridOp, MoveOp
 from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
@@ -270,8 +270,8 @@ class ColocatedSparseDecode:
                        f"is request {req!r}, which holds no host pool rows")
                     + "; the device has no main KV to attend over instead")
             first = min(self._pooled[req], row.num_tokens - row.num_new)
-            resident = self.resident(req)
-            if resident and self.manager.area.capacity(req) < row.num_tokens:  # type: ignore[union-attr]
+            on_device = self.resident(req)
+            if on_device and self.manager.area.capacity(req) < row.num_tokens:  # type: ignore[union-attr]
                 raise RuntimeError(
                     f"sparse decode: request {req!r} is resident with "
                     f"{self.manager.area.capacity(req)} device rows, "  # type: ignore[union-attr]
@@ -279,12 +279,12 @@ class ColocatedSparseDecode:
             index.append(len(entries))
             start.append(first)
             # resident rows attend over their device rows (context_rows), not the hot buffer
-            decode.append(not resident and 1 <= row.num_new <= self.query_tokens)
+            decode.append(not on_device and 1 <= row.num_new <= self.query_tokens)
             self.verify_rows += int(decode[-1] and self._drafts.get(req, 0) > 0)
             # positions written this step are not trusted in the hot buffer (recomputation,
             # rewritten rejected drafts): the stable-length rule
             entries.append(StepEntry(req, row.num_tokens, first))
-        resident = None
+        resident: ResidentStep | None = None
         if entries:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
