@@ -6,7 +6,9 @@ exit path (end, error, Ctrl-C, SIGTERM) every group is stopped and reaped.
 Requests run one at a time so the counter deltas around a request are that
 request's. Plain answers come from a third server of the same model with no KV
 connector at all (the prefill's own answers would not do: its store serves
-prefixes the P/D pass saved).
+prefixes the P/D pass saved); it answers as soon as it is healthy, while the
+prefill and the decode may still be starting, since its answers depend on
+nothing else and no P/D request is timed meanwhile.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
 REQUEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 30.0
+HEALTH_POLL_S = 0.25  # a refused /health costs next to nothing; a 1 s poll lost ~0.5 s a server
 # The decode's speculative decoding (vLLM's --speculative-config): n-gram drafts, one per
 # step, whose verification rows of two tokens fit the decode's 64-row hot buffers.
 SPECULATIVE: dict[str, Any] = ngram_speculative_config(1)
@@ -102,8 +105,13 @@ class Cluster:
             ("decode", [*common, "--port", str(ports["decode"]), "--max-num-seqs", "4", *d_extra,
                         "--kv-transfer-config",
                         json.dumps(with_kv_port(decode_cfg, ports["d_kv"]))], dict(env, VLLM_CPU_OMP_THREADS_BIND="1")),
+            # No KV connector, so no scheduler-to-worker connector metadata to serialize
+            # (the prefill and decode keep vLLM's worker process for that path): its worker
+            # runs inside its engine core, one vLLM import fewer while start-up saturates
+            # the CPUs. Core 1, not the prefill's core 0: the prefill's model load and warm-up
+            # (the longest) held core 0 while core 1 idled.
             ("plain", [*common, "--port", str(ports["plain"]), "--max-num-seqs", "4"],
-             dict(env, VLLM_CPU_OMP_THREADS_BIND="0")),
+             dict(env, VLLM_CPU_OMP_THREADS_BIND="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")),
             ("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
                        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
                        "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"])], env),
@@ -111,7 +119,8 @@ class Cluster:
 
     def start(self, deadline: float, refresh: Callable[[], None] = lambda: None) -> Iterator[str]:
         """Start every server, then yield each name as it turns healthy; ``refresh`` is
-        called about once a second meanwhile (the progress bar's clock)."""
+        called every ``HEALTH_POLL_S`` meanwhile (the progress bar's clock). The caller
+        may work with a server when its name is yielded; the deadline is checked after."""
         for name, cmd, env in self._cmds:
             # a Ctrl-C between spawn and bookkeeping would leak the group: held meanwhile
             with _stop_signals_held(deliver=True):
@@ -136,7 +145,7 @@ class Cluster:
                     raise RuntimeError(f"{', '.join(waiting)} not healthy before the start-up deadline")
                 if waiting:
                     refresh()
-                    time.sleep(1)
+                    time.sleep(HEALTH_POLL_S)
 
     def exited(self) -> list[str]:
         """``name (exit code N)`` of every server that is no longer running."""
@@ -222,27 +231,37 @@ def _attempt(client: httpx.Client, url: str, body: dict[str, Any], index: int
         return None, 0.0, None, None
 
 
-def run_workload(cluster: Cluster, requests: list[Request], max_tokens: int, tick: Any) -> list[RequestResult]:
-    """Every request through the proxy (metrics deltas around each), then on the plain server."""
+def plain_answers(cluster: Cluster, requests: list[Request], max_tokens: int, tick: Any
+                  ) -> dict[int, list[int] | None]:
+    """Every request on the plain server (full responses: only the token ids count), by
+    request index; ``None`` for one that failed."""
+    answers: dict[int, list[int] | None] = {}
+    with httpx.Client() as client:
+        for req in requests:
+            answers[req.index], *_ = _attempt(client, cluster.urls["plain"],
+                                              _body(cluster.model, req, False, max_tokens), req.index)
+            tick(f"plain request {req.index}")
+    return answers
+
+
+def run_workload(cluster: Cluster, requests: list[Request], max_tokens: int, tick: Any,
+                 plain: dict[int, list[int] | None]) -> list[RequestResult]:
+    """Every request through the proxy (metrics deltas around each), compared with its
+    ``plain`` answer (:func:`plain_answers`)."""
     urls = [cluster.urls["prefill"], cluster.urls["decode"]]
-    pd: list[tuple[Request, list[int] | None, float, float | None, float | None, Metrics, Metrics]] = []
+    results = []
     with httpx.Client() as client:
         before = settled(client, urls)
         for req in requests:
             ids, e2e, ttft, tpot = _attempt(client, cluster.urls["proxy"],
                                             _body(cluster.model, req, req.stream, max_tokens), req.index)
             after = settled(client, urls)
-            pd.append((req, ids, e2e, ttft, tpot, delta(before[0], after[0]), delta(before[1], after[1])))
+            ref = plain.get(req.index)
+            same = ids is not None and ref is not None and len(ref) == max_tokens and ids == ref
+            results.append(RequestResult(req.index, len(req.prompt), req.prefix, req.stream, e2e, ttft, tpot,
+                                         same, delta(before[0], after[0]), delta(before[1], after[1])))
             before = after
             tick(f"P/D request {req.index}")
-        results = []
-        for req, ids, e2e, ttft, tpot, p_m, d_m in pd:
-            plain, *_ = _attempt(client, cluster.urls["plain"], _body(cluster.model, req, False, max_tokens),
-                                 req.index)
-            tick(f"plain request {req.index}")
-            same = ids is not None and plain is not None and len(plain) == max_tokens and ids == plain
-            results.append(RequestResult(req.index, len(req.prompt), req.prefix, req.stream, e2e, ttft, tpot,
-                                         same, p_m, d_m))
     return results
 
 
@@ -300,9 +319,12 @@ def demo(prefill_path: Path, decode_path: Path, n_requests: int | None, max_toke
                                            index_topk=topk, initializer_range=init))
         tick("starting engines")
         cluster = Cluster(model, prefill_cfg, decode_cfg, log_dir, speculative)
+        plain: dict[int, list[int] | None] = {}
         for name in cluster.start(time.monotonic() + startup_s, bar.refresh):
             tick(f"{name} up")
-        results = run_workload(cluster, requests, max_tokens, tick)
+            if name == "plain":  # the reference answers, while the others may still start
+                plain = plain_answers(cluster, requests, max_tokens, tick)
+        results = run_workload(cluster, requests, max_tokens, tick, plain)
         fp = footprint(cluster)
     except KeyboardInterrupt:
         bar.close()
