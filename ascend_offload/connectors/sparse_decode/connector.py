@@ -178,11 +178,11 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         return set() if self.worker is None else self.worker.take_load_errors()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: an offloaded layer's first call, :meth:`plan_step`, applies
-        the step's metadata (vLLM may call :meth:`start_load_kv` only after the forward);
-        a layer that is not offloaded needs none of it. Every layer of every step calls
-        this hook, so it stays a no-op."""
-        return None
+        """The first layer's hook applies the step's metadata: vLLM may call
+        :meth:`start_load_kv` only after the forward, and a layer writes its new indexer
+        rows before its first adapter call, possibly into blocks freed last step whose
+        rows this step's orders still copy (a prefix-cache keep, a move)."""
+        self._prepare()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -54,3 +54,24 @@ def test_stats_report_deltas_seconds_and_gauges() -> None:
                       {"pool_rows_used": 5})
     assert fourth is not None and fourth.data == {"pool_rows_used": 5}
     assert merged.aggregate(third).aggregate(fourth).data["pool_rows_used"] == 5
+
+
+def test_the_first_layer_hook_applies_the_step_metadata() -> None:
+    """vLLM calls start_load_kv after the forward unless a load is synchronous, and a layer
+    writes its new indexer rows before its first adapter call: wait_for_layer_load must
+    apply the step's orders (a prefix-cache keep copies rows of blocks freed last step,
+    which this step may overwrite), once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from ascend_offload.connectors.sparse_decode.connector import (
+        AscendSparseDecodeConnector,
+        SparseDecodeMetadata,
+    )
+
+    applied: list[object] = []
+    conn = AscendSparseDecodeConnector.__new__(AscendSparseDecodeConnector)
+    conn.worker = SimpleNamespace(apply=applied.append)  # type: ignore[assignment]
+    meta = SparseDecodeMetadata({}, {}, ())
+    KVConnectorBase_V1.bind_connector_metadata(conn, meta)
+    conn.wait_for_layer_load("model.layers.0.self_attn.attn")
+    assert applied == [meta]
