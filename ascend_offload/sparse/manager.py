@@ -312,7 +312,7 @@ class SparseOffloadManager:
         self._new_dst = None
         self._new_rows = None
         resident = self._resident
-        self._bound = not (resident is not None and resident.begin(self._step, lens))
+        self._bound = not (resident is not None and resident.begin(self._step))
         if not self._bound:
             self._step_blocks = []
             self._batch = {}

@@ -53,21 +53,19 @@ class ResidentPath:
         self.tables: list[torch.Tensor | None] = []
         self.any_resident = False  # some entry of this step is resident
         self._entries: list[StepEntry] = []
-        self._lens: list[int] = []
         self._split: _Split | None = None
         self._split_of: torch.Tensor | None = None  # the positions _split was made from
         # every entry of this step resident: where the layers write and read (plan)
         self._step: ResidentStep | None = None
 
-    def begin(self, entries: list[StepEntry], lens: list[int]) -> bool:
-        """Fix the step's row tables (``entries``, validated, in batch order; ``lens``
-        their ``num_tokens``); whether every entry is resident."""
+    def begin(self, entries: list[StepEntry]) -> bool:
+        """Fix the step's row tables (``entries``, validated, in batch order); whether
+        every entry is resident."""
         area = self.area
         tables = [area.table(e.req_id) if area.holds(e.req_id) else None for e in entries]
         self.tables = tables
         self.any_resident = any(t is not None for t in tables)
         self._entries = entries
-        self._lens = lens
         self._split = None
         self._split_of = None
         self._step = None
@@ -130,9 +128,9 @@ class ResidentPath:
             if self.tables[b] is None:
                 pool_sel.append(i)
                 continue
-            if not 0 <= p < self._lens[b]:
+            if not 0 <= p < (n := self._entries[b].num_tokens):
                 raise IndexError(f"new-KV position {p} of batch entry {b} is outside "
-                                 f"[0, num_tokens={self._lens[b]})")
+                                 f"[0, num_tokens={n})")
             rows = tables.get(b)
             if rows is None:
                 rows = tables[b] = self.area.row_list(self._entries[b].req_id)
