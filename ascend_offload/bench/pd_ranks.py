@@ -129,13 +129,17 @@ class PrefillRank:
         self.producer.add_request(rid, src_blocks, DecodeTarget(host, kv_port, d_tp, dp_rank), num_layers)
 
     def run(self, layers: list[int], layer_delay_s: float = 0.0) -> float:
-        """Publish ``layers`` in order, sleeping ``layer_delay_s`` before each (simulated compute)."""
+        """Publish ``layers`` in order, sleeping ``layer_delay_s`` before each (simulated compute).
+
+        Returns when the run began, on ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one
+        clock for every process of the host), so a pull can be timed from here to the decode
+        rank's outcome without the parent's queue hops."""
         t0 = time.perf_counter()
         for layer in layers:
             if layer_delay_s:
                 time.sleep(layer_delay_s)
             self.producer.publish_layer(layer)
-        return time.perf_counter() - t0
+        return t0
 
     def finished(self, count: int, timeout_s: float) -> list[tuple[str, bool, tuple[int, ...]]]:
         end = time.monotonic() + timeout_s
@@ -178,23 +182,22 @@ class DecodeRank:
             read_timeout_s=cfg.read_timeout_s, request_timeout_s=cfg.request_timeout_s,
             read_retries=cfg.read_retries, clock=clock, keys=keys,
         )
-        self.t_expect: dict[str, float] = {}
 
     def info(self) -> dict[str, Any]:
         return {"endpoint": self.engine.endpoint, "port": self.port}
 
     def expect(self, rid: str, dst_blocks: list[int], num_layers: int | None = None) -> None:
-        self.t_expect[rid] = time.perf_counter()
         self.consumer.expect(rid, dst_blocks, num_layers)
 
     def wait(self, count: int, timeout_s: float) -> list[tuple[str, bool, tuple[int, ...], tuple[str, ...], float]]:
+        """Up to ``count`` outcomes: (request, ok, failed blocks, reasons, when this rank had them
+        on ``time.perf_counter``, the clock :meth:`PrefillRank.run` reports)."""
         outs: list[RecvOutcome] = []
         end = time.monotonic() + timeout_s
         while len(outs) < count and time.monotonic() < end:
             outs += self.consumer.wait_finished(count - len(outs), max(0.0, end - time.monotonic()))
         now = time.perf_counter()
-        return [(o.request_id, o.ok, o.failed_blocks, o.reasons, now - self.t_expect.get(o.request_id, now))
-                for o in outs]
+        return [(o.request_id, o.ok, o.failed_blocks, o.reasons, now) for o in outs]
 
     def raw_pull(self, meta: bytes, src_blocks: list[int], dst_blocks: list[int], iters: int) -> list[float]:
         """Baseline: the same per-layer reads straight through the engine, no protocol."""
@@ -287,8 +290,18 @@ class RankProcess:
         return value
 
     def call(self, cmd: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        self._cmd.put((cmd, args, kwargs))
+        self.post(cmd, *args, **kwargs)
         return self._answer(timeout_s, cmd)
+
+    def post(self, cmd: str, *args: Any, **kwargs: Any) -> None:
+        """Send an RPC without waiting; :meth:`collect` takes its answer (RPCs answer in order).
+        Lets the parent have two ranks work at once, e.g. a decode already waiting for an
+        outcome before the prefill publishes."""
+        self._cmd.put((cmd, args, kwargs))
+
+    def collect(self, what: str, timeout_s: float = 30.0) -> Any:
+        """The answer to the oldest :meth:`post` not yet collected (:class:`RankError` after the deadline)."""
+        return self._answer(timeout_s, what)
 
     def kill(self) -> None:
         if self.proc.is_alive():
