@@ -31,7 +31,7 @@ import logging
 import os
 import platform
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -291,6 +291,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_debug_dirty_words.argtypes = []
     lib.ao_copy_rows.restype = i64
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
+    if hasattr(lib, "ao_copy_rows_layers"):  # an installed build of older sources lacks it
+        lib.ao_copy_rows_layers.restype = i64
+        lib.ao_copy_rows_layers.argtypes = [vp, i64, vp, vp, i64]
     for name in ("ao_dres_resolve", "ao_dres_gather"):  # fast-call shape too
         getattr(lib, name).restype = i64
         getattr(lib, name).argtypes = [vp, vp, vp]
@@ -350,6 +353,38 @@ def copy_byte_rows(src: int, src_rows: int, src_idx: int, dst: int, dst_rows: in
     if lib is None:
         raise RuntimeError("native row copy unavailable")
     return int(lib.ao_copy_rows(src, src_rows, src_idx, dst, dst_rows, dst_idx, n, row_bytes, 1))
+
+
+def has_layer_copy() -> bool:
+    """Whether the loaded library has :func:`copy_layer_rows`."""
+    lib = load()
+    return lib is not None and hasattr(lib, "ao_copy_rows_layers")
+
+
+def layer_table(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+    """The argument table of :func:`copy_layer_rows` for ``(src, dst)`` pairs of
+    contiguous host tensors whose rows (dim 0) have the same byte size within a pair.
+    The table holds raw addresses: keep the tensors alive while it is used."""
+    out = (ctypes.c_int64 * (5 * len(layers)))()
+    for i, (src, dst) in enumerate(layers):
+        row_bytes = src.nbytes // src.shape[0] if src.shape[0] else 0
+        if not (src.is_contiguous() and dst.is_contiguous()) or (
+                dst.shape[0] and dst.nbytes // dst.shape[0] != row_bytes):
+            raise ValueError(f"layer {i}: rows differ or tensors are not contiguous")
+        out[5 * i: 5 * i + 5] = [src.data_ptr(), src.shape[0], dst.data_ptr(), dst.shape[0], row_bytes]
+    return out
+
+
+def copy_layer_rows(table: ctypes.Array, layers: int, src_idx: int, dst_idx: int, n: int) -> int:
+    """``dst_l[dst_idx[i]] = src_l[src_idx[i]]`` for every layer ``l`` of a
+    :func:`layer_table`, in one native call (GIL released), one thread; int32 index
+    arrays at the addresses ``src_idx``/``dst_idx``. Returns 0, or -(i + 1) for the
+    first index pair out of range (nothing is copied then). Why: a worker page pool
+    moves the same rows of every layer; a call per layer cost ~6 us of Python each."""
+    lib = load()
+    if lib is None or not hasattr(lib, "ao_copy_rows_layers"):
+        raise RuntimeError("native layer row copy unavailable")
+    return int(lib.ao_copy_rows_layers(ctypes.addressof(table), layers, src_idx, dst_idx, n))
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,

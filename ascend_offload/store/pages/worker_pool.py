@@ -9,12 +9,26 @@ so it needs no knowledge of requests.
 
 from __future__ import annotations
 
+import array
+import ctypes
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from ascend_offload import device
+from ascend_offload import device, native
 from ascend_offload.kv_layout import block_dim
+
+
+def _int32(rows: Sequence[int]) -> torch.Tensor | array.array:
+    """Row ids as a contiguous int32 buffer for the native copy: a tensor stays one, a
+    list becomes an ``array`` (~30 us for 1024 ids, no tensor op)."""
+    if isinstance(rows, torch.Tensor):
+        return native.int32_index(rows)
+    return native.int32_array(rows)
+
+
+def _address(buf: torch.Tensor | array.array) -> int:
+    return buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.buffer_info()[0]
 
 
 class _Layer:
@@ -87,6 +101,16 @@ class WorkerPagePool:
                 f"scheduler sized store pages at {expected_page_bytes}"
             )
         self.num_pages = num_pages
+        # Every layer block-first and contiguous on the host (vLLM's CPU layout): a save or
+        # load is one native call over all layers and no row plan. Measured (2-vCPU VM): the
+        # plan of 1024 rows 0.4-0.7 ms of a ~7 ms 64 MiB save, a native call per layer
+        # ~6 us (a one-row save of 32 layers: 0.20 ms, against 7 us in one call).
+        self._tables: tuple[ctypes.Array, ctypes.Array] | None = None
+        if all(layer.kv_words is not None for layer in self._layers) and native.has_layer_copy():
+            self._tables = (
+                native.layer_table([(layer.kv, layer.plane) for layer in self._layers]),
+                native.layer_table([(layer.plane, layer.kv) for layer in self._layers]),
+            )
 
     @property
     def planes(self) -> dict[str, torch.Tensor]:
@@ -99,9 +123,24 @@ class WorkerPagePool:
         if len(block_ids) != len(pages):
             raise ValueError(f"{len(block_ids)} blocks but {len(pages)} pages")
 
+    def _copy_native(self, table: ctypes.Array, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+        """Every layer's rows in one native call (``self._tables``); raises ``IndexError``
+        naming the first out-of-range pair (nothing is copied then)."""
+        n = len(src_rows)
+        if n == 0:
+            return
+        sidx, didx = _int32(src_rows), _int32(dst_rows)
+        rc = native.copy_layer_rows(table, len(self._layers), _address(sidx), _address(didx), n)
+        if rc < 0:
+            i = -rc - 1
+            raise IndexError(f"row pair {i} out of range: {int(src_rows[i])} -> {int(dst_rows[i])}")
+
     def save(self, block_ids: Sequence[int], pages: Sequence[int]) -> None:
         """``pages[i] <- block block_ids[i]`` for every layer."""
         self._check(block_ids, pages)
+        if self._tables is not None:
+            self._copy_native(self._tables[0], block_ids, pages)
+            return
         plan = device.plan_rows(block_ids, pages)
         for layer in self._layers:
             layer.save(block_ids, pages, plan)
@@ -111,6 +150,9 @@ class WorkerPagePool:
     def load(self, pages: Sequence[int], block_ids: Sequence[int]) -> None:
         """``block block_ids[i] <- pages[i]`` for every layer."""
         self._check(block_ids, pages)
+        if self._tables is not None:
+            self._copy_native(self._tables[1], pages, block_ids)
+            return
         plan = device.plan_rows(pages, block_ids)
         for layer in self._layers:
             layer.load(pages, block_ids, plan)
