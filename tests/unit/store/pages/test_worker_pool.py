@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,3 +108,23 @@ def test_one_native_call_checks_every_index_before_copying() -> None:
     for k, p in pool.planes.items():
         assert torch.equal(p, planes[k])
     pool.save([], [])  # nothing to move
+
+
+def test_host_planes_share_one_aligned_buffer_on_cpu() -> None:
+    """Without an accelerator the planes are disjoint 4 KiB-aligned views of one buffer
+    (the pool's size decides huge pages); every plane still reads back what was saved."""
+    from ascend_offload import device
+
+    if device.platform() != "cpu":
+        pytest.skip("planes are pinned, one allocation each, with an accelerator")
+    kv = _block_first(12, [8, 1000, 24], seed=6)  # 32 B, 4000 B, 96 B rows
+    pool = WorkerPagePool(kv, num_blocks=12, num_pages=5)
+    planes = list(pool.planes.values())
+    assert [tuple(p.shape) for p in planes] == [(5, 32), (5, 4000), (5, 96)]
+    base = planes[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base and p.data_ptr() % 4096 == 0 for p in planes)
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.nbytes) for p in planes)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    pool.save([11, 0, 5], [4, 0, 2])
+    for name, plane in pool.planes.items():
+        assert torch.equal(plane[[4, 0, 2]], kv[name][[11, 0, 5]].view(torch.uint8).view(3, -1))
