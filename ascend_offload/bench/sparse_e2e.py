@@ -62,7 +62,11 @@ model timers then cover rows of up to ``1 + k`` query tokens.
 ``--batch``), the median over its paired rounds of the hybrid engine's step time / the
 baseline's. At ``--batch`` the rounds of all engines serve; every other size runs
 ``--rounds`` rounds of its own, the baseline, the hybrid, the null-connector engine and
-the second baseline only (each first in every fourth round, fresh prompts). ``hybrid_connector_step_ratio``
+the second baseline only (each first in every fourth round, fresh prompts), each round a
+palindrome: the four engines in order, then in reverse order, an engine's figure the
+mean of its two passes (this machine's speed drifts over seconds, and a drift linear
+over the round then cancels in every pair; a batch-1 step is short enough that this
+matters more than the second pass costs). ``hybrid_connector_step_ratio``
 (null connector / baseline) and ``hybrid_vs_connector_step_ratio`` (hybrid / null
 connector) split the same rounds' ratio into vLLM's share and ours;
 ``hybrid_aa_step_ratio`` (second baseline / baseline) is the A/A control of the same rounds. Per batch size the JSON (``hybrid``) also has the hybrid engine's
@@ -349,6 +353,7 @@ class _HybridBatch:
         self.phase_ns: dict[str, dict[str, float]] = {n: {} for n in _HYBRID_ROUND}
         self.counters: dict[str, int] = dict.fromkeys(_HYBRID_TOTALS + _HYBRID_DECODE, 0)
         self.parity = True
+        self.passes = 1  # measurements of each engine per round (2: palindromic rounds)
 
     def add_hybrid(self, probes: tuple[dict[str, Any], ...]) -> None:
         b0, b1, b2 = probes
@@ -364,11 +369,11 @@ class _HybridBatch:
         ratios = paired("hybrid", "baseline")
         vllm_share, ours = paired("connector", "baseline"), paired("hybrid", "connector")
         aa = paired("baseline2", "baseline")
-        n_steps = len(ratios) * (a.decode_tokens - 1)
+        n_steps = len(ratios) * self.passes * (a.decode_tokens - 1)
         med = {n: statistics.median(s) for n, s in self.steps.items()}
         ratio = statistics.median(ratios)
         out: dict[str, Any] = {
-            "batch": batch, "rounds": len(ratios),
+            "batch": batch, "rounds": len(ratios), "passes_per_round": self.passes,
             "step_ms": {n: _spread(s) for n, s in self.steps.items()},
             "step_ratio": ratio, "step_ratio_rounds": _spread(ratios),
             "step_ratio_of_medians": med["hybrid"] / med["baseline"],
@@ -459,19 +464,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if b == a.batch:
                 continue
             hb = hy[b]
+            hb.passes = 2
             for r in range(a.rounds):
                 k = r % len(_HYBRID_ROUND)
                 prompts = _prompts(a, 1000 * b + r)[:b]
+                engines = _HYBRID_ROUND[k:] + _HYBRID_ROUND[:k]
                 toks = {}
-                for name in _HYBRID_ROUND[k:] + _HYBRID_ROUND[:k]:
+                passes: dict[str, list[float]] = {n: [] for n in engines}
+                for name in engines + engines[::-1]:  # a palindrome (module doc)
                     if freezer is not None:
                         freezer.run(name)
-                    step, toks[name], pr = _measure(llms[name], prompts, a.decode_tokens,
-                                                    hb.phase_ns[name])
-                    hb.steps[name].append(step)
+                    step, got, pr = _measure(llms[name], prompts, a.decode_tokens,
+                                             hb.phase_ns[name])
+                    hb.parity = hb.parity and toks.setdefault(name, got) == got
+                    passes[name].append(step)
                     if name == "hybrid":
                         hb.add_hybrid(pr)
                         probes["hybrid"] = pr[2]
+                for name in engines:
+                    hb.steps[name].append(statistics.fmean(passes[name]))
                 hb.parity = hb.parity and toks["hybrid"] == toks["baseline"] == toks["connector"] == toks["baseline2"]
                 load.append(os.getloadavg()[0])
                 if a.verbose:

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -41,6 +43,9 @@ from ascend_offload.sparse.manager import SparseOffloadManager, StepEntry
 from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
 from ascend_offload.sparse.prefix_cache import KeepOrder, PrefixBlocks, PrefixHit, PrefixOp
+
+# the device.host_read reasons counted per report, in the counters' order
+_READ_REASONS = (dev.TOPK_READ, dev.NEW_ROWS_READ, dev.STEP_READ)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +90,16 @@ class ColocatedSparseDecode:
         self.verify_rows = 0  # decode rows of several query tokens (speculative verification)
         self.placed_requests = 0  # hybrid: requests that started resident
         self.moved_requests = 0  # hybrid: resident requests moved to the host pool
-        self._reads0 = dev.host_reads()  # device.host_read totals are per process
+        # device.host_read totals are per process: counted from here
+        self._reads0 = dev.host_read_counts(_READ_REASONS)
+        self._prefix_keys: tuple[str, ...] = ()
+        self._prefix_values: Callable[[object], Any] | None = None
+        if prefix is not None:
+            names = tuple(f.name for f in dataclasses.fields(prefix.counters))
+            self._prefix_keys = tuple(f"prefix_{n}" for n in names)
+            # a tuple of the counters' fields (attrgetter returns a bare value for one)
+            get = operator.attrgetter(*names)
+            self._prefix_values = get if len(names) > 1 else (lambda c: (get(c),))
 
     # ------------------------------------------------------------------ requests
 
@@ -256,49 +270,58 @@ class ColocatedSparseDecode:
                 raise ValueError("plan_step: a layer of this step saw another batch "
                                  f"({len(rows)} rows, {len(self._plan_rows)} planned)")
             return self._plan
-        index: list[int] = []
+        # once per step on the critical path: locals, no per-row method calls
+        area = self.manager.area
+        held = area.request_ids() if area is not None else frozenset()
+        keys, pooled, drafts, qt = self._keys, self._pooled, self._drafts, self.query_tokens
         start: list[int] = []
         decode: list[bool] = []
         entries: list[StepEntry] = []
         for row in rows:
-            req = self._keys.get(row.key)
-            if req is None or req not in self._pooled:
+            req = keys.get(row.key)
+            if req is None or req not in pooled:
                 self.unmatched_rows += int(req is None)
                 raise RuntimeError(
                     f"sparse decode: batch row (key block {row.key}, {row.num_tokens} tokens) "
                     + ("matches no scheduled request" if req is None else
                        f"is request {req!r}, which holds no host pool rows")
                     + "; the device has no main KV to attend over instead")
-            first = min(self._pooled[req], row.num_tokens - row.num_new)
-            on_device = self.resident(req)
-            if on_device and self.manager.area.capacity(req) < row.num_tokens:  # type: ignore[union-attr]
+            n_tok, n_new = row.num_tokens, row.num_new
+            first = min(pooled[req], n_tok - n_new)
+            on_device = req in held
+            if on_device and area.capacity(req) < n_tok:  # type: ignore[union-attr]
                 raise RuntimeError(
                     f"sparse decode: request {req!r} is resident with "
-                    f"{self.manager.area.capacity(req)} device rows, "  # type: ignore[union-attr]
-                    f"fewer than its {row.num_tokens} tokens this step")
-            index.append(len(entries))
+                    f"{area.capacity(req)} device rows, "  # type: ignore[union-attr]
+                    f"fewer than its {n_tok} tokens this step")
             start.append(first)
             # resident rows attend over their device rows (context_rows), not the hot buffer
-            decode.append(not on_device and 1 <= row.num_new <= self.query_tokens)
-            self.verify_rows += int(decode[-1] and self._drafts.get(req, 0) > 0)
+            dec = not on_device and 1 <= n_new <= qt
+            decode.append(dec)
+            if dec and drafts.get(req, 0) > 0:
+                self.verify_rows += 1
             # positions written this step are not trusted in the hot buffer (recomputation,
             # rewritten rejected drafts): the stable-length rule
-            entries.append(StepEntry(req, row.num_tokens, first))
+            entries.append(StepEntry(req, n_tok, first))
         resident: ResidentStep | None = None
         if entries:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
             resident = self.manager.resident_step([row.num_new for row in rows])
-        plan = SparseStepPlan(tuple(index), tuple(start), tuple(decode), len(entries),
-                              self.query_tokens, resident)
+        plan = SparseStepPlan(tuple(range(len(entries))), tuple(start), tuple(decode),
+                              len(entries), qt, resident)
+        high_of = self._high
         for row, e in zip(rows, entries, strict=True):
-            high = self._high.get(e.req_id, 0)
+            req, n_tok = e.req_id, row.num_tokens
+            high = high_of.get(req, 0)
             # positions this step writes that the pool already held (a recomputation)
-            self.recomputed_tokens += max(0, min(high, row.num_tokens) - (row.num_tokens - row.num_new))
+            if high > n_tok - row.num_new:
+                self.recomputed_tokens += min(high, n_tok) - (n_tok - row.num_new)
             # draft positions are tentative: a rejection rewrites them, not a recompute
-            certain = row.num_tokens - min(self._drafts.get(e.req_id, 0), row.num_new)
-            self._high[e.req_id] = max(high, certain)
-            self._pooled[e.req_id] = row.num_tokens
+            certain = n_tok - min(drafts.get(req, 0), row.num_new)
+            if certain > high:
+                high_of[req] = certain
+            pooled[req] = n_tok
         self._plan, self._plan_rows = plan, rows
         return plan
 
@@ -325,14 +348,16 @@ class ColocatedSparseDecode:
     # ------------------------------------------------------------------ reporting
 
     def counters(self) -> dict[str, int]:
-        """Monotonic totals (the connector turns them into per-report deltas)."""
+        """Monotonic totals (the connector turns them into per-report deltas). Read every
+        step: plain attribute reads into one dict, nothing else."""
         st = self.manager.stats
-        now = dev.host_reads()
-        reads = {k: v - self._reads0.get(k, 0) for k, v in now.items()}
-        return {
+        sc = self.stash.counters
+        reads = dev.host_read_counts(_READ_REASONS)
+        r0 = self._reads0
+        out = {
             "steps": st.steps,
             "resolved_positions": st.resolved_positions,
-            "hit_positions": st.hits,
+            "hit_positions": st.resolved_positions - st.miss_rows,
             "miss_rows": st.miss_rows,
             "miss_bytes": st.onload_bytes,
             "offload_rows": st.offload_rows,
@@ -351,28 +376,34 @@ class ColocatedSparseDecode:
             "placed_requests": self.placed_requests,
             "moved_requests": self.moved_requests,
             "moved_bytes": st.moved_bytes,
-            "preempted_requests": self.stash.counters.preempted_requests,
-            "resumed_tokens": self.stash.counters.resumed_tokens,
-            "stash_failures": self.stash.counters.stash_failures,
-            "stash_ns": self.stash.counters.stash_ns,
-            **({f"prefix_{k}": v for k, v in dataclasses.asdict(self.prefix.counters).items()}
-               if self.prefix is not None else {}),
+            "preempted_requests": sc.preempted_requests,
+            "resumed_tokens": sc.resumed_tokens,
+            "stash_failures": sc.stash_failures,
+            "stash_ns": sc.stash_ns,
             # device -> host reads on the sparse path (device.host_read) since this object was
             # made, in its process (engines sharing a process share the count): per layer
             # with the host resolver (top-k, new rows), per step with the device one
-            "host_reads_topk": reads.get(dev.TOPK_READ, 0),
-            "host_reads_new_rows": reads.get(dev.NEW_ROWS_READ, 0),
-            "host_reads_step": reads.get(dev.STEP_READ, 0),
+            "host_reads_topk": reads[0] - r0[0],
+            "host_reads_new_rows": reads[1] - r0[1],
+            "host_reads_step": reads[2] - r0[2],
         }
+        if self._prefix_values is not None:
+            assert self.prefix is not None
+            out.update(zip(self._prefix_keys, self._prefix_values(self.prefix.counters),
+                           strict=True))
+        return out
 
     def gauges(self) -> dict[str, int]:
-        resident = sum(1 for r in self._pooled if self.resident(r))
+        area = self.manager.area
+        pooled = len(self._pooled)
+        # admitted requests holding device rows (a set intersection, not a loop per request)
+        resident = 0 if area is None else len(area.request_ids() & self._pooled.keys())
         return {"pool_rows_used": self.manager.pool_rows_used,
-                "admitted_requests": len(self._pooled),
+                "admitted_requests": pooled,
                 "stash_bytes": self.stash.bytes_held,
                 "prefix_cache_blocks": 0 if self.prefix is None else len(self.prefix),
                 "resident_requests": resident,
-                "offloaded_requests": len(self._pooled) - resident}
+                "offloaded_requests": pooled - resident}
 
     def _warn(self, who: str, msg: str) -> None:
         if who not in self._warned:

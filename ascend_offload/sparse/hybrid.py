@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from typing import Protocol
 
 import torch
@@ -300,6 +300,15 @@ class ResidentArea:
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._rows
+
+    def tables_of(self, req_ids: Iterable[str]) -> list[torch.Tensor | None]:
+        """:meth:`table` of each request, ``None`` for one that holds no rows here."""
+        get = self._tensors.get
+        return [get(r) for r in req_ids]
+
+    def request_ids(self) -> KeysView[str]:
+        """The requests holding rows here (a live view)."""
+        return self._rows.keys()
 
     def grow(self, req_id: str, blocks: Sequence[int]) -> None:
         rows = self._rows.setdefault(req_id, [])

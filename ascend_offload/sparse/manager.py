@@ -292,22 +292,17 @@ class SparseOffloadManager:
         """Fix the batch of this step (batch order = order of ``entries``). A step whose
         entries are all resident (hybrid residency) resolves nothing: the residency is not
         bound and no block table is built."""
-        rows, tags, lens, stable = [], [], [], []
+        admitted, capacity = self._rows, self.pool.capacity
         for e in entries:
-            if e.req_id not in self._rows:
+            if e.req_id not in admitted:
                 raise KeyError(f"request {e.req_id!r} is not admitted")
-            cap = self.pool.capacity(e.req_id)
+            cap = capacity(e.req_id)
             if not 0 <= e.stable_tokens <= e.num_tokens <= cap:
                 raise ValueError(
                     f"request {e.req_id!r}: need 0 <= stable_tokens={e.stable_tokens} <= "
                     f"num_tokens={e.num_tokens} <= reserved capacity {cap}")
-            row, tag = self._rows[e.req_id]
-            rows.append(row)
-            tags.append(tag)
-            lens.append(e.num_tokens)
-            stable.append(e.stable_tokens)
         self._step = list(entries)
-        self._step_lens = lens
+        self._step_lens = [e.num_tokens for e in entries]
         self._step_no += 1
         self._new_dst = None
         self._new_rows = None
@@ -317,6 +312,10 @@ class SparseOffloadManager:
             self._step_blocks = []
             self._batch = {}
             return
+        rows = [admitted[e.req_id][0] for e in entries]
+        tags = [admitted[e.req_id][1] for e in entries]
+        lens = self._step_lens
+        stable = [e.stable_tokens for e in entries]
         tables = [self.pool.block_table(e.req_id) for e in entries]
         width = max((t.numel() for t in tables), default=1)
         bt = torch.zeros((len(entries), width), dtype=torch.int32)

@@ -61,15 +61,16 @@ class ResidentPath:
     def begin(self, entries: list[StepEntry]) -> bool:
         """Fix the step's row tables (``entries``, validated, in batch order); whether
         every entry is resident."""
-        area = self.area
-        tables = [area.table(e.req_id) if area.holds(e.req_id) else None for e in entries]
+        tables = self.area.tables_of(e.req_id for e in entries)
         self.tables = tables
-        self.any_resident = any(t is not None for t in tables)
+        # identity, not list.count: comparing a tensor with None would dispatch a torch op
+        resident = sum(t is not None for t in tables)
+        self.any_resident = resident > 0
         self._entries = entries
         self._split = None
         self._split_of = None
         self._step = None
-        return bool(entries) and all(t is not None for t in tables)
+        return bool(entries) and resident == len(tables)
 
     def plan(self, new_tokens: Sequence[int]) -> ResidentStep:
         """The all-resident step's :class:`ResidentStep` (``new_tokens``: each entry's
@@ -81,10 +82,9 @@ class ResidentPath:
         # device: no host list, no host-to-device copy per step
         parts: list[torch.Tensor] = []
         for e, n, table in zip(self._entries, new_tokens, tables, strict=True):
-            cap = area.capacity(e.req_id)
-            if not 0 <= n <= e.num_tokens <= cap:
-                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens, "
-                                 f"{cap} resident rows")
+            # the entry's tokens are within its rows (checked by the caller's plan)
+            if not 0 <= n <= e.num_tokens:
+                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens")
             parts.append(table[e.num_tokens - n:e.num_tokens])
         layers = len(area.views)
         new = sum(new_tokens)

@@ -152,6 +152,10 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     for key, h in res["hybrid"].items():
         b = int(key)
         assert h["batch"] == b and h["rounds"] == rounds and h["parity"] is True, h
+        # the batch-size rounds of all engines: one pass each; a size of its own: two
+        # (a palindrome), each round's figure the mean of an engine's passes
+        passes = 1 if b == batch else 2
+        assert h["passes_per_round"] == passes, h
         ratios = [x / y for x, y in zip(h["step_ms"]["hybrid"]["rounds"],
                                         h["step_ms"]["baseline"]["rounds"], strict=True)]
         assert res["hybrid_step_ratio"][key] == h["step_ratio"] == pytest.approx(
@@ -170,15 +174,16 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
         c = h["counters"]
         assert c["miss_rows"] == c["resolved_positions"] == c["pool_query_tokens"] == 0, c
         assert c["offload_rows"] == c["moved_requests"] == c["moved_bytes"] == 0, c
-        assert c["placed_requests"] == 2 * b * rounds, c  # the prefill pass and the round
+        # the prefill pass and the round, every pass
+        assert c["placed_requests"] == 2 * b * rounds * passes, c
         assert res["hybrid_miss_rows"][key] == res["hybrid_moved_requests"][key] == 0
         assert res["hybrid_resident_query_tokens"][key] == c["resident_query_tokens"]
         if query_tokens == 1:
-            want = LAYERS * b * rounds * (dt - 1)
+            want = LAYERS * b * rounds * passes * (dt - 1)
             assert h["expected_decode_resident_query_tokens"] == want
             assert c["resident_query_tokens"] == c["resident_rows"] == want, c
         else:
-            assert c["resident_query_tokens"] >= LAYERS * b * rounds * (dt - 1), c
+            assert c["resident_query_tokens"] >= LAYERS * b * rounds * passes * (dt - 1), c
         assert res["hybrid_target_met"][key] == (h["step_ratio"] <= 1.02)
         bd = h["breakdown_ms_per_step"]["hybrid"]
         assert bd["resolve"] == bd["miss_copy"] == bd["offload"] == 0, bd

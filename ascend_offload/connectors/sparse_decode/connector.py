@@ -158,13 +158,20 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
         self.worker = SparseDecodeWorker(self.settings, kv_caches, shared_pool=shared,
                                          tp_rank=get_tensor_model_parallel_rank())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Apply the step's metadata as soon as vLLM hands it over, before the forward:
+        the hooks after it (every layer's, the adapter's) then find it applied and pay one
+        identity check each."""
+        super().bind_connector_metadata(connector_metadata)
+        self._prepare()
+
     def _prepare(self) -> SparseDecodeWorker | None:
         """Apply this step's metadata once (finish, admit, request names)."""
-        if self.worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
+        worker, meta = self.worker, self._connector_metadata
+        if worker is not None and meta is not None and meta is not worker.applied:
             assert isinstance(meta, SparseDecodeMetadata)
-            self.worker.apply(meta)
-        return self.worker
+            worker.apply(meta)
+        return worker
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward reuses the freed blocks: stash preempted requests' indexer rows."""

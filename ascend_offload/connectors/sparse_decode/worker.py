@@ -179,7 +179,7 @@ class SparseDecodeWorker:
                                             # serves multi-token rows itself
                                             query_tokens=1 if settings.paged
                                             else settings.query_tokens, prefix=prefix)
-        self._applied: object = None
+        self.applied: object = None  # the last metadata applied (identity: once per step)
         self._preempts_handled: object = None
         self._prefix_applied: object = None
         self._load_errors: set[int] = set()
@@ -253,10 +253,10 @@ class SparseDecodeWorker:
         prefix cache orders, finishes (their rows are free again), admissions (cached
         prefix blocks loaded), then resumptions (their stashed
         indexer rows into the new blocks, before the forward)."""
-        if meta is self._applied:
+        if meta is self.applied:
             return
         self.handle_preemptions(meta)
-        self._applied = meta
+        self.applied = meta
         if self._unlink_pending:
             # vLLM steps the model only after every rank registered its KV caches, so
             # every reader has mapped the pool by now: drop the name (the mappings stay).
@@ -265,7 +265,8 @@ class SparseDecodeWorker:
         # prefix cache orders first: a keep takes over rows of a request finished below,
         # an eviction frees rows an admission below may need
         self.apply_prefix(meta)
-        self.decode.apply_hybrid(meta.hybrid_ops)
+        if meta.hybrid_ops:
+            self.decode.apply_hybrid(meta.hybrid_ops)
         for rid in meta.finished:
             self.decode.finish(rid)
         for rid, max_tokens in meta.new.items():

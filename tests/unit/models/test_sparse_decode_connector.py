@@ -56,11 +56,24 @@ def test_stats_report_deltas_seconds_and_gauges() -> None:
     assert merged.aggregate(third).aggregate(fourth).data["pool_rows_used"] == 5
 
 
+def _recording_worker(applied: list[object]) -> SimpleNamespace:
+    """A worker stand-in with the real one's apply-once contract (``applied``: the last
+    metadata applied)."""
+    w = SimpleNamespace(applied=None)
+
+    def apply(meta: object) -> None:
+        applied.append(meta)
+        w.applied = meta
+
+    w.apply = apply
+    return w
+
+
 def test_the_first_layer_hook_applies_the_step_metadata() -> None:
     """vLLM calls start_load_kv after the forward unless a load is synchronous, and a layer
     writes its new indexer rows before its first adapter call: wait_for_layer_load must
     apply the step's orders (a prefix-cache keep copies rows of blocks freed last step,
-    which this step may overwrite), once."""
+    which this step may overwrite) where binding did not, once."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     from ascend_offload.connectors.sparse_decode.connector import (
@@ -70,8 +83,33 @@ def test_the_first_layer_hook_applies_the_step_metadata() -> None:
 
     applied: list[object] = []
     conn = AscendSparseDecodeConnector.__new__(AscendSparseDecodeConnector)
-    conn.worker = SimpleNamespace(apply=applied.append)  # type: ignore[assignment]
+    conn.worker = _recording_worker(applied)  # type: ignore[assignment]
     meta = SparseDecodeMetadata({}, {}, ())
-    KVConnectorBase_V1.bind_connector_metadata(conn, meta)
+    KVConnectorBase_V1.bind_connector_metadata(conn, meta)  # the base class's: no apply
     conn.wait_for_layer_load("model.layers.0.self_attn.attn")
+    conn.wait_for_layer_load("model.layers.1.self_attn.attn")
     assert applied == [meta]
+
+
+def test_binding_applies_the_step_metadata_once() -> None:
+    """The connector applies a step's metadata when vLLM binds it (before the forward);
+    every hook of the step after that finds it applied, and the next step's binding
+    applies the next one."""
+    from ascend_offload.connectors.sparse_decode.connector import (
+        AscendSparseDecodeConnector,
+        SparseDecodeMetadata,
+    )
+
+    applied: list[object] = []
+    conn = AscendSparseDecodeConnector.__new__(AscendSparseDecodeConnector)
+    conn.worker = _recording_worker(applied)  # type: ignore[assignment]
+    first, second = SparseDecodeMetadata({}, {}, ()), SparseDecodeMetadata({}, {}, ())
+    conn.bind_connector_metadata(first)
+    assert applied == [first]
+    for layer in range(4):
+        conn.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    assert applied == [first]
+    conn.clear_connector_metadata()
+    conn.bind_connector_metadata(second)
+    assert applied == [first, second]
