@@ -9,7 +9,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -191,23 +190,27 @@ class ReadRunner:
 
 
 class PeerReader:
-    """Reads from one prefill endpoint on their own thread, the next one started before the
-    current one is waited for.
+    """Reads from one prefill endpoint on two threads of their own: a *starter* that begins
+    each job's read as soon as the job is queued and fewer than ``depth`` reads are in
+    flight, and a *finisher* that waits for the started reads in order and posts their
+    results.
 
     A stalled prefill (alive, not answering) blocks a read until the transfer
-    engine's deadline; with one thread per peer it stalls only its own
+    engine's deadline; with threads per peer it stalls only its own
     requests, while the I/O thread keeps answering, expiring deadlines and
     reading from others.
 
     Jobs run in submission order in two steps: ``start(job)`` begins the read and
     returns a handle (on the transfer engine, :meth:`~ascend_offload.transfer.base.TransferEngine.start_read`),
     ``finish(job, handle)`` waits for it and posts the result. Up to ``depth`` jobs are
-    started and not yet finished: when layers are ready faster than they are read, the
-    next layer's bytes already move while the current one's result is posted, so the
-    link never idles between layers. ``finish`` must post a result for every job
-    whatever happens, and is called for every started job, also when stopping (a
-    started read may still land bytes until it is waited for). The owner retires an
-    idle reader (:attr:`idle_since`), so advertised endpoints cannot pile up threads.
+    started and not yet finished. Why two threads: one thread that starts and waits
+    can start a job queued while it waits only after that wait ends, so a layer arriving
+    just after the read before it began would idle behind it; the starter begins it at
+    once, and the link never idles between layers while results are posted. ``finish``
+    must post a result for every job whatever happens, and is called for every started
+    job, also when stopping (a started read may still land bytes until it is waited
+    for). The owner retires an idle reader (:attr:`idle_since`), so advertised
+    endpoints cannot pile up threads.
     """
 
     def __init__(self, endpoint: str, start: Callable[[Any], Any], finish: Callable[[Any, Any], None], *,
@@ -216,14 +219,18 @@ class PeerReader:
             raise ValueError(f"depth={depth}: must be >= 1")
         self.endpoint = endpoint
         self.depth = depth
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()  # jobs to start; None: stop
+        self._started: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (job, handle); None: stop
+        self._slots = threading.Semaphore(depth)  # one per read started and not finished
         self._start = start
         self._finish = finish
         self._clock = clock
         self._lock = threading.Lock()
         self._pending = 0
         self._idle_since: float | None = clock()
-        self._thread = threading.Thread(target=self._loop, name=f"pd-read-{endpoint}", daemon=True)
+        self._starter = threading.Thread(target=self._start_loop, name=f"pd-read-start-{endpoint}", daemon=True)
+        self._thread = threading.Thread(target=self._finish_loop, name=f"pd-read-{endpoint}", daemon=True)
+        self._starter.start()
         self._thread.start()
 
     @property
@@ -245,24 +252,25 @@ class PeerReader:
         if idle:
             time.sleep(_HANDOFF_S)
 
-    def _loop(self) -> None:
-        started: deque[tuple[Any, Any]] = deque()
-        stopping = False
-        while started or not stopping:
-            job: Any = _NOTHING
-            if not stopping:
-                try:  # block only when nothing is in flight
-                    job = self._q.get_nowait() if started else self._q.get()
-                except queue.Empty:
-                    pass
-            if job is None:
-                stopping = True  # finish what was started, start nothing more
-            elif job is not _NOTHING:
-                started.append((job, self._call(self._start, job)))
-                if len(started) < self.depth:
-                    continue
-            if started:
-                self._end(*started.popleft())
+    def _start_loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:  # start nothing more; the finisher ends what was started
+                self._started.put(None)
+                return
+            # Released by the finisher when a read ends, which the engine's deadline bounds.
+            self._slots.acquire()
+            self._started.put((job, self._call(self._start, job)))
+
+    def _finish_loop(self) -> None:
+        while True:
+            item = self._started.get()
+            if item is None:
+                return
+            try:
+                self._end(*item)
+            finally:
+                self._slots.release()
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -281,14 +289,14 @@ class PeerReader:
                     self._idle_since = self._clock()
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._starter.is_alive() and self._thread.is_alive()
 
     def stop(self, *, wait: bool = True) -> None:
         """Stop once every job submitted before is finished (a later one is never run)."""
         self._q.put(None)
         if wait:
+            self._starter.join(timeout=2)
             self._thread.join(timeout=2)
 
 
-_NOTHING = object()  # no job this turn (the queue was empty)
 _HANDOFF_S = 50e-6  # long enough for a waiting thread to take the GIL (it wakes in ~10-50 us)

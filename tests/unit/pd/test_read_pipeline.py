@@ -36,11 +36,13 @@ WAIT = 10.0
 
 
 class _Log:
-    """Start/finish callbacks that record their order; ``hold`` makes a job's start wait."""
+    """Start/finish callbacks that record their order; ``hold`` makes a job's start wait,
+    ``hold_finish`` its finish (a read that takes until the event is set)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
         self.hold: dict[int, threading.Event] = {}
+        self.hold_finish: dict[int, threading.Event] = {}
         self.done = threading.Condition()
         self.started_not_finished = 0
         self.most_in_flight = 0
@@ -54,9 +56,12 @@ class _Log:
             self.events.append(("start", job))
             self.started_not_finished += 1
             self.most_in_flight = max(self.most_in_flight, self.started_not_finished)
+            self.done.notify_all()
         return f"handle-{job}"
 
     def finish(self, job: int, handle: str | None) -> None:
+        if job in self.hold_finish:
+            assert self.hold_finish[job].wait(WAIT)
         with self.done:
             self.events.append(("finish", job))
             if handle is not None:
@@ -68,19 +73,46 @@ class _Log:
         with self.done:
             assert self.done.wait_for(lambda: sum(e[0] == "finish" for e in self.events) >= n, WAIT)
 
+    def wait_event(self, event: tuple[str, int]) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: event in self.events, WAIT), (event, self.events)
+
 
 def test_reader_starts_the_next_queued_job_before_waiting_for_the_current_one() -> None:
     log = _Log()
     log.hold[0] = threading.Event()
+    log.hold_finish.update({job: threading.Event() for job in range(4)})
     reader = PeerReader("peer", log.start, log.finish)
     try:
         for job in range(4):
             reader.submit(job)
         log.hold[0].set()  # all four are queued when the first read begins
+        for job in range(4):  # each read ends only once the one two behind it started
+            log.wait_event(("start", min(job + 1, 3)))
+            log.hold_finish[job].set()
         log.wait_finished(4)
         assert log.events == [("start", 0), ("start", 1), ("finish", 0), ("start", 2), ("finish", 1),
                               ("start", 3), ("finish", 2), ("finish", 3)]
         assert log.most_in_flight == 2
+    finally:
+        reader.stop()
+
+
+def test_reader_starts_a_job_queued_while_it_waits_for_the_previous_read() -> None:
+    """A layer ready just after the previous layer's read began is read alongside it, not
+    after it: waiting for one read never delays the start of the next."""
+    log = _Log()
+    log.hold_finish[0] = threading.Event()
+    reader = PeerReader("peer", log.start, log.finish)
+    try:
+        reader.submit(0)
+        log.wait_event(("start", 0))
+        reader.submit(1)  # job 0's read is being waited for
+        log.wait_event(("start", 1))
+        assert ("finish", 0) not in log.events
+        log.hold_finish[0].set()
+        log.wait_finished(2)
+        assert log.events == [("start", 0), ("start", 1), ("finish", 0), ("finish", 1)]
     finally:
         reader.stop()
 
