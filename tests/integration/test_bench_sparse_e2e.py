@@ -1,4 +1,4 @@
-"""``bench sparse-e2e`` with tiny settings: five real vLLM CPU engines (a few minutes).
+"""``bench sparse-e2e`` with tiny settings: six real vLLM CPU engines (a few minutes).
 
 Checks what the JSON promises rather than any timing: the ratios are medians of the
 paired rounds, all engines generated the same greedy tokens, every decode row of
@@ -136,25 +136,26 @@ def test_tiny_run_writes_the_promised_json(tmp_path: Path) -> None:
     _check_hybrid(res, b, dt, query_tokens=1)
 
 
-def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int) -> None:
+def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int,
+                  rounds: int = ARGS["rounds"], hybrid_only: bool = False) -> None:
     """The hybrid engine at batch 1 and ``batch`` (the default ``--hybrid-batches``): its
-    ratio is the median of its own paired rounds (at ``batch`` those of all engines),
-    every request stayed resident, tokens equal the baseline's."""
+    ratio is the median of its own paired rounds (at ``batch`` those of all engines unless
+    ``hybrid_only``), every request stayed resident, tokens equal the baseline's."""
     assert res["config"]["hybrid_batches"] == [1, batch]
     assert res["config"]["hybrid_kv_cache_memory_bytes"] >= res["config"]["kv_cache_memory_bytes"]
     assert set(res["hybrid_step_ratio"]) == set(res["hybrid"]) == {"1", str(batch)}
-    main = res["hybrid"][str(batch)]["step_ms"]
-    assert main["hybrid"]["rounds"] == res["step_ms"]["hybrid"]["rounds"]
-    assert main["baseline"]["rounds"] == res["step_ms"]["baseline"]["rounds"]
-    assert main["connector"]["rounds"] == res["step_ms"]["connector"]["rounds"]
-    assert main["baseline2"]["rounds"] == res["step_ms"]["baseline2"]["rounds"]
-    rounds = ARGS["rounds"]
+    if not hybrid_only:
+        main = res["hybrid"][str(batch)]["step_ms"]
+        assert main["hybrid"]["rounds"] == res["step_ms"]["hybrid"]["rounds"]
+        assert main["baseline"]["rounds"] == res["step_ms"]["baseline"]["rounds"]
+        assert main["connector"]["rounds"] == res["step_ms"]["connector"]["rounds"]
+        assert main["baseline2"]["rounds"] == res["step_ms"]["baseline2"]["rounds"]
     for key, h in res["hybrid"].items():
         b = int(key)
         assert h["batch"] == b and h["rounds"] == rounds and h["parity"] is True, h
         # the batch-size rounds of all engines: one pass each; a size of its own: two
         # (a palindrome), each round's figure the mean of an engine's passes
-        passes = 1 if b == batch else 2
+        passes = 1 if b == batch and not hybrid_only else 2
         assert h["passes_per_round"] == passes, h
         ratios = [x / y for x, y in zip(h["step_ms"]["hybrid"]["rounds"],
                                         h["step_ms"]["baseline"]["rounds"], strict=True)]
@@ -194,6 +195,19 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     # the next step, so the last round's requests may still be there)
     g = res["hybrid_gauges"]
     assert g["resident_requests"] == g["admitted_requests"], g
+
+
+def test_hybrid_only_runs_the_hybrid_rounds_alone(tmp_path: Path) -> None:
+    """``--hybrid-only``: the four engines of the hybrid engine's rounds only, palindromic
+    rounds at every batch size; the JSON has the hybrid keys and none of the offload
+    engines'."""
+    stdout, res = _run_bench(tmp_path, ["--hybrid-only", "--batch=2", "--context=160",
+                                        "--decode-tokens=4", "--hot=32", "--index-topk=16",
+                                        "--rounds=1"])
+    assert "hybrid residency engines only" in stdout and "decode_device_kv_ratio" not in stdout
+    assert res["config"]["hybrid_only"] is True
+    assert "step_ratio" not in res and "device_step_ratio" not in res and "parity" not in res
+    _check_hybrid(res, 2, 4, query_tokens=1, rounds=1, hybrid_only=True)
 
 
 def test_a_hot_buffer_too_small_for_the_drafts_is_refused_before_any_engine_starts() -> None:
