@@ -107,10 +107,11 @@ inline void prefetch_stream_start(const uint8_t* first, int64_t row_bytes) {
 // DRAM row to open; touching every page of the row two ahead starts those
 // early, overlapped with the copy of the current row.  bench store's worker
 // save rows, same process, alternating with the stream alone (2-vCPU EPYC
-// VM): 16 KiB rows 1.06-1.12x -> 1.13-1.17x a contiguous copy, 144 KiB rows
-// 1.35 -> 1.49x; one row ahead more or a 2 KiB step were within noise of it,
-// prefetcht0 kept little of the gain (1.08x).  Larger rows (1 MiB store pages) would
-// have the lines evicted from L2 before the copy reaches them.
+// VM, three runs): 16 KiB rows 1.06-1.18x -> 1.13-1.28x a contiguous copy,
+// 144 KiB rows 1.35-1.49x -> 1.49-1.57x; one row ahead more or a 2 KiB step
+// were within noise of it, prefetcht0 did worse than prefetcht2.  Larger rows
+// are left out: for 1 MiB store pages the row two ahead starts 2 MiB away, more
+// than L2 holds, so its lines would be evicted before the copy reaches them.
 constexpr int64_t kPageHeadRows = 2;
 constexpr int64_t kPageHeadMaxBytes = 256 << 10;
 
