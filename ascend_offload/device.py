@@ -243,7 +243,7 @@ def host_read_counts(reasons: Sequence[str]) -> tuple[int, ...]:
     """The totals of :func:`host_read` for ``reasons``, in that order (what a per-step
     report reads: no copy of the whole table)."""
     with _reads_lock:
-        return tuple(_reads.get(r, 0) for r in reasons)
+        return tuple([_reads.get(r, 0) for r in reasons])
 
 
 def device_view_of_host(t: torch.Tensor) -> torch.Tensor | None:

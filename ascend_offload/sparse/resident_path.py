@@ -63,8 +63,8 @@ class ResidentPath:
         every entry is resident."""
         tables = self.area.tables_of(e.req_id for e in entries)
         self.tables = tables
-        # identity, not list.count: comparing a tensor with None would dispatch a torch op
-        resident = sum(t is not None for t in tables)
+        # by identity (list.count(None) would compare each tensor with None, a torch op)
+        resident = len(tables) - [t is None for t in tables].count(True)
         self.any_resident = resident > 0
         self._entries = entries
         self._split = None

@@ -88,6 +88,7 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
             self.scheduler = SparseDecodeScheduler(self.settings, tc)
         self.worker: SparseDecodeWorker | None = None
         self._reporter = StatsReporter()
+        self._gauges_version = -1  # the worker's holdings_version of the last gauges reported
 
     # ======================================================================= scheduler
 
@@ -203,9 +204,11 @@ class AscendSparseDecodeConnector(ConnectorMetrics, KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> SparseDecodeStats | None:
         if self.worker is None:
             return None
-        d = self.worker.decode
-        return self._reporter.take(d.counters(), {**d.gauges(),
-                                                   **self.worker.device_kv_gauges()})
+        d, gauges = self.worker.decode, None
+        if self.worker.holdings_version != self._gauges_version:  # else none changed
+            self._gauges_version = self.worker.holdings_version
+            gauges = {**d.gauges(), **self.worker.device_kv_gauges()}
+        return self._reporter.take(d.counters(), gauges)
 
     # ======================================================================= adapter
 

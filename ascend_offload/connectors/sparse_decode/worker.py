@@ -180,6 +180,10 @@ class SparseDecodeWorker:
                                             query_tokens=1 if settings.paged
                                             else settings.query_tokens, prefix=prefix)
         self.applied: object = None  # the last metadata applied (identity: once per step)
+        # steps whose orders changed what this worker holds (admissions, finishes,
+        # preemptions, resumptions, prefix cache and hybrid orders): the gauges change
+        # with these only, so a report recomputes them only when this moved
+        self.holdings_version = 0
         self._preempts_handled: object = None
         self._prefix_applied: object = None
         self._load_errors: set[int] = set()
@@ -257,6 +261,9 @@ class SparseDecodeWorker:
             return
         self.handle_preemptions(meta)
         self.applied = meta
+        if (meta.finished or meta.new or meta.preempted or meta.resumed or meta.unshare
+                or meta.prefix_ops or meta.hybrid_ops):
+            self.holdings_version += 1
         if self._unlink_pending:
             # vLLM steps the model only after every rank registered its KV caches, so
             # every reader has mapped the pool by now: drop the name (the mappings stay).

@@ -113,3 +113,38 @@ def test_binding_applies_the_step_metadata_once() -> None:
     conn.clear_connector_metadata()
     conn.bind_connector_metadata(second)
     assert applied == [first, second]
+
+
+def test_a_report_reads_the_gauges_only_after_the_holdings_changed() -> None:
+    """The gauges (pool rows, admitted and resident requests, stash bytes) change only with
+    a step's orders; a report between such steps carries the counters alone, and the next
+    one after an order reads the gauges again."""
+    from ascend_offload.connectors.sparse_decode.connector import AscendSparseDecodeConnector
+    from ascend_offload.connectors.sparse_decode.metrics import StatsReporter
+
+    reads: list[int] = []
+    totals = {"steps": 0}
+
+    def gauges() -> dict[str, int]:
+        reads.append(1)
+        return {"admitted_requests": len(reads)}
+
+    decode = SimpleNamespace(counters=lambda: dict(totals), gauges=gauges)
+    worker = SimpleNamespace(decode=decode, holdings_version=0,
+                             device_kv_gauges=lambda: {"device_kv_bytes": 64})
+    conn = AscendSparseDecodeConnector.__new__(AscendSparseDecodeConnector)
+    conn.worker = worker  # type: ignore[assignment]
+    conn._reporter = StatsReporter()
+    conn._gauges_version = -1
+    totals["steps"] = 1
+    first = conn.get_kv_connector_stats()
+    assert first is not None and first.data == {"steps": 1, "admitted_requests": 1,
+                                                 "device_kv_bytes": 64}
+    totals["steps"] = 2
+    second = conn.get_kv_connector_stats()
+    assert second is not None and second.data == {"steps": 1} and len(reads) == 1
+    worker.holdings_version = 1  # a step admitted or finished a request
+    totals["steps"] = 3
+    third = conn.get_kv_connector_stats()
+    assert third is not None and third.data == {"steps": 1, "admitted_requests": 2}
+    assert len(reads) == 2
