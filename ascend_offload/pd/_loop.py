@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -49,11 +50,18 @@ class IoLoop:
             self._poller.unregister(sock)
             self._socks.discard(sock)
 
-    def wake(self) -> None:
+    def wake(self, *, hand_off: bool = False) -> None:
+        """Make the loop tick. ``hand_off``: then step aside for a moment so it ticks now:
+        Python passes the GIL on only when its holder blocks, so a caller that goes on
+        running Python (a model thread publishing, then computing the next layer) would
+        otherwise hold the loop back until its next blocking call, or for the
+        interpreter's switch interval (5 ms)."""
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):
             pass  # already a wake-up pending, or closing
+        if hand_off:
+            time.sleep(HANDOFF_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -87,3 +95,6 @@ class IoLoop:
             self._thread.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
+
+
+HANDOFF_S = 50e-6  # long enough for a waiting thread to take the GIL (it wakes in ~10-50 us)

@@ -247,6 +247,7 @@ class Producer:
             ids = list(self._requests) if request_ids is None else list(request_ids)
             per_ep: dict[tuple[str, int], list[P.ReadReady]] = defaultdict(list)
             pending: set[str] = set()
+            first = False  # some request's first layer: its decode is idle until this arrives
             for rid in ids:
                 req = self._requests.get(rid)
                 if req is None or layer >= req.num_layers or layer in req.terminal:
@@ -254,6 +255,7 @@ class Producer:
                 lo, hi = self.topology.index_range(self.p_rank, len(req.src_blocks))
                 main = self.topology.sends_main(self.p_rank)
                 pending.add(rid)
+                first = first or not req.published
                 req.published.add(layer)
                 if req.fault is not None and req.fault[1] == layer:
                     log.warning("fault injection: %s layer %d of request %r", req.fault[0], layer, rid)
@@ -275,7 +277,9 @@ class Producer:
                 self._uses[slot] = use
             else:
                 self._release(use)
-        self._loop.wake()
+        # A request's first layer goes out now, not after the caller's next blocking call:
+        # its decode has nothing to read until then (later layers queue behind a read).
+        self._loop.wake(hand_off=first and bool(per_ep))
         self._deliver()
         return gen
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ascend_offload.pd import protocol as P
+from ascend_offload.pd._loop import HANDOFF_S
 from ascend_offload.pd.consumer_records import ReadJob, ReadResult
 from ascend_offload.pd.layout import RowArea, block_capacity, incompatibility, out_of_range
 from ascend_offload.pd.topology import Topology
@@ -250,7 +251,7 @@ class PeerReader:
             self._idle_since = None
         self._q.put(job)
         if idle:
-            time.sleep(_HANDOFF_S)
+            time.sleep(HANDOFF_S)
 
     def _start_loop(self) -> None:
         while True:
@@ -298,5 +299,3 @@ class PeerReader:
             self._starter.join(timeout=2)
             self._thread.join(timeout=2)
 
-
-_HANDOFF_S = 50e-6  # long enough for a waiting thread to take the GIL (it wakes in ~10-50 us)

@@ -88,6 +88,27 @@ def test_layers_arrive_byte_identical(pair_factory):
     assert pr.consumer.active() == []
 
 
+def test_a_requests_first_layer_hands_the_gil_to_the_io_loop(pair_factory, monkeypatch):
+    """Only a publish that carries some request's first layer makes the publisher step
+    aside (its decode is idle until that layer arrives); later layers do not pay it."""
+    pr = pair_factory()
+    wakes: list[bool] = []
+    orig = pr.producer._loop.wake
+    monkeypatch.setattr(pr.producer._loop, "wake", lambda *, hand_off=False: (wakes.append(hand_off), orig())[1])
+    pr.consumer.expect("r1", [1, 2])
+    pr.producer.add_request("r1", [3, 4], pr.target)
+    pr.producer.publish_layer(0)
+    pr.producer.publish_layer(1)
+    pr.consumer.expect("r2", [5, 6])
+    pr.producer.add_request("r2", [7, 8], pr.target)
+    pr.producer.publish_layer(2)  # r1's last layer and r2's first
+    pr.producer.publish_layer(0, request_ids=["r2"])
+    pr.producer.publish_layer(1, request_ids=["r2"])
+    assert wakes == [True, False, True, False, False]
+    assert sorted(o.request_id for o in pr.consumer.wait_finished(1, WAIT) + pr.consumer.wait_finished(1, WAIT)) \
+        == ["r1", "r2"]
+
+
 def test_items_before_expect_are_parked(pair_factory):
     pr = pair_factory()
     pr.producer.add_request("r1", [1, 2], pr.target)
