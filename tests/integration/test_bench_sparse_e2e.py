@@ -197,6 +197,7 @@ def _check_hybrid(res: dict[str, Any], batch: int, dt: int, *, query_tokens: int
     assert g["resident_requests"] == g["admitted_requests"], g
 
 
+@pytest.mark.bench
 def test_hybrid_only_runs_the_hybrid_rounds_alone(tmp_path: Path) -> None:
     """``--hybrid-only``: the four engines of the hybrid engine's rounds only, palindromic
     rounds at every batch size; the JSON has the hybrid keys and none of the offload
