@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -92,14 +90,9 @@ class ColocatedSparseDecode:
         self.moved_requests = 0  # hybrid: resident requests moved to the host pool
         # device.host_read totals are per process: counted from here
         self._reads0 = dev.host_read_counts(_READ_REASONS)
-        self._prefix_keys: tuple[str, ...] = ()
-        self._prefix_values: Callable[[object], Any] | None = None
-        if prefix is not None:
-            names = tuple(f.name for f in dataclasses.fields(prefix.counters))
-            self._prefix_keys = tuple(f"prefix_{n}" for n in names)
-            # a tuple of the counters' fields (attrgetter returns a bare value for one)
-            get = operator.attrgetter(*names)
-            self._prefix_values = get if len(names) > 1 else (lambda c: (get(c),))
+        # the prefix cache's counter fields, read by name every report (no asdict copy)
+        self._prefix_fields = (() if prefix is None else
+                               tuple(f.name for f in dataclasses.fields(prefix.counters)))
 
     # ------------------------------------------------------------------ requests
 
@@ -357,7 +350,7 @@ class ColocatedSparseDecode:
         out = {
             "steps": st.steps,
             "resolved_positions": st.resolved_positions,
-            "hit_positions": st.resolved_positions - st.miss_rows,
+            "hit_positions": st.hits,
             "miss_rows": st.miss_rows,
             "miss_bytes": st.onload_bytes,
             "offload_rows": st.offload_rows,
@@ -387,10 +380,9 @@ class ColocatedSparseDecode:
             "host_reads_new_rows": reads[1] - r0[1],
             "host_reads_step": reads[2] - r0[2],
         }
-        if self._prefix_values is not None:
-            assert self.prefix is not None
-            out.update(zip(self._prefix_keys, self._prefix_values(self.prefix.counters),
-                           strict=True))
+        if self.prefix is not None:
+            pc = self.prefix.counters
+            out.update((f"prefix_{n}", getattr(pc, n)) for n in self._prefix_fields)
         return out
 
     def gauges(self) -> dict[str, int]:

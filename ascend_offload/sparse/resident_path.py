@@ -63,8 +63,7 @@ class ResidentPath:
         every entry is resident."""
         tables = self.area.tables_of(e.req_id for e in entries)
         self.tables = tables
-        # by identity (list.count(None) would compare each tensor with None, a torch op)
-        resident = len(tables) - [t is None for t in tables].count(True)
+        resident = sum(t is not None for t in tables)
         self.any_resident = resident > 0
         self._entries = entries
         self._split = None
@@ -82,9 +81,10 @@ class ResidentPath:
         # device: no host list, no host-to-device copy per step
         parts: list[torch.Tensor] = []
         for e, n, table in zip(self._entries, new_tokens, tables, strict=True):
-            # the entry's tokens are within its rows (checked by the caller's plan)
-            if not 0 <= n <= e.num_tokens:
-                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens")
+            cap = area.capacity(e.req_id)
+            if not 0 <= n <= e.num_tokens <= cap:
+                raise IndexError(f"request {e.req_id!r}: {n} new of {e.num_tokens} tokens, "
+                                 f"{cap} resident rows")
             parts.append(table[e.num_tokens - n:e.num_tokens])
         layers = len(area.views)
         new = sum(new_tokens)
