@@ -343,6 +343,19 @@ def int32_index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def int32_rows(rows: Sequence[int] | torch.Tensor) -> torch.Tensor | array.array:
+    """Row indices as a contiguous int32 buffer for the C ABI: a tensor stays one
+    (converted if need be, :func:`int32_index`); a list becomes an :func:`int32_array`."""
+    if isinstance(rows, torch.Tensor):
+        return int32_index(rows)
+    return int32_array(rows)
+
+
+def buffer_address(buf: torch.Tensor | array.array) -> int:
+    """The address of an :func:`int32_rows` buffer."""
+    return buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.buffer_info()[0]
+
+
 def copy_byte_rows(src: int, src_rows: int, src_idx: int, dst: int, dst_rows: int, dst_idx: int,
                    n: int, row_bytes: int) -> int:
     """The raw row copy on addresses (int32 index arrays at ``src_idx``/``dst_idx``),

@@ -9,7 +9,6 @@ so it needs no knowledge of requests.
 
 from __future__ import annotations
 
-import array
 import ctypes
 from collections.abc import Mapping, Sequence
 
@@ -17,19 +16,6 @@ import torch
 
 from ascend_offload import device, native
 from ascend_offload.kv_layout import block_dim
-
-
-def _int32(rows: Sequence[int]) -> torch.Tensor | array.array:
-    """Row ids as a contiguous int32 buffer for the native copy: a tensor stays one, a
-    list becomes an ``array`` (~30 us for 1024 ids, no tensor op)."""
-    if isinstance(rows, torch.Tensor):
-        return native.int32_index(rows)
-    return native.int32_array(rows)
-
-
-def _address(buf: torch.Tensor | array.array) -> int:
-    return buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.buffer_info()[0]
-
 
 _PLANE_ALIGN = 4096
 
@@ -155,8 +141,9 @@ class WorkerPagePool:
         n = len(src_rows)
         if n == 0:
             return
-        sidx, didx = _int32(src_rows), _int32(dst_rows)
-        rc = native.copy_layer_rows(table, len(self._layers), _address(sidx), _address(didx), n)
+        sidx, didx = native.int32_rows(src_rows), native.int32_rows(dst_rows)
+        rc = native.copy_layer_rows(table, len(self._layers), native.buffer_address(sidx),
+                                    native.buffer_address(didx), n)
         if rc < 0:
             i = -rc - 1
             raise IndexError(f"row pair {i} out of range: {int(src_rows[i])} -> {int(dst_rows[i])}")
