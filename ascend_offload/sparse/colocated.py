@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -42,10 +44,41 @@ from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
 from ascend_offload.sparse.prefix_cache import KeepOrder, PrefixBlocks, PrefixHit, PrefixOp
 
-# the device.host_read reasons counted per report, in the counters' order
+# the device.host_read reasons counted per report, and their counters
 _READ_REASONS = (dev.TOPK_READ, dev.NEW_ROWS_READ, dev.STEP_READ)
+_READ_NAMES = ("host_reads_topk", "host_reads_new_rows", "host_reads_step")
+
+
+def _fields(pairs: tuple[tuple[str, str], ...]
+            ) -> tuple[tuple[str, ...], operator.attrgetter[Any]]:
+    """(report names, one getter of their attributes) of (report name, attribute) pairs;
+    at least two (one attribute's getter returns it bare, not in a tuple)."""
+    assert len(pairs) > 1
+    return tuple(n for n, _ in pairs), operator.attrgetter(*(a for _, a in pairs))
+
+
+# the counters each source reports: (report name, attribute)
+_MANAGER_NAMES, _MANAGER_FIELDS = _fields((
+    ("steps", "steps"), ("resolved_positions", "resolved_positions"),
+    ("hit_positions", "hits"), ("miss_rows", "miss_rows"), ("miss_bytes", "onload_bytes"),
+    ("offload_rows", "offload_rows"), ("offload_bytes", "offload_bytes"),
+    ("offload_ns", "offload_ns"), ("resolve_ns", "resolve_ns"), ("copy_ns", "copy_ns"),
+    ("context_rows", "context_rows"), ("pool_query_tokens", "pool_query_tokens"),
+    ("resident_rows", "resident_rows"), ("resident_query_tokens", "resident_query_tokens"),
+    ("moved_bytes", "moved_bytes")))
+_OWN_NAMES, _OWN_FIELDS = _fields(tuple((n, n) for n in (
+    "admission_failures", "unmatched_rows", "recomputed_tokens", "verify_rows",
+    "placed_requests", "moved_requests")))
+_STASH_NAMES, _STASH_FIELDS = _fields((
+    ("preempted_requests", "preempted_requests"), ("resumed_tokens", "resumed_tokens"),
+    ("stash_failures", "stash_failures"), ("stash_ns", "stash_ns")))
 
 logger = logging.getLogger(__name__)
+
+
+def _beyond_resident_rows(req: str, capacity: int, tokens: int) -> RuntimeError:
+    return RuntimeError(f"sparse decode: request {req!r} is resident with {capacity} device "
+                        f"rows, fewer than its {tokens} tokens this step")
 
 
 class ColocatedSparseDecode:
@@ -91,8 +124,11 @@ class ColocatedSparseDecode:
         # device.host_read totals are per process: counted from here
         self._reads0 = dev.host_read_counts(_READ_REASONS)
         # the prefix cache's counter fields, read by name every report (no asdict copy)
-        self._prefix_fields = (() if prefix is None else
-                               tuple(f.name for f in dataclasses.fields(prefix.counters)))
+        self._prefix_names: tuple[str, ...] = ()
+        self._prefix_get: operator.attrgetter[Any] | None = None
+        if prefix is not None:
+            self._prefix_names, self._prefix_get = _fields(
+                tuple((f"prefix_{f.name}", f.name) for f in dataclasses.fields(prefix.counters)))
 
     # ------------------------------------------------------------------ requests
 
@@ -263,15 +299,45 @@ class ColocatedSparseDecode:
                 raise ValueError("plan_step: a layer of this step saw another batch "
                                  f"({len(rows)} rows, {len(self._plan_rows)} planned)")
             return self._plan
+        keys, pooled = self._keys, self._pooled
+        reqs = [keys.get(row.key) for row in rows]
+        area = self.manager.area
+        # the usual hybrid step: every row a resident request (one pass, no per-row checks
+        # of the pool path; the manager validates the entries and the resident rows)
+        if area is not None and reqs and area.request_ids() >= set(reqs) and pooled.keys() >= set(reqs):
+            plan = self._plan_resident(rows, reqs)
+        else:
+            plan = self._plan_pool(rows, reqs)
+        self._advance(rows, reqs)
+        self._plan, self._plan_rows = plan, rows
+        return plan
+
+    def _plan_resident(self, rows: tuple[BatchRow, ...], reqs: list[str | None]
+                       ) -> SparseStepPlan:
+        pooled, area = self._pooled, self.manager.area
+        assert area is not None
+        for req, row in zip(reqs, rows, strict=True):
+            if area.capacity(req) < row.num_tokens:  # type: ignore[arg-type]
+                raise _beyond_resident_rows(req, area.capacity(req), row.num_tokens)  # type: ignore[arg-type]
+        start = [min(pooled[req], row.num_tokens - row.num_new)  # type: ignore[index]
+                 for req, row in zip(reqs, rows, strict=True)]
+        entries = [StepEntry(req, row.num_tokens, first)  # type: ignore[arg-type]
+                   for req, row, first in zip(reqs, rows, start, strict=True)]
+        self.manager.begin_step(entries)  # validates the batch before anything changes
+        self._open = True
+        n = len(entries)
+        return SparseStepPlan(tuple(range(n)), tuple(start), (False,) * n, n, self.query_tokens,
+                              self.manager.resident_step([row.num_new for row in rows]))
+
+    def _plan_pool(self, rows: tuple[BatchRow, ...], reqs: list[str | None]) -> SparseStepPlan:
         # once per step on the critical path: locals, no per-row method calls
         area = self.manager.area
         held = area.request_ids() if area is not None else frozenset()
-        keys, pooled, drafts, qt = self._keys, self._pooled, self._drafts, self.query_tokens
+        pooled, drafts, qt = self._pooled, self._drafts, self.query_tokens
         start: list[int] = []
         decode: list[bool] = []
         entries: list[StepEntry] = []
-        for row in rows:
-            req = keys.get(row.key)
+        for row, req in zip(rows, reqs, strict=True):
             if req is None or req not in pooled:
                 self.unmatched_rows += int(req is None)
                 raise RuntimeError(
@@ -283,10 +349,7 @@ class ColocatedSparseDecode:
             first = min(pooled[req], n_tok - n_new)
             on_device = req in held
             if on_device and area.capacity(req) < n_tok:  # type: ignore[union-attr]
-                raise RuntimeError(
-                    f"sparse decode: request {req!r} is resident with "
-                    f"{area.capacity(req)} device rows, "  # type: ignore[union-attr]
-                    f"fewer than its {n_tok} tokens this step")
+                raise _beyond_resident_rows(req, area.capacity(req), n_tok)  # type: ignore[union-attr]
             start.append(first)
             # resident rows attend over their device rows (context_rows), not the hot buffer
             dec = not on_device and 1 <= n_new <= qt
@@ -301,22 +364,23 @@ class ColocatedSparseDecode:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
             resident = self.manager.resident_step([row.num_new for row in rows])
-        plan = SparseStepPlan(tuple(range(len(entries))), tuple(start), tuple(decode),
+        return SparseStepPlan(tuple(range(len(entries))), tuple(start), tuple(decode),
                               len(entries), qt, resident)
-        high_of = self._high
-        for row, e in zip(rows, entries, strict=True):
-            req, n_tok = e.req_id, row.num_tokens
-            high = high_of.get(req, 0)
+
+    def _advance(self, rows: tuple[BatchRow, ...], reqs: list[str | None]) -> None:
+        """The planned rows' positions are now pooled (or resident); count recomputation."""
+        high_of, pooled, drafts = self._high, self._pooled, self._drafts
+        for row, req in zip(rows, reqs, strict=True):
+            n_tok, n_new = row.num_tokens, row.num_new
+            high = high_of.get(req, 0)  # type: ignore[arg-type]
             # positions this step writes that the pool already held (a recomputation)
-            if high > n_tok - row.num_new:
-                self.recomputed_tokens += min(high, n_tok) - (n_tok - row.num_new)
+            if high > n_tok - n_new:
+                self.recomputed_tokens += min(high, n_tok) - (n_tok - n_new)
             # draft positions are tentative: a rejection rewrites them, not a recompute
-            certain = n_tok - min(drafts.get(req, 0), row.num_new)
+            certain = n_tok - min(drafts.get(req, 0), n_new)  # type: ignore[arg-type]
             if certain > high:
-                high_of[req] = certain
-            pooled[req] = n_tok
-        self._plan, self._plan_rows = plan, rows
-        return plan
+                high_of[req] = certain  # type: ignore[index]
+            pooled[req] = n_tok  # type: ignore[index]
 
     def end_step(self) -> None:
         if self._open:
@@ -342,47 +406,19 @@ class ColocatedSparseDecode:
 
     def counters(self) -> dict[str, int]:
         """Monotonic totals (the connector turns them into per-report deltas). Read every
-        step: plain attribute reads into one dict, nothing else."""
-        st = self.manager.stats
-        sc = self.stash.counters
-        reads = dev.host_read_counts(_READ_REASONS)
-        r0 = self._reads0
-        out = {
-            "steps": st.steps,
-            "resolved_positions": st.resolved_positions,
-            "hit_positions": st.hits,
-            "miss_rows": st.miss_rows,
-            "miss_bytes": st.onload_bytes,
-            "offload_rows": st.offload_rows,
-            "offload_bytes": st.offload_bytes,
-            "offload_ns": st.offload_ns,
-            "resolve_ns": st.resolve_ns,
-            "copy_ns": st.copy_ns,
-            "context_rows": st.context_rows,
-            "pool_query_tokens": st.pool_query_tokens,
-            "admission_failures": self.admission_failures,
-            "unmatched_rows": self.unmatched_rows,
-            "recomputed_tokens": self.recomputed_tokens,
-            "verify_rows": self.verify_rows,
-            "resident_rows": st.resident_rows,
-            "resident_query_tokens": st.resident_query_tokens,
-            "placed_requests": self.placed_requests,
-            "moved_requests": self.moved_requests,
-            "moved_bytes": st.moved_bytes,
-            "preempted_requests": sc.preempted_requests,
-            "resumed_tokens": sc.resumed_tokens,
-            "stash_failures": sc.stash_failures,
-            "stash_ns": sc.stash_ns,
-            # device -> host reads on the sparse path (device.host_read) since this object was
-            # made, in its process (engines sharing a process share the count): per layer
-            # with the host resolver (top-k, new rows), per step with the device one
-            "host_reads_topk": reads[0] - r0[0],
-            "host_reads_new_rows": reads[1] - r0[1],
-            "host_reads_step": reads[2] - r0[2],
-        }
-        if self.prefix is not None:
-            pc = self.prefix.counters
-            out.update((f"prefix_{n}", getattr(pc, n)) for n in self._prefix_fields)
+        step: each source's fields in one C-level ``attrgetter`` call, zipped with their
+        report names."""
+        out = dict(zip(_MANAGER_NAMES, _MANAGER_FIELDS(self.manager.stats), strict=True))
+        out.update(zip(_OWN_NAMES, _OWN_FIELDS(self), strict=True))
+        out.update(zip(_STASH_NAMES, _STASH_FIELDS(self.stash.counters), strict=True))
+        # device -> host reads on the sparse path (device.host_read) since this object was
+        # made, in its process (engines sharing a process share the count): per layer
+        # with the host resolver (top-k, new rows), per step with the device one
+        out.update(zip(_READ_NAMES, map(operator.sub, dev.host_read_counts(_READ_REASONS),
+                                        self._reads0), strict=True))
+        if self.prefix is not None and self._prefix_get is not None:
+            out.update(zip(self._prefix_names, self._prefix_get(self.prefix.counters),
+                           strict=True))
         return out
 
     def gauges(self) -> dict[str, int]:

@@ -133,6 +133,11 @@ class SparseDecodeScheduler:
         self._hits: dict[str, int] = {}  # request -> pinned blocks vLLM took as computed
         self.hybrid: ResidentBook | None = None  # bound with vLLM's block pool
         self._last_batch = 1  # requests scheduled by the last step (hybrid demand estimate)
+        # running request -> its block ids per group as last read from vLLM; read again only
+        # when a step's newest position lies past them (a running request's blocks of one
+        # full-attention group are only ever appended to), dropped at preemption, resumption
+        # and finish; None: read every step (several groups, see _check_groups)
+        self._block_ids: dict[str, tuple[list[int], ...]] | None = {}
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """vLLM's block pool, once built: hybrid residency borrows from it."""
@@ -176,9 +181,25 @@ class SparseDecodeScheduler:
         if self._groups_checked or self.kv_cache_manager is None:
             return
         self._groups_checked = True
-        why = stash_offer_guard(int(getattr(self.kv_cache_manager, "num_kv_cache_groups", 1)))
+        groups = int(getattr(self.kv_cache_manager, "num_kv_cache_groups", 1))
+        why = stash_offer_guard(groups)
         if why is not None:
             self.preemption.refuse(why)
+        if groups > 1:  # a sliding-window group's blocks are replaced, not only appended
+            self._block_ids = None
+
+    def _blocks_of(self, req_id: str, last: int) -> tuple[list[int], ...]:
+        """The request's block ids per group, holding at least ``last + 1`` blocks of the
+        request-key group when vLLM has allocated them (read from vLLM when not known)."""
+        cache = self._block_ids
+        if cache is None:
+            assert self.kv_cache_manager is not None
+            return self.kv_cache_manager.get_block_ids(req_id)
+        groups = cache.get(req_id)
+        if groups is None or last >= len(groups[self.s.group]):
+            assert self.kv_cache_manager is not None
+            groups = cache[req_id] = self.kv_cache_manager.get_block_ids(req_id)
+        return groups
 
     def admit(self, request: Request) -> bool:
         """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step).
@@ -230,6 +251,8 @@ class SparseDecodeScheduler:
             self.ledger.uncache(self.prefix.unpin(request_id))
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
+        if self._block_ids is not None:
+            self._block_ids.pop(request_id, None)
         if self.hybrid is not None:
             self.hybrid.release(request_id)
 
@@ -297,20 +320,28 @@ class SparseDecodeScheduler:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> SparseDecodeMetadata:
         self._check_groups()
-        finished = tuple(sorted(scheduler_output.finished_req_ids))
+        so = scheduler_output
+        done = so.finished_req_ids
+        finished = tuple(sorted(done)) if done else ()
         # before the scheduled requests update the book: a request preempted this step
         # stashes what it had after the last step it ran
-        preempted = {rid: self.preemption.preempt(rid)
-                     for rid in sorted(scheduler_output.preempted_req_ids or ())
-                     if rid not in scheduler_output.finished_req_ids}
+        preempted: dict[str, StashOrder] = {}
+        cache = self._block_ids
+        if so.preempted_req_ids:
+            preempted = {rid: self.preemption.preempt(rid)
+                         for rid in sorted(so.preempted_req_ids) if rid not in done}
+            if cache is not None:
+                for rid in so.preempted_req_ids:
+                    cache.pop(rid, None)
         new: dict[str, int] = {}
         computed: dict[str, int] = {}
         hits: dict[str, PrefixHit] = {}
         assert self.kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
-        for r in scheduler_output.scheduled_new_reqs:
+        g, bs = self.s.group, self.s.block_size
+        for r in so.scheduled_new_reqs:
             take = self._hits.get(r.req_id, 0)
             if take and self.prefix is not None:
-                blocks = self.kv_cache_manager.get_block_ids(r.req_id)[self.s.group]
+                blocks = self.kv_cache_manager.get_block_ids(r.req_id)[g]
                 hits[r.req_id] = PrefixHit(self.prefix.pinned(r.req_id)[:take],
                                            tuple(blocks[:take]))
             computed[r.req_id] = r.num_computed_tokens
@@ -318,35 +349,39 @@ class SparseDecodeScheduler:
             new[r.req_id] = self.s.reservation(
                 None if r.prompt_token_ids is None else len(r.prompt_token_ids),
                 None if sp is None else sp.max_tokens)
-        cached = scheduler_output.scheduled_cached_reqs
+        cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         keys: dict[int, str] = {}
         unshare: dict[str, int] = {}
-        bs = self.s.block_size
         resumed: dict[str, ResumeOrder] = {}
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            groups = self.kv_cache_manager.get_block_ids(req_id)
-            blocks = groups[self.s.group]
-            last = (computed[req_id] + n - 1) // bs
+        resumed_ids = cached.resumed_req_ids
+        if resumed_ids and cache is not None:  # new blocks: read again
+            for rid in resumed_ids:
+                cache.pop(rid, None)
+        scheduled = self.preemption.scheduled
+        for req_id, n in so.num_scheduled_tokens.items():
+            c = computed[req_id]
+            last = (c + n - 1) // bs
+            groups = self._blocks_of(req_id, last)
+            blocks = groups[g]
             if last < len(blocks):
                 keys[blocks[last]] = req_id
-            if req_id in cached.resumed_req_ids:
+            if resumed_ids and req_id in resumed_ids:
                 resumed[req_id] = self.preemption.resumed(req_id, groups)
                 if resumed[req_id].tokens == 0:
-                    n = self._unshare(req_id)
-                    if n:
-                        unshare[req_id] = n
-            self.preemption.scheduled(req_id, computed[req_id] + n, groups)
-        self.preemption.step_built()
-        drafts = {rid: len(t) for rid, t in
-                  (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()
-                  if t}
+                    own = self._unshare(req_id)
+                    if own:
+                        unshare[req_id] = own
+            scheduled(req_id, c + n, groups)
+        if preempted:
+            self.preemption.step_built()
+        spec = getattr(so, "scheduled_spec_decode_tokens", None)
+        drafts = {rid: len(t) for rid, t in spec.items() if t} if spec else {}
         ops = self.prefix.take_ops() if self.prefix is not None else ()
         return SparseDecodeMetadata(new, keys, finished,
-                                    {r: computed[r] for r in new}, preempted, resumed, drafts,
-                                    ops, hits, unshare,
-                                    self._hybrid_step(scheduler_output, computed, preempted,
-                                                      hits))
+                                    {r: computed[r] for r in new} if new else {}, preempted,
+                                    resumed, drafts, ops, hits, unshare,
+                                    self._hybrid_step(so, computed, preempted, hits))
 
     def _hybrid_step(self, scheduler_output: SchedulerOutput, computed: dict[str, int],
                      preempted: dict[str, StashOrder], hits: dict[str, PrefixHit]
@@ -354,16 +389,18 @@ class SparseDecodeScheduler:
         """Hybrid residency after vLLM scheduled the step: preempted residents move, new
         requests are placed (not those starting from cached prefix blocks: their rows are
         the pool's), residents grow, then vLLM gets back what it asked for."""
-        if self.hybrid is None:
+        book = self.hybrid
+        if book is None:
             return ()
         for rid in preempted:
-            self.hybrid.move(rid)
+            book.move(rid)
         new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        holds, grow = book.holds, book.grow
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            if self.hybrid.holds(rid):  # placed earlier (also: before a remote-D2H pull)
-                self.hybrid.grow(rid, computed[rid] + n)
+            if holds(rid):  # placed earlier (also: before a remote-D2H pull)
+                grow(rid, computed[rid] + n)
             elif rid in new and rid not in hits:
-                self.hybrid.place(rid, computed[rid] + n)
-        self.hybrid.relieve()
+                book.place(rid, computed[rid] + n)
+        book.relieve()
         self._last_batch = max(1, len(scheduler_output.num_scheduled_tokens))
-        return self.hybrid.take_ops()
+        return book.take_ops()

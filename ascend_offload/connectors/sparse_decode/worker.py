@@ -259,16 +259,20 @@ class SparseDecodeWorker:
         indexer rows into the new blocks, before the forward)."""
         if meta is self.applied:
             return
-        self.handle_preemptions(meta)
         self.applied = meta
-        if (meta.finished or meta.new or meta.preempted or meta.resumed or meta.unshare
-                or meta.prefix_ops or meta.hybrid_ops):
-            self.holdings_version += 1
         if self._unlink_pending:
             # vLLM steps the model only after every rank registered its KV caches, so
             # every reader has mapped the pool by now: drop the name (the mappings stay).
             self._unlink_pending = False
             self.manager.pool.unlink()
+        if not (meta.finished or meta.new or meta.preempted or meta.resumed or meta.unshare
+                or meta.prefix_ops or meta.hybrid_ops):
+            # the usual decode step: nothing to preempt, admit, finish or move
+            self._preempts_handled = self._prefix_applied = meta
+            self.decode.begin(meta, meta.keys, meta.drafts)
+            return
+        self.handle_preemptions(meta)
+        self.holdings_version += 1
         # prefix cache orders first: a keep takes over rows of a request finished below,
         # an eviction frees rows an admission below may need
         self.apply_prefix(meta)

@@ -159,3 +159,8 @@ def test_a_request_recomputed_from_zero_gets_its_own_blocks_first() -> None:
     assert torch.equal(pool.kv[:, [c * BS for c in cached]], want)
     assert torch.equal(pool.kv[:, [o * BS for o in own]], torch.ones_like(want))
     assert pool.free_blocks == sched.ledger.free_blocks
+    # the recompute step's 12 positions are what a later preemption stashes (not the 2
+    # blocks it unshared)
+    sched.preemption.refused = None
+    meta = sched.build_meta(_output({}, preempted=frozenset({"b"})))
+    assert meta.preempted["b"].tokens == 12

@@ -206,3 +206,48 @@ def test_aborted_while_preempted_frees_everything(finished_too: bool) -> None:
     sched.finished("a")
     assert worker.decode.stash.bytes_held == 0 and sched.preemption.used_tokens == 0
     assert worker.manager.pool.free_blocks == worker.manager.pool.num_blocks
+
+
+class _CountingBlocks(_Blocks):
+    """The stand-in that counts the block lists the scheduler side reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        self.reads += 1
+        return super().get_block_ids(rid)
+
+
+def test_block_ids_are_read_again_only_past_the_known_blocks_and_after_a_resumption() -> None:
+    """A running request's blocks of a one-group engine only grow: the step's key block is
+    read from vLLM only when its newest position lies past the blocks last read, and a
+    preempted request's new blocks are read when it resumes."""
+    s = _settings()
+    sched = SparseDecodeScheduler(s)
+    blocks = _CountingBlocks()
+    sched.kv_cache_manager = blocks  # type: ignore[assignment]
+    a = _req("a", 6)
+    assert sched.admit(a)
+    blocks.ids["a"] = [3, 7]  # positions 0..7
+    assert sched.build_meta(_output({"a": 6}, new=(a,))).keys == {7: "a"}
+    assert blocks.reads == 1
+    assert sched.build_meta(_output({"a": 1}, cached={"a": 6})).keys == {7: "a"}
+    assert sched.build_meta(_output({"a": 1}, cached={"a": 7})).keys == {7: "a"}
+    assert blocks.reads == 1  # position 7 lies in a block already known
+    blocks.ids["a"].append(9)  # vLLM appends a block for position 8
+    assert sched.build_meta(_output({"a": 1}, cached={"a": 8})).keys == {9: "a"}
+    assert blocks.reads == 2
+    # preempted: vLLM frees its blocks; resumed in other ones, which are read
+    assert sched.build_meta(_output({}, preempted=frozenset({"a"}))).preempted["a"].tokens == 9
+    blocks.ids["a"] = [12, 4, 5]
+    meta = sched.build_meta(_output({"a": 9}, cached={"a": 0}, resumed=frozenset({"a"})))
+    assert meta.keys == {5: "a"} and blocks.reads == 3
+    # finished: forgotten (a request of the same name later starts from vLLM's lists)
+    sched.finished("a")
+    blocks.ids["a"] = [8]
+    b = _req("a", 3)
+    assert sched.admit(b)
+    assert sched.build_meta(_output({"a": 3}, new=(b,))).keys == {8: "a"}
+    assert blocks.reads == 4
