@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -44,34 +42,8 @@ from ascend_offload.sparse.pools import PoolCapacityError
 from ascend_offload.sparse.preemption import IndexerStash, ResumeOrder, StashOrder
 from ascend_offload.sparse.prefix_cache import KeepOrder, PrefixBlocks, PrefixHit, PrefixOp
 
-# the device.host_read reasons counted per report, and their counters
+# the device.host_read reasons counted per report, in the counters' order
 _READ_REASONS = (dev.TOPK_READ, dev.NEW_ROWS_READ, dev.STEP_READ)
-_READ_NAMES = ("host_reads_topk", "host_reads_new_rows", "host_reads_step")
-
-
-def _fields(pairs: tuple[tuple[str, str], ...]
-            ) -> tuple[tuple[str, ...], operator.attrgetter[Any]]:
-    """(report names, one getter of their attributes) of (report name, attribute) pairs;
-    at least two (one attribute's getter returns it bare, not in a tuple)."""
-    assert len(pairs) > 1
-    return tuple(n for n, _ in pairs), operator.attrgetter(*(a for _, a in pairs))
-
-
-# the counters each source reports: (report name, attribute)
-_MANAGER_NAMES, _MANAGER_FIELDS = _fields((
-    ("steps", "steps"), ("resolved_positions", "resolved_positions"),
-    ("hit_positions", "hits"), ("miss_rows", "miss_rows"), ("miss_bytes", "onload_bytes"),
-    ("offload_rows", "offload_rows"), ("offload_bytes", "offload_bytes"),
-    ("offload_ns", "offload_ns"), ("resolve_ns", "resolve_ns"), ("copy_ns", "copy_ns"),
-    ("context_rows", "context_rows"), ("pool_query_tokens", "pool_query_tokens"),
-    ("resident_rows", "resident_rows"), ("resident_query_tokens", "resident_query_tokens"),
-    ("moved_bytes", "moved_bytes")))
-_OWN_NAMES, _OWN_FIELDS = _fields(tuple((n, n) for n in (
-    "admission_failures", "unmatched_rows", "recomputed_tokens", "verify_rows",
-    "placed_requests", "moved_requests")))
-_STASH_NAMES, _STASH_FIELDS = _fields((
-    ("preempted_requests", "preempted_requests"), ("resumed_tokens", "resumed_tokens"),
-    ("stash_failures", "stash_failures"), ("stash_ns", "stash_ns")))
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +96,8 @@ class ColocatedSparseDecode:
         # device.host_read totals are per process: counted from here
         self._reads0 = dev.host_read_counts(_READ_REASONS)
         # the prefix cache's counter fields, read by name every report (no asdict copy)
-        self._prefix_names: tuple[str, ...] = ()
-        self._prefix_get: operator.attrgetter[Any] | None = None
-        if prefix is not None:
-            self._prefix_names, self._prefix_get = _fields(
-                tuple((f"prefix_{f.name}", f.name) for f in dataclasses.fields(prefix.counters)))
+        self._prefix_fields = (() if prefix is None else
+                               tuple(f.name for f in dataclasses.fields(prefix.counters)))
 
     # ------------------------------------------------------------------ requests
 
@@ -406,19 +375,47 @@ class ColocatedSparseDecode:
 
     def counters(self) -> dict[str, int]:
         """Monotonic totals (the connector turns them into per-report deltas). Read every
-        step: each source's fields in one C-level ``attrgetter`` call, zipped with their
-        report names."""
-        out = dict(zip(_MANAGER_NAMES, _MANAGER_FIELDS(self.manager.stats), strict=True))
-        out.update(zip(_OWN_NAMES, _OWN_FIELDS(self), strict=True))
-        out.update(zip(_STASH_NAMES, _STASH_FIELDS(self.stash.counters), strict=True))
-        # device -> host reads on the sparse path (device.host_read) since this object was
-        # made, in its process (engines sharing a process share the count): per layer
-        # with the host resolver (top-k, new rows), per step with the device one
-        out.update(zip(_READ_NAMES, map(operator.sub, dev.host_read_counts(_READ_REASONS),
-                                        self._reads0), strict=True))
-        if self.prefix is not None and self._prefix_get is not None:
-            out.update(zip(self._prefix_names, self._prefix_get(self.prefix.counters),
-                           strict=True))
+        step: plain attribute reads into one dict, nothing else."""
+        st = self.manager.stats
+        sc = self.stash.counters
+        reads = dev.host_read_counts(_READ_REASONS)
+        r0 = self._reads0
+        out = {
+            "steps": st.steps,
+            "resolved_positions": st.resolved_positions,
+            "hit_positions": st.hits,
+            "miss_rows": st.miss_rows,
+            "miss_bytes": st.onload_bytes,
+            "offload_rows": st.offload_rows,
+            "offload_bytes": st.offload_bytes,
+            "offload_ns": st.offload_ns,
+            "resolve_ns": st.resolve_ns,
+            "copy_ns": st.copy_ns,
+            "context_rows": st.context_rows,
+            "pool_query_tokens": st.pool_query_tokens,
+            "admission_failures": self.admission_failures,
+            "unmatched_rows": self.unmatched_rows,
+            "recomputed_tokens": self.recomputed_tokens,
+            "verify_rows": self.verify_rows,
+            "resident_rows": st.resident_rows,
+            "resident_query_tokens": st.resident_query_tokens,
+            "placed_requests": self.placed_requests,
+            "moved_requests": self.moved_requests,
+            "moved_bytes": st.moved_bytes,
+            "preempted_requests": sc.preempted_requests,
+            "resumed_tokens": sc.resumed_tokens,
+            "stash_failures": sc.stash_failures,
+            "stash_ns": sc.stash_ns,
+            # device -> host reads on the sparse path (device.host_read) since this object was
+            # made, in its process (engines sharing a process share the count): per layer
+            # with the host resolver (top-k, new rows), per step with the device one
+            "host_reads_topk": reads[0] - r0[0],
+            "host_reads_new_rows": reads[1] - r0[1],
+            "host_reads_step": reads[2] - r0[2],
+        }
+        if self.prefix is not None:
+            pc = self.prefix.counters
+            out.update((f"prefix_{n}", getattr(pc, n)) for n in self._prefix_fields)
         return out
 
     def gauges(self) -> dict[str, int]:
