@@ -283,6 +283,8 @@ class ColocatedSparseDecode:
 
     def _plan_resident(self, rows: tuple[BatchRow, ...], reqs: list[str | None]
                        ) -> SparseStepPlan:
+        """Every row a resident request: no row attends over the hot buffer, so there is
+        nothing to decide per row but where its new positions start."""
         pooled, area = self._pooled, self.manager.area
         assert area is not None
         for req, row in zip(reqs, rows, strict=True):
