@@ -155,15 +155,16 @@ def _hybrid_keys(hybrid: dict[str, dict[str, Any]], probes: dict[str, dict[str, 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     if not a.index_topk < a.context:
         raise SystemExit(f"--index-topk {a.index_topk} must be < --context {a.context}")
-    if a.decode_tokens < 2 or a.rounds < 1 or a.batch < 1 or a.spec_tokens < 0:
-        raise SystemExit("--decode-tokens >= 2, --rounds >= 1, --batch >= 1 and --spec-tokens >= 0")
+    if a.decode_tokens < 2 or a.rounds < 1 or a.batch < 1 or a.spec_tokens < 0 or a.layers < 1:
+        raise SystemExit("--decode-tokens >= 2, --rounds >= 1, --batch >= 1, --spec-tokens >= 0 "
+                         "and --layers >= 1")
     if a.hot is None:  # whole blocks
         a.hot = -(-(a.spec_tokens + 2) * a.index_topk // er.BLOCK_SIZE) * er.BLOCK_SIZE
     if a.hot < (1 + a.spec_tokens) * a.index_topk:
         raise SystemExit(f"--hot {a.hot}: a verification row of 1 + {a.spec_tokens} tokens needs "
                          f">= {(1 + a.spec_tokens) * a.index_topk} rows")
     hybrid_batches = _hybrid_batches(a)
-    model = er.tiny_model(a.index_topk, spec=a.spec_tokens > 0)
+    model = er.tiny_model(a.index_topk, spec=a.spec_tokens > 0, layers=a.layers)
     engines = er.HYBRID_ROUND if a.hybrid_only else ENGINES
     t_start = time.time()
     steps: dict[str, list[float]] = {n: [] for n in ENGINES}
@@ -229,7 +230,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     hybrid = {str(b): hy[b].result(a, b, layers) for b in hybrid_batches}
     config = {**{k: getattr(a, k) for k in ("batch", "context", "decode_tokens", "hot",
                                             "index_topk", "rounds", "core", "device_use_native",
-                                            "spec_tokens", "freeze", "hybrid_only")},
+                                            "spec_tokens", "freeze", "hybrid_only", "layers")},
               "hybrid_batches": hybrid_batches,
               "kv_cache_memory_bytes": er.kv_bytes(a, model),
               "hybrid_kv_cache_memory_bytes": er.hybrid_kv_bytes(a, model)}
@@ -380,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="n-gram speculative decoding with this many draft tokens in every "
                         "engine (0: none)")
     p.add_argument("--index-topk", type=int, default=32, help="the model's index_topk")
+    p.add_argument("--layers", type=int, default=4,
+                   help="the model's sparse-MLA layers (DeepSeek-V3.2 has 61): per-step costs "
+                        "weigh less against a deeper model's step")
     p.add_argument("--rounds", type=int, default=24,
                    help="rounds per engine (alternating; a round is ~1 s, so the median of many "
                         "paired rounds is what resists a shared machine's minute-to-minute swings)")

@@ -46,18 +46,21 @@ COUNTED = ("resolve", "miss_copy", "offload")  # connector counters (prefill pas
 # ---------------------------------------------------------------------- engines
 
 
-def tiny_model(index_topk: int, spec: bool = False) -> str:
+def tiny_model(index_topk: int, spec: bool = False, layers: int = 4) -> str:
+    """The bench's random sparse-MLA model; ``layers``: its depth (DeepSeek-V3.2: 61), what
+    sets how much per-layer work a step's fixed per-step costs are measured against."""
     from ascend_offload.harness.tiny_sparse_model import (
         NGRAM_INITIALIZER_RANGE,
         make_tiny_sparse_model,
     )
 
+    depth = {} if layers == 4 else {"num_hidden_layers": layers}
     if spec:
-        return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}-ngram",
-                                          index_topk=index_topk,
-                                          initializer_range=NGRAM_INITIALIZER_RANGE))
-    return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-4l-k{index_topk}",
-                                      index_topk=index_topk))
+        return str(make_tiny_sparse_model(
+            MODEL_DIR / f"tiny-sparse-mla-{layers}l-k{index_topk}-ngram", index_topk=index_topk,
+            initializer_range=NGRAM_INITIALIZER_RANGE, **depth))
+    return str(make_tiny_sparse_model(MODEL_DIR / f"tiny-sparse-mla-{layers}l-k{index_topk}",
+                                      index_topk=index_topk, **depth))
 
 
 def request_blocks(a: argparse.Namespace) -> int:
