@@ -99,7 +99,10 @@ def test_pd_preempted_requests_resume_from_the_pool(cluster: dict[str, Any]) -> 
     since = log_sizes(cluster)
     bodies = [body(model, p, False, k, return_token_ids=True)
               for p, k in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    baseline = [complete(cluster["prefill"], b) for b in bodies]
+    # the reference answers all at once, as the second batch's: greedy tokens do not
+    # depend on which other requests share a step
+    with ThreadPoolExecutor(8) as pool:
+        baseline = list(pool.map(lambda b: complete(cluster["prefill"], b), bodies))
     with ThreadPoolExecutor(8) as pool:
         pd = list(pool.map(lambda b: complete(cluster["proxy"], b), bodies))
     assert [len(a.token_ids or ()) for a in baseline] == MAX_TOKENS
@@ -124,7 +127,7 @@ def test_pd_preempted_requests_resume_from_the_pool(cluster: dict[str, Any]) -> 
     assert m["sparse_admission_failures"] == 0 and m["sparse_unmatched_rows"] == 0, m
     # drafts accepted and rejected, here and in the prefill engine's own speculating
     # answers. The counts are not compared: they depend on the steps vLLM forms (the
-    # prefill answered one request at a time, the decode ran eight at once as their pulls
+    # prefill ran the eight together from the first step, the decode as their pulls
     # landed and preempted; a resumed request's first step has no draft), which differ
     # from run to run. Equal counts under the same schedule:
     # tests/e2e/test_sparse_spec_e2e.py (stepped engines).
