@@ -17,6 +17,8 @@ PYTEST_ARGS ?=
 # Test workers: engine start-up is single-threaded imports, so two files in parallel
 # use both cores of a 2-core machine. More than two would mostly add memory pressure
 # (each engine file holds up to four engines). JOBS=0 runs in this process.
+# --dist loadfile: one file per worker at a time; the files that start vLLM servers are
+# one unit (tests/conftest.py, ENGINE_SERVERS), in collection order (--no-loadscope-reorder).
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; [ $$n -lt 2 ] && n=0; echo $$n)
 DEMO_ARGS ?=
 
@@ -49,7 +51,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc_npu/*.cpp csrc_npu/*.
 
 test: bootstrap
 	@start=$$(date +%s); \
-	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile -m "not bench" $(PYTEST_ARGS) tests; rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not bench" $(PYTEST_ARGS) tests; rc=$$?; \
 	echo "make test: tests took $$(( $$(date +%s) - start )) s (after the bootstrap)"; exit $$rc
 
 # The benchmarks' smoke runs on real engines (their JSON keys and parity checks).

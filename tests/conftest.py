@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -116,21 +117,35 @@ def _environment_restored_after_each_file() -> Iterator[None]:
         core.get_kv_cache_configs = hooked
 
 
-# The files that take longest (engine clusters), first in collection order. pytest-xdist's
-# loadfile scheduling then sends files with many tests first (its default reorder) and keeps
-# this order among files of equal size; measured here, interleaving the engine files with
-# the unit tests that way finished sooner (13 min) than running all engine files first
-# (16 min: two engine clusters at once oversubscribe two cores).
-SLOW_FIRST = (
+# Files that start vLLM API servers or multi-process engines. Each keeps several processes
+# busy (vLLM's shared-memory queues busy-wait for 1 s after each message), so on two cores
+# such a file slows down several times over beside other engine work (the sparse P/D
+# preemption file: 87 s alone, 304-312 s in make test). Under ``--dist loadfile`` these
+# files are one work unit (:func:`pytest_xdist_make_scheduler`), run one after another by
+# one worker, so no two of them overlap, while the other worker takes the remaining files,
+# each a unit of its own as before (make test on the 2-core VM: 1416 s before, 1218 s).
+ENGINE_SERVERS = (
+    "tests/e2e/test_sparse_preemption_pd_e2e.py",
     "tests/e2e/test_pd_tp_e2e.py",
     "tests/e2e/test_demo_e2e.py",
     "tests/reliability/test_soak.py",
-    "tests/e2e/test_pd_layerwise_e2e.py",
     "tests/e2e/test_joint_sparse_e2e.py",
     "tests/e2e/test_store_mooncake_engines.py",
+    "tests/e2e/test_pd_layerwise_e2e.py",
+    "tests/e2e/test_store_e2e.py",
     "tests/e2e/test_pd_e2e.py",
-    "tests/e2e/test_sparse_decode_e2e.py",
+    "tests/integration/test_proxy_vllm.py",
+    "tests/e2e/test_pd_hybrid_e2e.py",
+    "tests/e2e/test_config_errors_e2e.py",
+)
+ENGINE_GROUP = "engine-servers"
+# First in collection order (``--no-loadscope-reorder`` keeps it): the engine-server unit,
+# then the longest other files, so the short unit-test files come last and even out the
+# two workers' ends.
+SLOW_FIRST = (
+    *ENGINE_SERVERS,
     "tests/e2e/test_sparse_spec_e2e.py",
+    "tests/e2e/test_sparse_decode_e2e.py",
 )
 
 
@@ -146,3 +161,18 @@ def _order(item: pytest.Item) -> tuple[int, int]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_order)  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the :data:`ENGINE_SERVERS` files as one work unit."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EngineServersInOneUnit(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return ENGINE_GROUP if path in ENGINE_SERVERS else super()._split_scope(nodeid)
+
+    return EngineServersInOneUnit(config, log)
