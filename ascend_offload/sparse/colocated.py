@@ -48,11 +48,6 @@ _READ_REASONS = (dev.TOPK_READ, dev.NEW_ROWS_READ, dev.STEP_READ)
 logger = logging.getLogger(__name__)
 
 
-def _beyond_resident_rows(req: str, capacity: int, tokens: int) -> RuntimeError:
-    return RuntimeError(f"sparse decode: request {req!r} is resident with {capacity} device "
-                        f"rows, fewer than its {tokens} tokens this step")
-
-
 class ColocatedSparseDecode:
     """Request bookkeeping and step binding over one :class:`SparseOffloadManager`."""
 
@@ -268,47 +263,15 @@ class ColocatedSparseDecode:
                 raise ValueError("plan_step: a layer of this step saw another batch "
                                  f"({len(rows)} rows, {len(self._plan_rows)} planned)")
             return self._plan
-        keys, pooled = self._keys, self._pooled
-        reqs = [keys.get(row.key) for row in rows]
-        area = self.manager.area
-        # the usual hybrid step: every row a resident request (one pass, no per-row checks
-        # of the pool path; the manager validates the entries and the resident rows)
-        if area is not None and reqs and area.request_ids() >= set(reqs) and pooled.keys() >= set(reqs):
-            plan = self._plan_resident(rows, reqs)
-        else:
-            plan = self._plan_pool(rows, reqs)
-        self._advance(rows, reqs)
-        self._plan, self._plan_rows = plan, rows
-        return plan
-
-    def _plan_resident(self, rows: tuple[BatchRow, ...], reqs: list[str | None]
-                       ) -> SparseStepPlan:
-        """Every row a resident request: no row attends over the hot buffer, so there is
-        nothing to decide per row but where its new positions start."""
-        pooled, area = self._pooled, self.manager.area
-        assert area is not None
-        for req, row in zip(reqs, rows, strict=True):
-            if area.capacity(req) < row.num_tokens:  # type: ignore[arg-type]
-                raise _beyond_resident_rows(req, area.capacity(req), row.num_tokens)  # type: ignore[arg-type]
-        start = [min(pooled[req], row.num_tokens - row.num_new)  # type: ignore[index]
-                 for req, row in zip(reqs, rows, strict=True)]
-        entries = [StepEntry(req, row.num_tokens, first)  # type: ignore[arg-type]
-                   for req, row, first in zip(reqs, rows, start, strict=True)]
-        self.manager.begin_step(entries)  # validates the batch before anything changes
-        self._open = True
-        n = len(entries)
-        return SparseStepPlan(tuple(range(n)), tuple(start), (False,) * n, n, self.query_tokens,
-                              self.manager.resident_step([row.num_new for row in rows]))
-
-    def _plan_pool(self, rows: tuple[BatchRow, ...], reqs: list[str | None]) -> SparseStepPlan:
         # once per step on the critical path: locals, no per-row method calls
         area = self.manager.area
         held = area.request_ids() if area is not None else frozenset()
-        pooled, drafts, qt = self._pooled, self._drafts, self.query_tokens
+        keys, pooled, drafts, qt = self._keys, self._pooled, self._drafts, self.query_tokens
         start: list[int] = []
         decode: list[bool] = []
         entries: list[StepEntry] = []
-        for row, req in zip(rows, reqs, strict=True):
+        for row in rows:
+            req = keys.get(row.key)
             if req is None or req not in pooled:
                 self.unmatched_rows += int(req is None)
                 raise RuntimeError(
@@ -320,7 +283,10 @@ class ColocatedSparseDecode:
             first = min(pooled[req], n_tok - n_new)
             on_device = req in held
             if on_device and area.capacity(req) < n_tok:  # type: ignore[union-attr]
-                raise _beyond_resident_rows(req, area.capacity(req), n_tok)  # type: ignore[union-attr]
+                raise RuntimeError(
+                    f"sparse decode: request {req!r} is resident with "
+                    f"{area.capacity(req)} device rows, "  # type: ignore[union-attr]
+                    f"fewer than its {n_tok} tokens this step")
             start.append(first)
             # resident rows attend over their device rows (context_rows), not the hot buffer
             dec = not on_device and 1 <= n_new <= qt
@@ -335,23 +301,22 @@ class ColocatedSparseDecode:
             self.manager.begin_step(entries)  # validates the batch before anything changes
             self._open = True
             resident = self.manager.resident_step([row.num_new for row in rows])
-        return SparseStepPlan(tuple(range(len(entries))), tuple(start), tuple(decode),
+        plan = SparseStepPlan(tuple(range(len(entries))), tuple(start), tuple(decode),
                               len(entries), qt, resident)
-
-    def _advance(self, rows: tuple[BatchRow, ...], reqs: list[str | None]) -> None:
-        """The planned rows' positions are now pooled (or resident); count recomputation."""
-        high_of, pooled, drafts = self._high, self._pooled, self._drafts
-        for row, req in zip(rows, reqs, strict=True):
-            n_tok, n_new = row.num_tokens, row.num_new
-            high = high_of.get(req, 0)  # type: ignore[arg-type]
+        high_of = self._high
+        for row, e in zip(rows, entries, strict=True):
+            req, n_tok = e.req_id, row.num_tokens
+            high = high_of.get(req, 0)
             # positions this step writes that the pool already held (a recomputation)
-            if high > n_tok - n_new:
-                self.recomputed_tokens += min(high, n_tok) - (n_tok - n_new)
+            if high > n_tok - row.num_new:
+                self.recomputed_tokens += min(high, n_tok) - (n_tok - row.num_new)
             # draft positions are tentative: a rejection rewrites them, not a recompute
-            certain = n_tok - min(drafts.get(req, 0), n_new)  # type: ignore[arg-type]
+            certain = n_tok - min(drafts.get(req, 0), row.num_new)
             if certain > high:
-                high_of[req] = certain  # type: ignore[index]
-            pooled[req] = n_tok  # type: ignore[index]
+                high_of[req] = certain
+            pooled[req] = n_tok
+        self._plan, self._plan_rows = plan, rows
+        return plan
 
     def end_step(self) -> None:
         if self._open:
