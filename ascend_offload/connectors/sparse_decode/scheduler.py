@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -201,6 +201,12 @@ class SparseDecodeScheduler:
             groups = cache[req_id] = self.kv_cache_manager.get_block_ids(req_id)
         return groups
 
+    def _forget_blocks(self, req_ids: Iterable[str]) -> None:
+        """Their block ids are no longer vLLM's (preempted, resumed in new blocks, finished)."""
+        if self._block_ids is not None:
+            for rid in req_ids:
+                self._block_ids.pop(rid, None)
+
     def admit(self, request: Request) -> bool:
         """Reserve the request's pool rows; ``False``: not now (vLLM retries it next step).
         A new request's leading cached blocks (prefix cache) are pinned and reserved as
@@ -251,8 +257,7 @@ class SparseDecodeScheduler:
             self.ledger.uncache(self.prefix.unpin(request_id))
         self.ledger.release(request_id)
         self.preemption.finish(request_id)
-        if self._block_ids is not None:
-            self._block_ids.pop(request_id, None)
+        self._forget_blocks((request_id,))
         if self.hybrid is not None:
             self.hybrid.release(request_id)
 
@@ -326,13 +331,10 @@ class SparseDecodeScheduler:
         # before the scheduled requests update the book: a request preempted this step
         # stashes what it had after the last step it ran
         preempted: dict[str, StashOrder] = {}
-        cache = self._block_ids
         if so.preempted_req_ids:
             preempted = {rid: self.preemption.preempt(rid)
                          for rid in sorted(so.preempted_req_ids) if rid not in done}
-            if cache is not None:
-                for rid in so.preempted_req_ids:
-                    cache.pop(rid, None)
+            self._forget_blocks(so.preempted_req_ids)
         new: dict[str, int] = {}
         computed: dict[str, int] = {}
         hits: dict[str, PrefixHit] = {}
@@ -355,9 +357,8 @@ class SparseDecodeScheduler:
         unshare: dict[str, int] = {}
         resumed: dict[str, ResumeOrder] = {}
         resumed_ids = cached.resumed_req_ids
-        if resumed_ids and cache is not None:  # new blocks: read again
-            for rid in resumed_ids:
-                cache.pop(rid, None)
+        if resumed_ids:  # in new blocks: read again
+            self._forget_blocks(resumed_ids)
         scheduled = self.preemption.scheduled
         for req_id, n in so.num_scheduled_tokens.items():
             c = computed[req_id]
@@ -379,8 +380,8 @@ class SparseDecodeScheduler:
         drafts = {rid: len(t) for rid, t in spec.items() if t} if spec else {}
         ops = self.prefix.take_ops() if self.prefix is not None else ()
         return SparseDecodeMetadata(new, keys, finished,
-                                    {r: computed[r] for r in new} if new else {}, preempted,
-                                    resumed, drafts, ops, hits, unshare,
+                                    {r: computed[r] for r in new}, preempted, resumed, drafts,
+                                    ops, hits, unshare,
                                     self._hybrid_step(so, computed, preempted, hits))
 
     def _hybrid_step(self, scheduler_output: SchedulerOutput, computed: dict[str, int],
