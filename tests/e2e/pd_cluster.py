@@ -22,6 +22,12 @@ from tests.e2e.harness import BLOCK_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 600.0
+# The decode registers a request with the proxy's metaserver only when vLLM's scheduler
+# first takes it from the waiting queue. Tests that send more requests at once than the
+# decode's --max-num-seqs queue the rest behind whole requests, which on a loaded CI
+# machine took over the proxy's default 60 s: the deadline here covers that queueing.
+REGISTER_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 300
 RD2H_MODULE = "ascend_offload.connectors.remote_d2h"
 
 
@@ -69,7 +75,8 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
         servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
                                         str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
                                         str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                        str(d_port)], env, log_dir))
+                                        str(d_port), "--register-timeout-s", str(REGISTER_TIMEOUT_S)],
+                              env, log_dir))
         deadline = time.monotonic() + STARTUP_S
         for port, server in zip((p_port, d_port, proxy_port), servers, strict=True):
             wait_health(f"http://127.0.0.1:{port}/health", servers, deadline, serving=server)
@@ -93,7 +100,7 @@ class Answer(NamedTuple):
 
 
 def complete(url: str, request: dict[str, Any]) -> Answer:
-    r = httpx.post(f"{url}/v1/completions", json=request, timeout=180)
+    r = httpx.post(f"{url}/v1/completions", json=request, timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     ids = choice.get("token_ids")
