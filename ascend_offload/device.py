@@ -15,7 +15,7 @@ import functools
 import importlib.util
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -207,6 +207,54 @@ def record_after_compute() -> Any:
     ev = new_event()
     ev.record(current_stream())
     return ev
+
+
+def device_name() -> str | None:
+    """The accelerator's name (a bench records which device it measured); None on CPU."""
+    m = _mod()
+    return str(m.get_device_name(0)) if m is not None else None
+
+
+# ----------------------------------------------------------------- captured graphs
+
+
+def graph_capture_supported() -> bool:
+    """Device work can be captured and replayed as a graph here: CUDA (no NPU graph
+    capture is wired in this module)."""
+    return platform() == "cuda"
+
+
+def run_on_side_stream(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a fresh stream ordered after the current stream's queued work and
+    before its later work. Why: a graph's warm-up must run on a side stream (CUDA
+    graphs docs), so lazy initialisation happens before, not during, the capture."""
+    side = new_stream()
+    side.wait_stream(current_stream())
+    with stream_context(side):
+        out = fn()
+    current_stream().wait_stream(side)
+    return out
+
+
+class CapturedGraph:
+    """The device work of ``fn()`` recorded once (a CUDA graph) and replayed with one
+    launch per :meth:`replay`.
+
+    Capture records and executes nothing: warm ``fn`` up first
+    (:func:`run_on_side_stream`), which does execute it. The tensors ``fn`` reads are
+    the graph's static inputs (refill them in place before a replay); ``outputs`` (what
+    ``fn`` returned) holds the results of the latest replay."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        if not graph_capture_supported():
+            raise RuntimeError(f"graph capture is wired for CUDA only; this platform is "
+                               f"{platform()}")
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self.outputs = fn()
+
+    def replay(self) -> None:
+        self._graph.replay()
 
 
 # ----------------------------------------------------------------- device reads, mapped host memory
