@@ -5,7 +5,7 @@ request) against hot buffers of 4096 rows, at contexts of 32K and 128K tokens an
 batches of 1 to 64, on drifting-focus and uniform top-k traces
 (:mod:`~ascend_offload.bench.sparse_traces`). Resolve only: no model, no row copies.
 ``--device`` says where the top-k lives and the device table runs: ``cpu`` (default) or
-this machine's accelerator (``cuda``). Five paths:
+this machine's accelerator (``cuda``). Six paths:
 
 * ``host``: the native host table (``NativeResidency``), one thread: what the host
   path runs per layer after the top-k reached the host;
@@ -14,7 +14,9 @@ this machine's accelerator (``cuda``). Five paths:
   ``--device cpu`` the "device" is this machine's CPU, so that is its C++ host kernel
   (one call per layer over the same device-layout state): host time, what a CPU
   engine with ``residency_backend: device`` pays; on an accelerator it picks the
-  tensor ops, i.e. it is ``device_ops`` (left out of the default paths there);
+  tensor ops, compiled where the platform compiles them well (CUDA), launched eagerly:
+  ``device_ops`` or ``device_compiled`` without the graph (left out of the default
+  paths there);
 * ``device_ops``: the same table with its portable kernel, the static-shape tensor ops
   an NPU/GPU runs as kernels inside a captured graph, launched eagerly op by op. On the
   CPU they run on the host (torch with ``--device-threads`` intra-op threads, one by
@@ -26,7 +28,11 @@ this machine's accelerator (``cuda``). Five paths:
   The step's top-k is copied into the graph's static inputs before the timed region
   (that copy is timed on its own: ``topk_copy_ms_per_step``). After the timed steps
   a second table resolves the same steps eagerly: ``equal_to_eager`` says whether the
-  measured (valid, miss) totals and the final table state are equal.
+  measured (valid, miss) totals and the final table state are equal;
+* ``device_compiled`` (CUDA, ``--device cuda``): as ``device_graph``, with the table's
+  tensor ops compiled (``torch.compile(fullgraph=True, dynamic=False)``, kernel
+  ``ops_compiled``): the warm-up steps compile them (once per shape), the capture
+  records the compiled kernels; ``equal_to_eager`` against the same eager table.
 
 With ``--device cuda`` the top-k of every path is on the GPU before anything is
 timed; the host paths read it to the host each layer (a real device -> host copy,
@@ -66,23 +72,31 @@ from ascend_offload.bench.sparse_traces import TRACE_KINDS
 from ascend_offload.sparse.device_residency import DeviceResidency
 from ascend_offload.sparse.residency import NativeResidency
 
-PATHS = ("host", "host_threads", "device", "device_ops", "device_graph")
-DEVICE_PATHS = {"device": "auto", "device_ops": "off", "device_graph": "off"}  # path -> use_native
+PATHS = ("host", "host_threads", "device", "device_ops", "device_graph", "device_compiled")
+# path -> (use_native, compile_kernel) of its DeviceResidency; device_ops never compiles
+# (it is the eager reference), device follows the table's own choice
+DEVICE_PATHS = {"device": ("auto", "auto"), "device_ops": ("off", "off"),
+                "device_graph": ("off", "off"), "device_compiled": ("off", "on")}
 HOST_PATHS = ("host", "host_threads")
-GRAPH_PATHS = ("device_graph",)
+GRAPH_PATHS = ("device_graph", "device_compiled")
 QUICK = {"layers": 4, "k": 256, "hot": 512, "contexts": "8192", "batches": "1,4", "steps": 2,
          "warmup": 2, "distinct": 2, "block": 64}
 TOPK_COPY = "outside the timed region, timed separately (topk_copy_ms_per_step)"
 
 
 def default_paths(device: str) -> tuple[str, ...]:
-    """The paths run when ``--paths`` is not given. On the CPU every path but the graph
+    """The paths run when ``--paths`` is not given. On the CPU every path but the graphs
     (no graphs there); on an accelerator ``device`` is left out (there it picks the tensor
-    ops, i.e. it is ``device_ops``) and the graph is in where this platform captures one."""
+    ops, eager: ``device_ops``, compiled where the platform compiles them well),
+    ``device_graph`` is in where this platform captures one, ``device_compiled`` where it
+    also compiles the tensor ops well."""
     if device == "cpu":
         return tuple(p for p in PATHS if p not in GRAPH_PATHS)
+    capture = dev.graph_capture_supported()
+    compiles = capture and dev.compiles_tensor_ops(dev.device())
     return tuple(p for p in PATHS
-                 if p != "device" and (p not in GRAPH_PATHS or dev.graph_capture_supported()))
+                 if p != "device" and (p not in GRAPH_PATHS or capture)
+                 and (p != "device_compiled" or compiles))
 
 
 def _paths(a: argparse.Namespace) -> list[str]:
@@ -106,7 +120,8 @@ def _paths(a: argparse.Namespace) -> list[str]:
     needs_native = [p for p in paths if p in HOST_PATHS or (p == "device" and a.device == "cpu")]
     if needs_native and not native.available():
         raise SystemExit(f"--paths {','.join(needs_native)}: needs the native residency library "
-                         "(g++ at install); device_ops and device_graph run without it")
+                         "(g++ at install); device_ops, device_graph and device_compiled run "
+                         "without it")
     return paths
 
 
@@ -148,8 +163,9 @@ class _Steps:
 
 def _device_table(a: argparse.Namespace, path: str, steps: _Steps,
                   where: torch.device) -> DeviceResidency:
+    use_native, compile_kernel = DEVICE_PATHS[path]
     return DeviceResidency(a.layers, steps.batch, a.hot, max_positions=steps.cap, device=where,
-                           use_native=DEVICE_PATHS[path])
+                           use_native=use_native, compile_kernel=compile_kernel)
 
 
 def _resolve_all(table: DeviceResidency, topk: torch.Tensor) -> list[Any]:
@@ -159,8 +175,9 @@ def _resolve_all(table: DeviceResidency, topk: torch.Tensor) -> list[Any]:
 
 
 class _Graph:
-    """The ``device_graph`` path's table: its step's 61 resolves captured once after the
-    warm-up and replayed, reading the top-k from static input tensors."""
+    """The ``device_graph`` / ``device_compiled`` path's table: its step's 61 resolves
+    captured once after the warm-up and replayed, reading the top-k from static input
+    tensors."""
 
     def __init__(self, table: DeviceResidency, like: torch.Tensor) -> None:
         self.table = table
@@ -191,10 +208,10 @@ class _Graph:
 
 def _eager_equal(a: argparse.Namespace, graph: DeviceResidency, totals: tuple[int, int],
                  steps: _Steps, topks: list[torch.Tensor], where: torch.device) -> bool:
-    """The same steps on a second table resolved eagerly (``device_ops``): equal measured
-    (valid, miss) totals and equal final state of the request rows (the trash row and
-    columns absorb masked scatters in any order, as in the CUDA graph test). After the
-    timing, not in it."""
+    """The same steps on a second table resolved eagerly (``device_ops``: the tensor ops,
+    not compiled): equal measured (valid, miss) totals and equal final state of the
+    request rows (the trash row and columns absorb masked scatters in any order, as in
+    the CUDA graph test). After the timing, not in it."""
     ref = _device_table(a, "device_ops", steps, where)
     for t, step in enumerate(topks):
         steps.bind(ref, t)
@@ -318,8 +335,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                                  "threads", "device_threads", "quick", "seed",
                                                  "device")},
                    "paths": paths,
-                   "timing": "wall time of bind_step + every layer's resolve (device_graph: "
-                             "bind_step + one replay), median over the measured steps"
+                   "timing": "wall time of bind_step + every layer's resolve (device_graph, "
+                             "device_compiled: bind_step + one replay), median over the "
+                             "measured steps"
                              + ("; each step starts and ends with a device synchronize, not "
                                 "counted in host_syncs_per_step" if a.device != "cpu" else "")},
         "rows": rows,
@@ -331,7 +349,7 @@ def _line(r: dict[str, Any]) -> str:
     ms = r["host_ms_per_step"]
     syncs = r["host_syncs_per_step"]
     eq = r.get("equal_to_eager")
-    return (f"  {r['path']:12s} {r['batch']:5d} {r['context']:8d} {r['trace']:8s} "
+    return (f"  {r['path']:15s} {r['batch']:5d} {r['context']:8d} {r['trace']:8s} "
             + (f"{ms:10.2f} {syncs:10.0f}" if ms is not None else f"{'-':>10s} {'-':>10s}")
             + f" {r['hit_rate']:8.4f}" + ("" if eq is None else f"  {'yes' if eq else 'NO'}")
             + (f"  {r['error']}" if "error" in r else ""))
@@ -343,7 +361,7 @@ def report(res: dict[str, Any]) -> str:
     where = f"{m['cpus']} CPUs" + (f", {c['device']}: {gpu}" if gpu else "")
     lines = [f"sparse-scale: {c['layers']} layers, top-k {c['k']}, hot buffer {c['hot']} rows, "
              f"{c['steps']} measured steps after {c['warmup']} (resolve only, {where})",
-             f"  {'path':12s} {'batch':>5s} {'context':>8s} {'trace':8s} {'ms/step':>10s} "
+             f"  {'path':15s} {'batch':>5s} {'context':>8s} {'trace':8s} {'ms/step':>10s} "
              f"{'syncs/step':>10s} {'hit rate':>8s}"
              + ("  graph = eager" if any("equal_to_eager" in r for r in res["rows"]) else "")]
     lines += [_line(r) for r in res["rows"]]
@@ -361,9 +379,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--traces", default="drift,uniform", help=f"of {', '.join(TRACE_KINDS)}")
     p.add_argument("--paths", default=None,
-                   help=f"of {', '.join(PATHS)}; default: every path but device_graph with "
-                        "--device cpu, every path but device on an accelerator (device_graph "
-                        "where it captures: CUDA)")
+                   help=f"of {', '.join(PATHS)}; default: every path but device_graph and "
+                        "device_compiled with --device cpu, every path but device on an "
+                        "accelerator (device_graph and device_compiled where it captures "
+                        "and compiles: CUDA)")
     p.add_argument("--device", default="cpu",
                    help="where the top-k lives and the device tables run: cpu, or this machine's "
                         "accelerator (cuda); the host paths' tables stay on the host")

@@ -43,7 +43,10 @@ Kernels (``kernel``): ``ops``, the tensor ops above, portable and graph-capturab
 an NPU / GPU runs; ``native``, the same resolve and gather as one C++ host function each
 (``csrc_npu/device_table.cpp``, same state, same outputs, no ATen dispatch per op): what
 a table whose device is the host runs when the library loads, since there ~190 dispatched
-ops cost ~0.5 ms a layer and nothing is captured anyway.
+ops cost ~0.5 ms a layer and nothing is captured anyway; ``ops_compiled``, the tensor ops
+through ``torch.compile(fullgraph=True, dynamic=False)`` (:func:`compiled_resolve_lru`):
+~40 fused kernels instead of ~190, what a CUDA table runs by default
+(``compile_kernel``, the ``device_compile`` key).
 
 Row movement over the same padded descriptors: :func:`gather_misses` (pool ->
 hot buffer) and :func:`scatter_new_rows` (new rows -> pool); the pool argument
@@ -57,16 +60,26 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ascend_offload import native
-from ascend_offload.device import STEP_READ, empty_host, host_read, is_host
+from ascend_offload.device import STEP_READ, compiles_tensor_ops, empty_host, host_read, is_host
 from ascend_offload.sparse.residency import MAX_HOT_SIZE, PolicyState, ResidencyError
 
 _CLASS_SHIFT = 48  # key = class << 48 | (slot index or stamp): stamps stay below 2^48
 _REPORT = 8  # per layer: error flag, entry, index, value, len, row; valid, misses
+COMPILE_CHOICES = ("auto", "on", "off")  # the device_compile key / compile_kernel
+# Compiled graphs kept for resolve_lru, one per shape (padded batch, top-k width, block
+# size, table size). Dynamo's default of 8 per function would make the 9th shape an error
+# (with fullgraph=True hitting the limit fails instead of falling back to eager): the full
+# sparse-scale bench alone has 8 (2 contexts x 4 batches), and an engine whose table has no
+# batch_sizes compiles once per distinct batch size.
+_RECOMPILE_LIMIT = 64
 
 
 def _map_dtype(hot_size: int) -> torch.dtype:
@@ -210,6 +223,29 @@ def resolve_lru(pos_slot: torch.Tensor, slot_pos: torch.Tensor, stamp: torch.Ten
     return slots, miss_src, miss_dst, copy_src, copy_dst, counts
 
 
+@functools.cache
+def compiled_resolve_lru() -> Callable[..., tuple[torch.Tensor, ...]]:
+    """:func:`resolve_lru` through ``torch.compile(fullgraph=True, dynamic=False)``, one
+    wrapper for the process. Why one: dynamo caches the compiled graphs on the function's
+    code, one per shape (guards on sizes, not on which layer's state views are passed), so
+    every table and layer of a shape shares one compile. Compiles lazily, at a shape's
+    first call (seconds on CUDA; run it in a warm-up, not inside a graph capture)."""
+    limit: dict[str, Any] = {}
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        limit["recompile_limit"] = _RECOMPILE_LIMIT
+    compiled: Callable[..., tuple[torch.Tensor, ...]] = torch.compile(
+        resolve_lru, fullgraph=True, dynamic=False, **limit)
+    if limit:
+        return compiled
+    import torch._dynamo.config as dynamo_config  # a torch without the per-function limit
+
+    def call(*args: Any) -> tuple[torch.Tensor, ...]:
+        with dynamo_config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return call
+
+
 def gather_misses(pool_rows: torch.Tensor, hot_rows: torch.Tensor, copy_src: torch.Tensor,
                   copy_dst: torch.Tensor) -> None:
     """``hot_rows[copy_dst[i]] = pool_rows[copy_src[i]]``; ``copy_src = -1`` keeps the
@@ -271,14 +307,23 @@ class DeviceResidency:
     runs at the smallest one >= B, so a graph captured per size replays for any
     batch); none: ``Bp = B``. ``use_native`` (the ``use_native`` key): ``auto`` runs the
     C++ kernel where the table's device is the host and the library loads, else the
-    tensor ops; ``on`` requires the C++ kernel; ``off`` always runs the tensor ops."""
+    tensor ops; ``on`` requires the C++ kernel; ``off`` always runs the tensor ops.
+    ``compile_kernel`` (the ``device_compile`` key), for the tensor ops only (the C++
+    kernel is not compiled): ``auto`` compiles them where
+    :func:`~ascend_offload.device.compiles_tensor_ops` says the device compiles them well
+    (CUDA), ``on`` always, ``off`` never. ``kernel`` names the result: ``native``,
+    ``ops`` or ``ops_compiled``."""
 
     kind = "device"
     policy = "lru"
 
     def __init__(self, num_layers: int, num_rows: int, hot_size: int, *, max_positions: int,
                  device: torch.device | str | None = None,
-                 batch_sizes: Sequence[int] | None = None, use_native: str = "auto") -> None:
+                 batch_sizes: Sequence[int] | None = None, use_native: str = "auto",
+                 compile_kernel: str = "auto") -> None:
+        if compile_kernel not in COMPILE_CHOICES:
+            raise ResidencyError(f"key 'device_compile'={compile_kernel!r}: accepted 'auto', "
+                                 "'on', 'off'")
         if num_layers <= 0 or num_rows <= 0:
             raise ResidencyError(f"num_layers={num_layers}, num_rows={num_rows}: must be > 0")
         if not 0 < hot_size <= MAX_HOT_SIZE:
@@ -302,6 +347,11 @@ class DeviceResidency:
         self._steps: dict[tuple[int, int], BoundStep] = {}
         self.step: BoundStep | None = None
         self.kernel = _pick_kernel(use_native, self.pos_slot)
+        if self.kernel == "ops" and (compile_kernel == "on" or (
+                compile_kernel == "auto" and compiles_tensor_ops(self.device))):
+            self.kernel = "ops_compiled"
+        self._resolve_ops: Callable[..., tuple[torch.Tensor, ...]] = (
+            compiled_resolve_lru() if self.kernel == "ops_compiled" else resolve_lru)
         if self.kernel == "native":
             self._native_resolve = native.caller3("ao_dres_resolve")
             self._native_gather = native.caller3("ao_dres_gather")
@@ -409,7 +459,7 @@ class DeviceResidency:
             return self._resolve_native(layer, step, topk)
         if step.padded > B:
             topk = torch.cat((topk, topk.new_full((step.padded - B, K), -1)))
-        out = resolve_lru(*self.layer_state(layer), *step.args(), topk, step.block_size)
+        out = self._resolve_ops(*self.layer_state(layer), *step.args(), topk, step.block_size)
         slots, miss_src, miss_dst, copy_src, copy_dst, counts = out
         return DeviceResolved(slots[:B], miss_src[:B], miss_dst[:B], counts[:B], copy_src,
                               copy_dst)

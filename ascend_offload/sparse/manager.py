@@ -150,7 +150,8 @@ class SparseOffloadManager:
         self.residency = residency if residency is not None else make_residency(
             num_layers, max_requests, self.hot_size, use_native=cfg.use_native, nthreads=nthreads,
             policy=cfg.residency_policy, backend=backend,
-            max_positions=max_positions or pool.num_rows, device=self.hot.device)
+            max_positions=max_positions or pool.num_rows, device=self.hot.device,
+            device_compile=cfg.device_compile)
         self._device = self.residency.kind == "device"
         self._new_dst: tuple[list[int], torch.Tensor] | None = None  # this step's new-row rows
         # (positions tensor, its pool rows) of this step: every layer passes the same one

@@ -575,18 +575,24 @@ class TorchResidency:
 def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native: str = "auto",
                    nthreads: int = 1, policy: str = "lru", backend: str = "host",
                    max_positions: int | None = None, device: torch.device | str | None = None,
-                   batch_sizes: Sequence[int] | None = None
+                   batch_sizes: Sequence[int] | None = None, device_compile: str = "auto"
                    ) -> NativeResidency | TorchResidency | DeviceResidency:
     """``backend``: ``host`` (this module's tables) or ``device`` (the static-shape table
     of :mod:`~ascend_offload.sparse.device_residency`, exact LRU only, on ``device``,
     indexing ``max_positions`` positions per request, padded to ``batch_sizes``).
     ``use_native``: ``auto`` (native if it builds, else the twin, logged once; device:
     the C++ kernel where the table's device is the host, else the tensor ops), ``on``
-    (native or raise), ``off`` (the twin; device: the tensor ops). ``policy``: one of :data:`POLICIES`."""
+    (native or raise), ``off`` (the twin; device: the tensor ops). ``policy``: one of
+    :data:`POLICIES`. ``device_compile`` (device backend, tensor ops only): ``auto``
+    compiles them with ``torch.compile`` where the platform compiles them well (CUDA),
+    ``on`` always, ``off`` never; the host backend checks it and ignores it."""
     if backend not in BACKENDS:
         raise ResidencyError(f"key 'residency_backend'={backend!r}: accepted {', '.join(BACKENDS)}")
     if use_native not in ("auto", "on", "off"):
         raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
+    if device_compile not in ("auto", "on", "off"):
+        raise ResidencyError(f"key 'device_compile'={device_compile!r}: accepted 'auto', 'on', "
+                             "'off'")
     _check_dims(num_layers, num_rows, hot_size, policy)
     if backend == "device":
         if policy != "lru":
@@ -597,7 +603,8 @@ def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native:
         from ascend_offload.sparse.device_residency import DeviceResidency
 
         return DeviceResidency(num_layers, num_rows, hot_size, max_positions=max_positions,
-                               device=device, batch_sizes=batch_sizes, use_native=use_native)
+                               device=device, batch_sizes=batch_sizes, use_native=use_native,
+                               compile_kernel=device_compile)
     if use_native != "off":
         if native.available():
             return NativeResidency(num_layers, num_rows, hot_size, nthreads=nthreads, policy=policy)

@@ -92,6 +92,19 @@ def test_topk_buffer_size_over_the_table_limit_is_refused_at_parse_time(backend:
     assert MAX_TOPK_BUFFER_SIZE == MAX_HOT_SIZE  # the schema's limit is the tables' limit
 
 
+def test_device_compile_is_checked_at_parse_time() -> None:
+    """The device table's compile switch: auto by default, three values, anything else
+    refused naming the key before an engine starts."""
+    raw = {"sparse_offload": {"enabled": True, "residency_backend": "device"}}
+    assert parse_extra_config("AscendSparseDecodeConnector", raw).sparse_offload.device_compile == "auto"
+    for value in ("on", "off"):
+        raw["sparse_offload"]["device_compile"] = value
+        assert parse_extra_config("AscendSparseDecodeConnector", raw).sparse_offload.device_compile == value
+    raw["sparse_offload"]["device_compile"] = "yes"
+    with pytest.raises(ConfigError, match=r"sparse_offload\.device_compile"):
+        parse_extra_config("AscendSparseDecodeConnector", raw)
+
+
 @pytest.mark.parametrize("url", ["http://10.0.0.1:5000", "10.0.0.1:5000", "tcp://10.0.0.1",
                                  "tcp://10.0.0.1:0", "tcp://10.0.0.1:70000", "tcp://:5000",
                                  "tcp://host name:5000"])

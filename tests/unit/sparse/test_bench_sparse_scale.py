@@ -57,10 +57,31 @@ def test_quick_run_writes_the_promised_json(tmp_path: Path) -> None:
     assert all(len(v) == 1 for v in by_case.values()), by_case
 
 
-def test_device_graph_is_refused_without_a_cuda_device() -> None:
+@pytest.mark.parametrize("path", ["device_graph", "device_compiled"])
+def test_graph_paths_are_refused_without_a_cuda_device(path: str) -> None:
     # the graph captures the device table on the accelerator: never with --device cpu
-    with pytest.raises(SystemExit, match="--device"):
-        sparse_scale.main(["--quick", "--paths", "device_ops,device_graph"])
+    with pytest.raises(SystemExit, match=f"--paths {path}: .*--device"):
+        sparse_scale.main(["--quick", "--paths", f"device_ops,{path}"])
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_cuda_default_paths_include_the_compiled_graph_where_it_compiles(
+        monkeypatch: pytest.MonkeyPatch, compiles: bool) -> None:
+    monkeypatch.setattr(dev, "graph_capture_supported", lambda: True)
+    monkeypatch.setattr(dev, "compiles_tensor_ops", lambda where: compiles)
+    paths = ("host", "host_threads", "device_ops", "device_graph")
+    assert sparse_scale.default_paths("cuda") == paths + (("device_compiled",) if compiles else ())
+    assert "device_compiled" not in sparse_scale.default_paths("cpu")
+
+
+def test_device_compiled_table_runs_the_compiled_tensor_ops() -> None:
+    # building the table compiles nothing (torch.compile is lazy): its kernel name only
+    a = sparse_scale.parse_args(["--quick"])
+    steps = sparse_scale._Steps(a, 1, int(a.contexts))
+    where = torch.device("cpu")
+    assert sparse_scale._device_table(a, "device_compiled", steps, where).kernel == "ops_compiled"
+    assert sparse_scale._device_table(a, "device_graph", steps, where).kernel == "ops"
+    assert sparse_scale._device_table(a, "device_ops", steps, where).kernel == "ops"
 
 
 def test_unknown_device_is_refused() -> None:

@@ -1,6 +1,7 @@
 """``bench sparse-scale --quick --device cuda``: the device table on the GPU, eager
-(``device_ops``) and as a replayed CUDA graph (``device_graph``), against the host table
-reading the top-k back each layer. Skipped without CUDA; imports torch, numpy and the
+(``device_ops``), as a replayed CUDA graph (``device_graph``) and with its tensor ops
+compiled inside that graph (``device_compiled``), against the host table reading the
+top-k back each layer. Skipped without CUDA; imports torch, numpy and the
 package's torch-only modules (no vLLM). Run it on a CUDA machine with::
 
     python -m pytest -p no:xdist -m cuda tests/unit/sparse/test_bench_sparse_scale_cuda.py
@@ -23,7 +24,8 @@ pytestmark = [pytest.mark.cuda,
 
 def test_quick_run_on_cuda_graph_equals_eager_and_the_host_table(tmp_path: Path) -> None:
     # the host path needs the native library, which need not load on a GPU machine
-    paths = ["device_ops", "device_graph"] + (["host"] if native.available() else [])
+    paths = (["device_ops", "device_graph", "device_compiled"]
+             + (["host"] if native.available() else []))
     out = tmp_path / "scale-cuda.json"
     assert sparse_scale.main(["--quick", "--device", "cuda", "--paths", ",".join(paths),
                               "--json", str(out)]) == 0
@@ -37,9 +39,15 @@ def test_quick_run_on_cuda_graph_equals_eager_and_the_host_table(tmp_path: Path)
         assert 0.0 < r["hit_rate"] < 1.0 and r["host_ms_per_step"] > 0, r
         # the host path reads each layer's top-k off the GPU; the device paths nothing
         assert r["host_syncs_per_step"] == (q["layers"] if r["path"] == "host" else 0), r
-    graph = [r for r in rows if r["path"] == "device_graph"]
-    assert graph and all(r["equal_to_eager"] is True for r in graph), graph
+    graph = [r for r in rows if r["path"] in ("device_graph", "device_compiled")]
+    assert len(graph) == 2 * len(rows) // len(paths), graph
+    assert all(r["equal_to_eager"] is True for r in graph), graph
     assert all(r["topk_copy_ms_per_step"] > 0 and r["capture_ms"] > 0 for r in graph), graph
+    # device_compiled: the tensor ops compiled (CUDA compiles them by default: auto)
+    kernels = {r["path"]: r["kernel"] for r in rows if r["path"] != "host"}
+    assert kernels == {"device_ops": "ops", "device_graph": "ops",
+                       "device_compiled": "ops_compiled"}, kernels
+    assert "device_compiled" in sparse_scale.default_paths("cuda")
     # one semantics: the same traces give the same hit rate on every path
     by_case: dict[tuple, set[float]] = {}
     for r in rows:
