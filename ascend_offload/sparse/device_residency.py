@@ -352,6 +352,12 @@ class DeviceResidency:
             self.kernel = "ops_compiled"
         self._resolve_ops: Callable[..., tuple[torch.Tensor, ...]] = (
             compiled_resolve_lru() if self.kernel == "ops_compiled" else resolve_lru)
+        if self.kernel == "ops_compiled" and not self.batch_sizes:
+            # The compiled kernel compiles once per batch shape (seconds each) and fails
+            # past the recompile limit: steps pad to powers of two, at most
+            # log2(num_rows) + 2 shapes however many batch sizes an engine runs.
+            self.batch_sizes = sorted({1 << i for i in range(num_rows.bit_length())
+                                       if 1 << i < num_rows} | {num_rows})
         if self.kernel == "native":
             self._native_resolve = native.caller3("ao_dres_resolve")
             self._native_gather = native.caller3("ao_dres_gather")

@@ -158,6 +158,22 @@ def test_compile_choice_and_kernel_name(monkeypatch: pytest.MonkeyPatch) -> None
     assert table.kernel == "ops_compiled"  # type: ignore[union-attr]
 
 
+def test_compiled_tables_pad_steps_to_few_shapes() -> None:
+    """One compile per batch shape, and a limit on them: a compiled table given no batch
+    sizes pads a step to the next power of two (or its row count), so 1..100 requests
+    run at 8 shapes; given sizes, or not compiled, it keeps them."""
+    table = DeviceResidency(1, 100, 4, max_positions=8, use_native="off", compile_kernel="on")
+    assert table.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert {table.padded_size(b) for b in range(1, 101)} == set(table.batch_sizes)
+    assert table.padded_size(5) == 8 and table.padded_size(65) == 100
+    assert DeviceResidency(1, 3, 4, max_positions=8, use_native="off",
+                           compile_kernel="on").batch_sizes == [1, 2, 3]
+    assert DeviceResidency(1, 100, 4, max_positions=8, use_native="off", compile_kernel="on",
+                           batch_sizes=[100]).batch_sizes == [100]
+    assert DeviceResidency(1, 100, 4, max_positions=8, use_native="off",
+                           compile_kernel="off").batch_sizes == []
+
+
 @pytest.mark.parametrize("backend", ["host", "device"])
 def test_bad_compile_values_are_refused_naming_the_key(backend: str) -> None:
     with pytest.raises(ResidencyError, match=r"key 'device_compile'='yes': accepted 'auto', "

@@ -42,12 +42,17 @@ def _manager(topk: int, backend: str, **kw) -> SparseOffloadManager:
                                 max_positions=8192, **kw)
 
 
-@pytest.mark.parametrize("topk", [64, 256])
-def test_device_backend_logits_bit_identical_and_no_layer_reads(topk: int) -> None:
+@pytest.mark.parametrize(("topk", "use_native", "batch_sizes"), [
+    (64, "auto", None), (256, "auto", None),
+    # the tensor ops with steps padded to powers of two, as a compiled table pads them
+    (64, "off", [1, 2, 4])])
+def test_device_backend_logits_bit_identical_and_no_layer_reads(
+        topk: int, use_native: str, batch_sizes: list[int] | None) -> None:
     cfg = RefConfig(topk=topk)
     full_logits, full_out = _run(cfg, FullKV(cfg.num_layers, cfg.latent))
     table = _Replayed(make_residency(cfg.num_layers, 4, 2 * topk, backend="device",
-                                     max_positions=8192), 2 * topk)
+                                     max_positions=8192, use_native=use_native,
+                                     batch_sizes=batch_sizes), 2 * topk)
     mgr = _manager(topk, "device", residency=table)
     assert mgr.residency.kind == "device"
     before = _reads()
