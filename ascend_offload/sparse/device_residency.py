@@ -77,8 +77,8 @@ COMPILE_CHOICES = ("auto", "on", "off")  # the device_compile key / compile_kern
 # Compiled graphs kept for resolve_lru, one per shape (padded batch, top-k width, block
 # size, table size). Dynamo's default of 8 per function would make the 9th shape an error
 # (with fullgraph=True hitting the limit fails instead of falling back to eager): the full
-# sparse-scale bench alone has 8 (2 contexts x 4 batches), and an engine whose table has no
-# batch_sizes compiles once per distinct batch size.
+# sparse-scale bench alone has 8 (2 contexts x 4 batches); an engine's compiled table
+# pads its steps to a few sizes (DeviceResidency: powers of two without batch_sizes).
 _RECOMPILE_LIMIT = 64
 
 
