@@ -69,11 +69,15 @@ import torch
 
 from ascend_offload import native
 from ascend_offload.device import STEP_READ, compiles_tensor_ops, empty_host, host_read, is_host
-from ascend_offload.sparse.residency import MAX_HOT_SIZE, PolicyState, ResidencyError
+from ascend_offload.sparse.residency import (
+    MAX_HOT_SIZE,
+    PolicyState,
+    ResidencyError,
+    check_choice,
+)
 
 _CLASS_SHIFT = 48  # key = class << 48 | (slot index or stamp): stamps stay below 2^48
 _REPORT = 8  # per layer: error flag, entry, index, value, len, row; valid, misses
-COMPILE_CHOICES = ("auto", "on", "off")  # the device_compile key / compile_kernel
 # Compiled graphs kept for resolve_lru, one per shape (padded batch, top-k width, block
 # size, table size). Dynamo's default of 8 per function would make the 9th shape an error
 # (with fullgraph=True hitting the limit fails instead of falling back to eager): the full
@@ -321,9 +325,7 @@ class DeviceResidency:
                  device: torch.device | str | None = None,
                  batch_sizes: Sequence[int] | None = None, use_native: str = "auto",
                  compile_kernel: str = "auto") -> None:
-        if compile_kernel not in COMPILE_CHOICES:
-            raise ResidencyError(f"key 'device_compile'={compile_kernel!r}: accepted 'auto', "
-                                 "'on', 'off'")
+        check_choice("device_compile", compile_kernel)
         if num_layers <= 0 or num_rows <= 0:
             raise ResidencyError(f"num_layers={num_layers}, num_rows={num_rows}: must be > 0")
         if not 0 < hot_size <= MAX_HOT_SIZE:
@@ -557,8 +559,7 @@ class DeviceResidency:
 def _pick_kernel(use_native: str, state: torch.Tensor) -> str:
     """``native`` or ``ops`` for a table whose state is ``state`` (see
     :class:`DeviceResidency`)."""
-    if use_native not in ("auto", "on", "off"):
-        raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
+    check_choice("use_native", use_native)
     if use_native == "off":
         return "ops"
     why = None if is_host(state) else f"the table's device is {state.device}, not the host"

@@ -572,6 +572,16 @@ class TorchResidency:
         return PolicyState(int(live.sum()) - n2, n2, ghosts(1), ghosts(2), st.p)
 
 
+TRISTATE = ("auto", "on", "off")  # the use_native and device_compile keys
+
+
+def check_choice(key: str, value: str) -> None:
+    """Raise naming ``key`` unless ``value`` is one of :data:`TRISTATE`: both residency
+    factories and both tables check these keys the same way."""
+    if value not in TRISTATE:
+        raise ResidencyError(f"key {key!r}={value!r}: accepted 'auto', 'on', 'off'")
+
+
 def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native: str = "auto",
                    nthreads: int = 1, policy: str = "lru", backend: str = "host",
                    max_positions: int | None = None, device: torch.device | str | None = None,
@@ -588,11 +598,8 @@ def make_residency(num_layers: int, num_rows: int, hot_size: int, *, use_native:
     ``on`` always, ``off`` never; the host backend checks it and ignores it."""
     if backend not in BACKENDS:
         raise ResidencyError(f"key 'residency_backend'={backend!r}: accepted {', '.join(BACKENDS)}")
-    if use_native not in ("auto", "on", "off"):
-        raise ResidencyError(f"key 'use_native'={use_native!r}: accepted 'auto', 'on', 'off'")
-    if device_compile not in ("auto", "on", "off"):
-        raise ResidencyError(f"key 'device_compile'={device_compile!r}: accepted 'auto', 'on', "
-                             "'off'")
+    check_choice("use_native", use_native)
+    check_choice("device_compile", device_compile)
     _check_dims(num_layers, num_rows, hot_size, policy)
     if backend == "device":
         if policy != "lru":
