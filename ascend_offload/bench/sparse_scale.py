@@ -231,11 +231,15 @@ def _no_sync() -> None:
     return None
 
 
+def _where(a: argparse.Namespace) -> torch.device:
+    """The device ``--device`` names (``_paths`` checked it is this machine's)."""
+    return dev.device() if a.device != "cpu" else torch.device("cpu")
+
+
 def _run_path(a: argparse.Namespace, path: str, steps: _Steps,
               topks: list[torch.Tensor]) -> dict[str, Any]:
-    on_device = a.device != "cpu"
-    where = dev.device() if on_device else torch.device("cpu")
-    sync = dev.synchronize if on_device else _no_sync  # the CPU timing stays as it was
+    where = _where(a)
+    sync = dev.synchronize if where.type != "cpu" else _no_sync  # the CPU timing stays as it was
     table: Any
     threads_before = torch.get_num_threads()
     if path in DEVICE_PATHS:
@@ -305,7 +309,7 @@ def _run_path(a: argparse.Namespace, path: str, steps: _Steps,
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     paths = _paths(a)
-    where = dev.device() if a.device != "cpu" else torch.device("cpu")
+    where = _where(a)
     t_start = time.time()
     rows: list[dict[str, Any]] = []
     load = [os.getloadavg()[0]]
