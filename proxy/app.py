@@ -8,6 +8,13 @@ One request (after fan-out, see ``bodies.py``) goes:
    least-loaded prefill and answer 200 once the prefill request is on the wire;
 3. the decode's answer is relayed; a single stream byte for byte.
 
+With ``prefill_dispatch="early"`` the prefill leaves in step 1, together with
+the decode request, carrying a claim (``claim_url``, ``proxy_request_id``, a
+``claim_token`` only it receives) instead of the registered params; its
+connector POSTs ``/v1/metaserver/claim``, which answers with the params as soon
+as the decode registered. The prefill's HTTP ingress then overlaps the decode's
+ingress and registration instead of following them.
+
 Why aiohttp for both sides: its client keeps one pool per (host, port) and
 hands out idle connections from a deque (no scan over queued requests, which
 is where an httpx/httpcore proxy spends most of its CPU), and its server has
@@ -55,6 +62,7 @@ from proxy.bodies import (
     SegmentsPayload,
     SharedBody,
     SubRequest,
+    claim_params,
     decode_params,
     split_request,
 )
@@ -70,11 +78,11 @@ from proxy.limits import (
     respond,
     write_within,
 )
+from proxy.meta_routes import MetaserverRoutes
 from proxy.metaserver import Pending, PendingTable
 from proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from proxy.metrics import ProxyMetrics
 from proxy.prefill import send_prefill
-from proxy.registration import parse_envelope, parse_params, token_matches
 from proxy.relay import SSESplitter, StreamMerger, merge_responses
 
 log = logging.getLogger("proxy")
@@ -87,7 +95,6 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-_DISPATCHED = _encode({"status": "dispatched"})
 
 
 class Proxy:
@@ -99,16 +106,16 @@ class Proxy:
         self.prefillers = Balancer("prefill", cfg.prefillers, cfg.cooldown_s)
         self.pending = PendingTable(cfg.max_pending)
         self.admission = Admission(cfg.max_inflight, cfg.max_inflight_mb * MB, cfg.max_body_mb * MB)
-        # Registrations on a budget of their own (a decode retries the 503 it gets when
-        # full): at most one per registry entry in flight, bodies of a legitimate size.
-        self.meta_admission = Admission(cfg.max_pending, cfg.max_inflight_mb * MB, cfg.registration_max_bytes,
-                                        what="registration", busy_status=503)
+        self.early = cfg.prefill_dispatch == "early"
         # No sub-stream of a fan-out stays silent longer than its own deadlines allow
         # (connects to each decode, the registration, the response head, a read); past
         # their sum the merge stops waiting: a backstop, so a lost sub-stream costs a 504.
         self.fanout_idle_s = (cfg.connect_timeout_s * len(cfg.decoders) + cfg.register_timeout_s
                               + 2 * cfg.timeout_s)
         self.metrics = ProxyMetrics([self.prefillers, self.decoders], lambda: len(self.pending))
+        self.meta = MetaserverRoutes(cfg, self.pending, self.metrics, self._dispatch_prefill)
+        self.meta_admission = self.meta.meta_admission
+        self.claim_admission = self.meta.claim_admission
         self.metaserver_url = cfg.metaserver_url or ""
         self._id_prefix = secrets.token_hex(6)
         self._ids = itertools.count()
@@ -124,7 +131,8 @@ class Proxy:
         app.router.add_post(COMPLETIONS, self.handle_completions)
         app.router.add_post(CHAT, self.handle_chat)
         if metaserver:
-            app.router.add_post("/v1/metaserver", self.handle_metaserver)
+            app.router.add_post("/v1/metaserver", self.meta.handle_metaserver)
+            app.router.add_post("/v1/metaserver/claim", self.meta.handle_claim)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/v1/models", self.handle_models)
@@ -135,7 +143,8 @@ class Proxy:
     def metaserver_app(self) -> web.Application:
         """Registrations only, for a listener on an internal interface (``--metaserver-port``)."""
         app = web.Application(client_max_size=self.cfg.registration_max_bytes)
-        app.router.add_post("/v1/metaserver", self.handle_metaserver)
+        app.router.add_post("/v1/metaserver", self.meta.handle_metaserver)
+        app.router.add_post("/v1/metaserver/claim", self.meta.handle_claim)
         return app
 
     def _connector(self) -> aiohttp.TCPConnector:
@@ -194,6 +203,7 @@ class Proxy:
             "inflight_body_bytes": self.admission.bytes,
             "inflight_registrations": self.meta_admission.requests,
             "inflight_registration_bytes": self.meta_admission.bytes,
+            "inflight_claims": self.claim_admission.requests,
             "prefillers": self.prefillers.snapshot(),
             "decoders": self.decoders.snapshot(),
         }
@@ -223,70 +233,17 @@ class Proxy:
                 return json_error(ProxyError(502, f"decode {inst.name} failed: {e!r}"))
         return json_error(ProxyError(503, "no decode instance reachable"))
 
-    async def handle_metaserver(self, request: web.Request) -> web.Response:
-        """Step 3: a decode registers; dispatch the prefill, 200 once it is on the wire.
-
-        Checked in this order, each a final answer: admission (503 with Retry-After,
-        413 above ``registration_max_bytes``), the body's deadline (408), the
-        envelope's shape (400), the request id (404), the token (403, constant-time),
-        then the params (400).
-        """
-        try:
-            reserved = self.meta_admission.enter(request.content_length)
-        except ProxyError as e:
-            return self._meta_reject(e, "overloaded" if e.status == 503 else "malformed")
-        try:
-            return await self._registration(request)
-        finally:
-            self.meta_admission.leave(reserved)
-
-    async def _registration(self, request: web.Request) -> web.Response:
-        try:
-            raw = await read_body(request, self.cfg.registration_max_bytes, self.cfg.body_timeout_s)
-            env = parse_envelope(raw)
-        except ProxyError as e:
-            return self._meta_reject(e, "malformed")
-        del raw
-        p = self.pending.get(env.proxy_request_id)
-        if p is None:
-            self.metrics.registration("unknown")
-            return json_error(
-                ProxyError(404, f"metaserver: unknown or finished proxy_request_id {env.proxy_request_id!r}")
-            )
-        if not token_matches(p.token, env.registration_token):
-            return self._meta_reject(
-                ProxyError(403, f"metaserver: wrong registration_token for {p.id!r}", "forbidden"), "forbidden"
-            )
-        if p.dispatched is None:
-            try:
-                p.params = msgspec.to_builtins(parse_params(env))
-            except ProxyError as e:
-                return self._meta_reject(e, "malformed")
-            p.disarm_deadline()  # from here the prefill's own deadline applies
-            loop = asyncio.get_running_loop()
-            p.dispatched = loop.create_future()
-            assert self._psession is not None
-            task = loop.create_task(
-                send_prefill(p, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
-            )
-            p.prefill_task = task
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
-            result = "dispatched"
-        else:
-            result = "duplicate"  # a retry after a lost answer: idempotent
-        try:
-            await asyncio.shield(p.dispatched)
-        except ProxyError as e:
-            self.metrics.registration("failed")
-            return json_error(e)
-        self.metrics.registration(result)
-        return web.Response(body=_DISPATCHED, headers=JSON_HEADERS)
-
-    def _meta_reject(self, err: ProxyError, result: str) -> web.Response:
-        log.warning("%s", err.message)
-        self.metrics.registration(result)
-        return json_error(err)
+    def _dispatch_prefill(self, p: Pending, params: dict[str, Any]) -> None:
+        """Step 4 as a task of its own: the prefill's answer is awaited apart from the client's."""
+        loop = asyncio.get_running_loop()
+        p.dispatched = loop.create_future()
+        assert self._psession is not None
+        task = loop.create_task(
+            send_prefill(p, params, self._psession, self.prefillers, self.metrics, self.cfg.timeout_s)
+        )
+        p.prefill_task = task
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     # ------------------------------------------------------------------ generate
 
@@ -336,7 +293,11 @@ class Proxy:
         p.shared = shared
         p.owner = asyncio.current_task()
         self.pending.add(p)
-        p.arm_deadline(asyncio.get_running_loop(), self.cfg.register_timeout_s)
+        loop = asyncio.get_running_loop()
+        if self.early:
+            p.claim_token = secrets.token_urlsafe(24)
+            p.registered_params = loop.create_future()
+        p.arm_deadline(loop, self.cfg.register_timeout_s)
         return p
 
     def _end(self, p: Pending, d: DecodeResponse | None, ok: bool) -> None:
@@ -377,6 +338,8 @@ class Proxy:
         """Forward to a decode and wait for its first output (or its whole answer)."""
         assert p.shared is not None
         payload = p.shared.decode_payload(p.body, decode_params(self.metaserver_url, p.id, p.token))
+        if p.claim_token is not None:  # early dispatch: the prefill leaves with the decode request
+            self._dispatch_prefill(p, claim_params(self.metaserver_url + "/claim", p.id, p.claim_token))
         d: DecodeResponse | None = None
         try:
             d = await self._open_decode(p.path, payload, backend_headers(p))

@@ -194,7 +194,8 @@ class SharedBody:
         return SegmentsPayload(self._segments(sub, own, self._decode_tail))
 
     def prefill_payload(self, sub: dict[str, Any], registered: dict[str, Any]) -> SegmentsPayload:
-        """Step 4: one token, not streamed, the decode's registered parameters attached."""
+        """Step 4: one token, not streamed, the decode's registered parameters (or the
+        claim of them, :func:`claim_params`) attached."""
         own: dict[str, Any] = {"seed": sub["seed"]} if "seed" in sub else {}
         # Literal contract order: the proxy's role flags first, decode's keys after.
         own["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, **registered}
@@ -210,6 +211,12 @@ def decode_params(metaserver_url: str, proxy_request_id: str, token: str) -> dic
         "proxy_request_id": proxy_request_id,
         "registration_token": token,
     }
+
+
+def claim_params(claim_url: str, proxy_request_id: str, token: str) -> dict[str, Any]:
+    """What an early-dispatched prefill gets instead of the registered params: where and
+    how to claim them once the decode registered."""
+    return {"claim_url": claim_url, "proxy_request_id": proxy_request_id, "claim_token": token}
 
 
 class SegmentsPayload(Payload):

@@ -17,7 +17,7 @@ import logging
 import signal
 import sys
 
-from proxy.config import ProxyConfig
+from proxy.config import PREFILL_DISPATCH, ProxyConfig
 from proxy.server import ProxyServer
 
 
@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "body (one block id per prompt block; 413 above it)")
     ap.add_argument("--block-size", type=int, default=16,
                     help="the decodes' KV block size (tokens), for the registration cap")
+    ap.add_argument("--prefill-dispatch", choices=PREFILL_DISPATCH, default="registered",
+                    help="send the prefill once the decode registered ('registered'), or together "
+                         "with the decode request ('early': the prefill claims the decode's "
+                         "registration at /v1/metaserver/claim)")
     ap.add_argument("--shutdown-grace-s", type=float, default=5.0,
                     help="on SIGTERM, in-flight requests get this long before they are cut")
     ap.add_argument("--log-level", default="INFO")
@@ -137,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_answer_mb=args.max_answer_mb,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
+        prefill_dispatch=args.prefill_dispatch,
     )
 
 

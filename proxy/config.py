@@ -13,6 +13,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 REGISTRATION_OVERHEAD = 16 * 1024
 # One block id in the JSON list: up to 10 digits, a comma and a space.
 REGISTRATION_BYTES_PER_BLOCK = 12
+PREFILL_DISPATCH = ("registered", "early")
 
 
 def registration_max_bytes(max_model_len: int, block_size: int) -> int:
@@ -78,6 +79,11 @@ class ProxyConfig:
     # registrations (413); too large only loosens the cap.
     max_model_len: int = 262144
     block_size: int = 16
+    # When the prefill request leaves: "registered" (after the decode registered, its
+    # params in the body) or "early" (together with the decode request; the prefill
+    # claims the params at /v1/metaserver/claim, so its HTTP ingress overlaps the
+    # decode's ingress and registration).
+    prefill_dispatch: str = "registered"
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -108,6 +114,10 @@ class ProxyConfig:
             raise ValueError(
                 f"a registration of max_model_len={self.max_model_len} in blocks of {self.block_size} "
                 f"({self.registration_max_bytes} bytes) does not fit max_inflight_mb={self.max_inflight_mb}"
+            )
+        if self.prefill_dispatch not in PREFILL_DISPATCH:
+            raise ValueError(
+                f"prefill_dispatch must be one of {', '.join(PREFILL_DISPATCH)}, got {self.prefill_dispatch!r}"
             )
         if not self.prefillers:
             raise ValueError("at least one prefill instance is required")

@@ -8,7 +8,9 @@ answers with the error and closes the decode connection; failures after
 that only get logged (the decode already has what it needs).
 
 Each ``Pending`` carries a fresh ``secrets.token_urlsafe`` token that only the
-decode it was forwarded to receives; a registration must present it. The table
+decode it was forwarded to receives; a registration must present it (with
+early prefill dispatch a second one goes only to the prefill, which presents it
+to claim the registration). The table
 is bounded: an entry lives only as long as its client request (the
 registration deadline fails that request when the decode stays silent), and
 beyond ``cap`` entries new sub-requests are refused with 503.
@@ -36,6 +38,7 @@ class Pending:
         "_deadline",
         "auth",
         "body",
+        "claim_token",
         "dispatched",
         "done",
         "error",
@@ -44,6 +47,7 @@ class Pending:
         "params",
         "path",
         "prefill_task",
+        "registered_params",
         "shared",
         "started",
         "token",
@@ -58,6 +62,10 @@ class Pending:
         self.auth: str | None = None  # the client's Authorization header, passed on
         # Handed only to the decode this sub-request goes to; required to register.
         self.token = secrets.token_urlsafe(24)
+        # Early dispatch only: handed to the prefill, required to claim the registration.
+        self.claim_token: str | None = None
+        # Early dispatch only: resolved with the params when the decode registers.
+        self.registered_params: asyncio.Future[dict[str, Any]] | None = None
         self.shared: SharedBody | None = None  # the encoded body, shared with sibling sub-requests
         self.params: dict[str, Any] | None = None
         self.dispatched: asyncio.Future[bool] | None = None
@@ -134,10 +142,10 @@ class PendingTable:
         p.done = True
         p.disarm_deadline()
         self._items.pop(p.id, None)
-        d = p.dispatched
-        if d is not None and not d.done():
-            d.set_exception(ProxyError(404, f"request {p.id} already finished", "finished"))
-            d.exception()  # mark retrieved: nobody may be waiting any more
+        for fut in (p.dispatched, p.registered_params):
+            if fut is not None and not fut.done():
+                fut.set_exception(ProxyError(404, f"request {p.id} already finished", "finished"))
+                fut.exception()  # mark retrieved: nobody may be waiting any more
 
     def __len__(self) -> int:
         return len(self._items)

@@ -69,6 +69,12 @@ class ProxyMetrics:
             ["result"],
             registry=self.registry,
         )
+        self._claims = Counter(
+            "ascend_offload_proxy_metaserver_claims",
+            "Prefill claims of a decode's registration (early dispatch) by result",
+            ["result"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "ascend_offload_proxy_request_seconds",
             "Client request latency, whole response",
@@ -79,6 +85,7 @@ class ProxyMetrics:
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._err_children: dict[tuple[str, str], Counter] = {}
         self._reg_children: dict[str, Counter] = {}
+        self._claim_children: dict[str, Counter] = {}
 
     def request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
@@ -98,6 +105,12 @@ class ProxyMetrics:
         child = self._reg_children.get(result)
         if child is None:
             child = self._reg_children[result] = self._registrations.labels(result)
+        child.inc()
+
+    def claim(self, result: str) -> None:
+        child = self._claim_children.get(result)
+        if child is None:
+            child = self._claim_children[result] = self._claims.labels(result)
         child.inc()
 
     def render(self) -> bytes:

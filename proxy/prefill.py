@@ -1,4 +1,6 @@
-"""Step 4 of the flow: the prefill request, sent once its decode registered.
+"""Step 4 of the flow: the prefill request, sent once its decode registered (or, with
+early dispatch, together with the decode request: it then carries a claim instead of
+the registered params, see ``app.py``).
 
 Its own module so the request flow in ``app.py`` stays readable; it shares the
 failure rules stated there (connect errors move on to the next instance,
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
 
@@ -23,16 +26,18 @@ log = logging.getLogger("proxy")
 
 async def send_prefill(
     p: Pending,
+    params: dict[str, Any],
     session: aiohttp.ClientSession,
     prefillers: Balancer,
     metrics: ProxyMetrics,
     timeout_s: float,
 ) -> None:
-    """Step 4: send the prefill; on failure abort the sub-request with the error."""
-    assert p.dispatched is not None and p.params is not None
+    """Step 4: send the prefill with ``params`` (the registered ones, or a claim); on
+    failure abort the sub-request with the error."""
+    assert p.dispatched is not None
     dispatched = p.dispatched
     assert p.shared is not None
-    payload = p.shared.prefill_payload(p.body, p.params)
+    payload = p.shared.prefill_payload(p.body, params)
     headers = backend_headers(p)
     tried: list[Instance] = []
     try:

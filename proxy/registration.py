@@ -1,7 +1,9 @@
 """The metaserver's wire schema: what a decode may register, parsed at the boundary.
 
 A registration is ``{"proxy_request_id", "registration_token",
-"kv_transfer_params"}``. The token is minted per sub-request
+"kv_transfer_params"}``; with early prefill dispatch the prefill claims it with
+``{"proxy_request_id", "claim_token"}`` (a second token, sent only to the
+prefill). The token is minted per sub-request
 (``secrets.token_urlsafe``) and sent only to the decode the request was
 forwarded to, inside its ``kv_transfer_params``; request ids leak to clients
 (response ids, vLLM's ``cmpl-<X-Request-Id>``), the token does not. It is
@@ -53,7 +55,18 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_params: msgspec.Raw
 
 
+class ClaimEnvelope(msgspec.Struct, forbid_unknown_fields=True):
+    """A prefill's claim of its decode's registration (early dispatch)."""
+
+    proxy_request_id: _Id
+    claim_token: _Id
+
+
+# A claim is two ids of at most 512 characters, the keys and room for escapes.
+CLAIM_MAX_BYTES = 4096
+
 _envelope = msgspec.json.Decoder(Envelope)
+_claim = msgspec.json.Decoder(ClaimEnvelope)
 _params = msgspec.json.Decoder(RegisteredParams)
 
 
@@ -63,6 +76,14 @@ def parse_envelope(raw: bytes) -> Envelope:
         return _envelope.decode(raw)
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError
         raise ProxyError(400, f"metaserver: malformed registration: {e}", "malformed") from None
+
+
+def parse_claim(raw: bytes) -> ClaimEnvelope:
+    """A claim's id and token; 400 for anything else than the schema."""
+    try:
+        return _claim.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ProxyError(400, f"metaserver: malformed claim: {e}", "malformed") from None
 
 
 def parse_params(env: Envelope) -> RegisteredParams:

@@ -111,6 +111,8 @@ class FakeBackend:
             "register_failed": 0,
             "register_attempts": 0,
             "kv_notified": 0,
+            "claim_attempts": 0,
+            "claimed": 0,
         }
         self._kv_ready: dict[str, asyncio.Event] = {}
         self._ids = 0
@@ -251,6 +253,12 @@ class FakeBackend:
                                             headers=_JSON)
             finally:
                 self._kv_ready.pop(rid, None)  # also when the client went away meanwhile
+        if self.role == "prefill" and params.get("do_remote_decode") and params.get("claim_url"):
+            claimed = await self._claim(params)
+            if isinstance(claimed, str):
+                return web.Response(status=500, body=_enc({"error": {"message": claimed, "code": 500}}),
+                                    headers=_JSON)
+            params = {"do_remote_decode": True, "do_remote_prefill": False, **claimed}
         if self.role == "prefill" and params.get("do_remote_decode") and params.get("remote_host"):
             await self._notify_decode(params)
 
@@ -305,6 +313,21 @@ class FakeBackend:
             delay = min(delay * 2, 0.5)
         self.stats["register_failed"] += 1
         return f"fake decode: registration failed: {last}"
+
+    async def _claim(self, params: dict[str, Any]) -> dict[str, Any] | str:
+        """Early dispatch: claim the decode's registration (the params), or why not."""
+        assert self._session is not None
+        msg = {"proxy_request_id": params.get("proxy_request_id"), "claim_token": params.get("claim_token")}
+        self.stats["claim_attempts"] += 1
+        try:
+            async with self._session.post(params["claim_url"], data=_enc(msg), headers=_JSON) as r:
+                text = await r.read()
+                if r.status == 200:
+                    self.stats["claimed"] += 1
+                    return dict(_dec(text)["kv_transfer_params"])
+                return f"fake prefill: claim failed: HTTP {r.status}: {text[:200]!r}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return f"fake prefill: claim failed: {e!r}"
 
     async def _notify_decode(self, params: dict[str, Any]) -> None:
         assert self._session is not None
