@@ -457,11 +457,16 @@ class RemoteD2HConfig(_Strict):
     request_timeout_s: float = _timeout(120.0)
     registration_timeout_s: float = _timeout(30.0)
     registration_retries: int = Field(5, ge=0)
+    # Prefill, early dispatch: how long a request waits for its decode's registration
+    # (the claim's long-poll and retries); the proxy's own register deadline normally
+    # ends such a request first.
+    claim_timeout_s: float = _timeout(600.0)
     read_retries: int = Field(1, ge=0)
-    # Decode: in a step that computes nothing while pulls are in flight, the worker waits
-    # up to this long for a pull to end (woken the moment one does) instead of returning
-    # at once; vLLM would otherwise run ~1000 empty steps a second only to poll for the
-    # KV, taking CPU from the prefill and the request path. 0: poll every step.
+    # In a step that computes nothing, wait up to this long (woken the moment the awaited
+    # event happens) instead of returning at once: decode's workers while pulls are in
+    # flight, for a pull to end; prefill's scheduler while early-dispatched requests wait
+    # for their decode's registration, for a claim to end. vLLM would otherwise run ~1000
+    # empty steps a second only to poll, taking CPU from the request path. 0: poll every step.
     idle_wait_ms: float = Field(2.0, ge=0, le=50)
     # Control plane (decode's ZMQ ROUTER). A file holding a shared secret: peers without it
     # cannot connect (CURVE keys derived from it); empty = no authentication (loopback/trusted net).

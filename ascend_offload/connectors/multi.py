@@ -17,7 +17,9 @@ whose ``save_kv_layer`` registers decode's reads before the slot is handed on)
 first, then the others in config order. Exactly one child loads a request's
 external tokens (:func:`choose_loader`): the one that offers the most, ties to a
 child that must deliver (P/D consumer) over a cache, then config order; the
-others are told 0 tokens and drop their offers.
+others are told 0 tokens and drop their offers. A lookup asks a P/D producer first
+(:func:`lookup_order`): while it holds an early-dispatched request back (None), the
+other children are not asked, so no store pins a prefix or starts a fetch for it.
 
 Rules checked at start-up (a wrong combination fails naming the key):
 * vLLM runs with ``--disable-hybrid-kv-cache-manager`` (vLLM switches the
@@ -97,6 +99,17 @@ def choose_loader(offers: Sequence[int], must_deliver: Sequence[bool]) -> int | 
     return best
 
 
+def lookup_order(defers: Sequence[bool]) -> list[int]:
+    """Invocation indices in the order a request's lookup asks the children: those that
+    may defer a request (``defers``: a P/D producer holds an early-dispatched request back
+    until its decode's registration is claimed) first, the rest in invocation order.
+    Why: a child answering None ends the lookup (vLLM asks again next step), and a
+    store's lookup pins the prefix it offers and may start a shared-tier fetch, which a
+    None from a child asked after it would leave behind for a request not scheduled.
+    The deferring children's lookups hold nothing."""
+    return sorted(range(len(defers)), key=lambda i: not defers[i])
+
+
 class AscendMultiConnector(MultiConnector):
     """``MultiConnector`` plus the reuse-gate wiring between layer sharing and P/D reads."""
 
@@ -133,17 +146,20 @@ class AscendMultiConnector(MultiConnector):
         self.config_index = canonical_order([i in stores for i in range(len(self._connectors))])
         self._connectors = [self._connectors[i] for i in self.config_index]
         self._ktc_kv_transfer_config = [self._ktc_kv_transfer_config[i] for i in self.config_index]
+        #: invocation indices in the order a request's lookup asks them (lookup_order)
+        self.lookup_order = lookup_order([isinstance(c, SfaRemoteD2HConnector) and c.is_producer
+                                          for c in self._connectors])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Ask every child; exactly one (:func:`choose_loader`) is assigned the load."""
         self._requests_to_connector.pop(request.request_id, None)
-        offers: list[tuple[int, bool]] = []
-        for c in self._connectors:
-            toks, load_async = c.get_num_new_matched_tokens(request, num_computed_tokens)
-            if toks is None:  # a child still looking up: ask again later
+        offers: list[tuple[int, bool]] = [(0, False)] * len(self._connectors)
+        for i in self.lookup_order:
+            toks, load_async = self._connectors[i].get_num_new_matched_tokens(request, num_computed_tokens)
+            if toks is None:  # a child still looking up: ask again later, the rest unasked
                 return None, False
-            offers.append((toks, load_async))
+            offers[i] = (toks, load_async)
         # ties in config order, not invocation order
         by_config = sorted(range(len(offers)), key=lambda i: self.config_index[i])
         pick = choose_loader([offers[i][0] for i in by_config],

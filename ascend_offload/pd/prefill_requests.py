@@ -12,6 +12,13 @@ A malformed one fails that request alone: it is logged once, runs as a plain
 prefill (its KV freed when it finishes, never held for a decode), and its
 error is returned in the request's ``kv_transfer_params``
 (``remote_d2h_error``); decode times out and recovers by its own policy.
+
+Early dispatch: a request whose params carry a ``claim_url`` arrived before its
+decode registered. It is held back (:meth:`PrefillRequests.ready` is False) while
+its claim (:mod:`ascend_offload.pd.claims`) waits for the registration; then its
+params become the registration and it follows the flow above. A failed claim is
+handled like a refused registration: logged once, a plain prefill, the error in
+its ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -23,11 +30,17 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from ascend_offload.pd.claims import (
+    MAX_BLOCKS,
+    ClaimError,
+    Claims,
+    ClaimTicket,
+    answer_max_bytes,
+    wants_claim,
+)
 from ascend_offload.pd.protocol import MAX_NAME
 from ascend_offload.pd.registration import DecodeRegistration, ParamsError, ProtocolGuard
 
-# What a read_ready item can carry (protocol.ReadReady.src_blocks).
-MAX_BLOCKS = 1 << 20
 # Key of the error returned in a rejected request's kv_transfer_params.
 ERROR_KEY = "remote_d2h_error"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -58,6 +71,14 @@ class PromptProgress(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def num_computed_tokens(self) -> int: ...
+
+
+class ClaimingRequest(Protocol):
+    """A waiting scheduler request whose params a claim may replace (vLLM's ``Request``)."""
+
+    @property
+    def request_id(self) -> str: ...
+    kv_transfer_params: dict[str, Any] | None
 
 
 def host_error(host: str) -> str | None:
@@ -94,10 +115,14 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 class PrefillRequests:
     """Requests whose KV this prefill publishes to a decode: pending, sending."""
 
-    def __init__(self, transfer_protocol: str = "") -> None:
+    def __init__(self, transfer_protocol: str = "", *, claim_timeout_s: float = 600.0) -> None:
         """``transfer_protocol``: this prefill's ``backend/protocol``; a decode advertising
-        another is refused per request (empty: not checked)."""
+        another is refused per request (empty: not checked). ``claim_timeout_s``: how long
+        an early-dispatched request waits for its decode's registration."""
         self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
+        # a registration of more blocks is refused (check_registration): no larger answer is read
+        self.claims = Claims(timeout_s=claim_timeout_s, max_answer_bytes=answer_max_bytes(MAX_BLOCKS))
+        self._claiming: set[str] = set()  # early-dispatched requests whose claim runs
         self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
         self._sending: set[str] = set()
         self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
@@ -106,6 +131,55 @@ class PrefillRequests:
     def sending(self) -> frozenset[str]:
         """Requests whose blocks decode may still read."""
         return frozenset(self._sending)
+
+    @property
+    def claiming(self) -> int:
+        """Early-dispatched requests still waiting for their decode's registration."""
+        return len(self._claiming)
+
+    def ready(self, request: ClaimingRequest) -> bool:
+        """Whether vLLM may schedule ``request`` now: False while its claim runs (started
+        here the first time it is asked about). Once the claim ended its params are the
+        registration (``do_remote_decode``), or, if it failed, a plain prefill's."""
+        rid = request.request_id
+        if rid not in self._claiming:
+            params = request.kv_transfer_params
+            if not wants_claim(params):
+                return True
+            assert params is not None
+            try:
+                ticket = ClaimTicket.from_params(params)
+            except ClaimError as exc:
+                self._claim_failed(request, exc)
+                return True
+            self.claims.submit(rid, ticket.claim_url, ticket.proxy_request_id, ticket.claim_token)
+            self._claiming.add(rid)
+        outcome = self.claims.result(rid)
+        if outcome is None:
+            return False
+        self._claiming.discard(rid)
+        if isinstance(outcome, ClaimError):
+            self._claim_failed(request, outcome)
+        else:
+            request.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False,
+                                          **outcome.to_wire()}
+            log.debug("remote-d2h: %s claimed decode %s:%d's registration", rid, outcome.remote_host,
+                      outcome.remote_port)
+        return True
+
+    def _claim_failed(self, request: ClaimingRequest, exc: ClaimError) -> None:
+        log.error("remote-d2h: request %s was dispatched before its decode registered and its claim "
+                  "failed: %s; it runs as a plain prefill, decode will not get its KV", request.request_id, exc)
+        self._errors[request.request_id] = f"claim of the decode registration failed: {exc}"
+        request.kv_transfer_params = {"do_remote_decode": False, "do_remote_prefill": False}
+
+    def idle_wait(self, timeout_s: float) -> bool:
+        """A step that computes nothing while claims run: wait up to ``timeout_s`` for one
+        to end (at once if one has), so vLLM does not spin empty steps only to poll them.
+        True if one ended."""
+        if not self._claiming or timeout_s <= 0:
+            return False
+        return self.claims.wait(timeout_s)
 
     def after_alloc(self, request: PromptProgress, params: Mapping[str, Any]) -> bool:
         """Track ``request`` until its prompt is computed; False if its registration is invalid."""
@@ -161,6 +235,9 @@ class PrefillRequests:
     def request_finished(self, request_id: str) -> bool:
         """vLLM finished the request; True: its blocks must wait (decode still reads them)."""
         self._pending.pop(request_id, None)
+        if request_id in self._claiming:  # aborted while it waited for its decode
+            self._claiming.discard(request_id)
+            self.claims.cancel(request_id)
         return request_id in self._sending
 
     def take_error(self, request_id: str) -> dict[str, str] | None:
@@ -171,3 +248,8 @@ class PrefillRequests:
     def workers_done(self, request_ids: Iterable[str]) -> None:
         """Workers reported decode answered for these requests (or gave up on it)."""
         self._sending.difference_update(request_ids)
+
+    def close(self) -> None:
+        """Cancel the claims in flight (shutdown)."""
+        self._claiming.clear()
+        self.claims.close()

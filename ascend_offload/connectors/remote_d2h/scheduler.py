@@ -4,7 +4,9 @@ bookkeeping of :mod:`ascend_offload.pd.decode_requests` (decode) and
 
 Only the translation lives here: a request's blocks come from vLLM's KV cache
 manager, the step's scheduled tokens from ``SchedulerOutput``, and the result
-goes into :class:`RemoteD2HMetadata`.
+goes into :class:`RemoteD2HMetadata`. A prefill request dispatched before its decode
+registered is answered ``None`` (not schedulable; vLLM asks again next step) until its
+claim ended (:meth:`PrefillRequests.ready`).
 
 Hybrid residency on a sparse decode (``sparse_offload.hybrid``): a pulled request is
 placed when its pull is registered (:class:`~ascend_offload.sparse.hybrid.ResidentBook`, pinned), so its main KV
@@ -65,7 +67,12 @@ class RemoteD2HScheduler:
             if settings.is_consumer
             else None
         )
-        self.prefill = PrefillRequests(transfer_protocol(cfg)) if settings.is_producer else None
+        self.prefill = (
+            PrefillRequests(transfer_protocol(cfg), claim_timeout_s=cfg.claim_timeout_s)
+            if settings.is_producer
+            else None
+        )
+        self._idle_wait_s = cfg.idle_wait_ms / 1000
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.
         self.sparse = (
             SparseDecodeScheduler(sparse, kv_transfer_config)
@@ -117,6 +124,8 @@ class RemoteD2HScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.prefill is not None and not self.prefill.ready(request):
+            return None, False  # dispatched early: its decode's registration is not claimed yet
         if self.decode is None:
             return 0, False
         if self.sparse is not None and not self.sparse.admit(request):
@@ -182,6 +191,9 @@ class RemoteD2HScheduler:
             meta.send = self.prefill.take_sends(
                 scheduler_output.num_scheduled_tokens, self._block_ids
             )
+            if not any(scheduler_output.num_scheduled_tokens.values()):
+                # only requests waiting for their claims: no empty-step spin (idle_wait_ms)
+                self.prefill.idle_wait(self._idle_wait_s)
         return meta
 
     def request_finished(
@@ -215,3 +227,5 @@ class RemoteD2HScheduler:
     def shutdown(self) -> None:
         if self.decode is not None:
             self.decode.close()
+        if self.prefill is not None:
+            self.prefill.close()

@@ -1,10 +1,14 @@
 """SfaRemoteD2HConnector carries only its role's state: the scheduler process gets the
 scheduler bookkeeping, a decode rank the decode worker, a prefill rank the prefill worker
-(kv_both: both workers over one KV region)."""
+(kv_both: both workers over one KV region). The scheduler side of an early-dispatched
+prefill request: held back until its claim ends, against a real HTTP claim server."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -15,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector
 from ascend_offload.pd.decode_requests import DecodeRequests
 from ascend_offload.pd.prefill_requests import PrefillRequests
+from tests.unit.pd.test_claims import REG, WAIT_S, ProxyStub, running_proxy
 
 
 def _config(producer: bool, consumer: bool):
@@ -42,3 +47,78 @@ def test_each_process_holds_only_its_roles(monkeypatch, producer: bool, consumer
     finally:
         sched.shutdown()
         worker.shutdown()
+
+
+@pytest.fixture(name="proxy")
+def _proxy() -> Iterator[ProxyStub]:
+    yield from running_proxy()
+
+
+def _scheduler(producer: bool, consumer: bool) -> SfaRemoteD2HConnector:
+    vc = _config(producer, consumer)
+    vc.kv_transfer_config.kv_connector_extra_config.update(claim_timeout_s=WAIT_S, idle_wait_ms=5)
+    return SfaRemoteD2HConnector(vc, KVConnectorRole.SCHEDULER)
+
+
+def _step(sched: SfaRemoteD2HConnector, scheduled: dict[str, int] | None = None) -> Any:
+    return sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled or {},
+                                                      scheduled_new_reqs=[]))
+
+
+def _early_request(proxy: ProxyStub, pid: str) -> SimpleNamespace:
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "claim_url": proxy.url,
+              "proxy_request_id": pid, "claim_token": proxy.expect(pid)}
+    return SimpleNamespace(request_id="req-" + pid, kv_transfer_params=params, num_prompt_tokens=32,
+                           num_computed_tokens=0)
+
+
+def _matched_until_claimed(sched: SfaRemoteD2HConnector, req: SimpleNamespace) -> tuple[int | None, bool]:
+    """vLLM's loop: an answer of None skips the request this step; the empty step waits."""
+    deadline = time.monotonic() + WAIT_S
+    while (got := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline, "claim still pending"
+        _step(sched)
+    return got
+
+
+def test_producer_holds_an_early_request_until_its_claim_ends(proxy: ProxyStub) -> None:
+    sched = _scheduler(True, False)
+    try:
+        req = _early_request(proxy, "x1")
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not schedulable yet
+        proxy.wait_calls(1)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert _step(sched).send == []  # nothing scheduled: waits idle_wait_ms, then returns
+        proxy.release("x1")
+        assert _matched_until_claimed(sched, req) == (0, False)
+        assert req.kv_transfer_params["remote_request_id"] == REG["remote_request_id"]
+        assert "claim_url" not in req.kv_transfer_params
+        sched.update_state_after_alloc(req, None, 0)
+        sched.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
+        assert [j.block_ids for j in _step(sched, {req.request_id: 32}).send] == [(5, 6)]
+        assert sched.request_finished(req, [5, 6, 7]) == (True, None)  # decode reads its blocks
+    finally:
+        sched.shutdown()
+
+
+def test_failed_claim_finishes_with_the_error(proxy: ProxyStub) -> None:
+    sched = _scheduler(True, False)
+    try:
+        req = _early_request(proxy, "x1")
+        req.kv_transfer_params["claim_token"] = "wrong"
+        assert _matched_until_claimed(sched, req) == (0, False)
+        sched.update_state_after_alloc(req, None, 0)
+        held, params = sched.request_finished(req, [1])
+        assert held is False and params is not None and "HTTP 403" in params["remote_d2h_error"]
+    finally:
+        sched.shutdown()
+
+
+def test_consumer_ignores_claims(proxy: ProxyStub) -> None:
+    sched = _scheduler(False, True)
+    try:
+        req = _early_request(proxy, "x1")
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert proxy.calls["x1"] == 0
+    finally:
+        sched.shutdown()

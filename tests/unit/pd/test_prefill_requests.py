@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from ascend_offload.pd.prefill_requests import PrefillRequests, SendJob
+from tests.unit.pd.test_claims import REG, WAIT_S, ProxyStub, running_proxy
 
 
 @dataclasses.dataclass
@@ -91,3 +94,96 @@ def test_missing_registration_key_is_named(caplog: pytest.LogCaptureFixture) -> 
     with caplog.at_level(logging.ERROR):
         assert PrefillRequests().after_alloc(Req("p", 16), params) is False
     assert "missing required field `remote_request_id`" in caplog.text
+
+
+# ---------------------------------------------------------------- early dispatch: the claim
+
+
+@pytest.fixture(name="proxy")
+def _proxy() -> Iterator[ProxyStub]:
+    yield from running_proxy()
+
+
+@dataclasses.dataclass
+class Waiting:
+    """A request as vLLM's waiting queue holds it: the claim may replace its params."""
+
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int = 16
+    num_computed_tokens: int = 0
+
+
+def _early(proxy: ProxyStub, pid: str, **kw: Any) -> dict[str, Any]:
+    """What the proxy hands an early-dispatched prefill."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "claim_url": proxy.url,
+            "proxy_request_id": pid, "claim_token": proxy.expect(pid, **kw)}
+
+
+def _until_ready(reqs: PrefillRequests, req: Waiting) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not reqs.ready(req):
+        assert time.monotonic() < deadline, "claim still pending"
+        reqs.idle_wait(0.5)
+
+
+@pytest.fixture
+def early() -> Iterator[PrefillRequests]:
+    reqs = PrefillRequests(claim_timeout_s=WAIT_S)
+    yield reqs
+    reqs.close()
+
+
+def test_claimed_registration_replaces_the_params(proxy: ProxyStub, early: PrefillRequests) -> None:
+    req = Waiting("p", _early(proxy, "x1", answer={**REG, "remote_block_ids": [30]}))
+    assert early.ready(req) is False and early.claiming == 1  # the claim started, decode not registered
+    proxy.wait_calls(1)
+    assert early.ready(req) is False
+    assert early.idle_wait(0.01) is False
+    proxy.release("x1")
+    _until_ready(early, req)
+    assert req.kv_transfer_params == {"do_remote_decode": True, "do_remote_prefill": False,
+                                      **{**REG, "remote_block_ids": [30]}}
+    assert early.claiming == 0 and early.ready(req) is True  # asked again: nothing more to claim
+    assert early.after_alloc(req, req.kv_transfer_params)
+    assert early.take_sends({"p": 16}, {"p": [4]}.get) == [SendJob("p", "dec-1", (4,), "10.0.0.2", 7000, 1, 0)]
+    assert proxy.calls["x1"] == 1
+
+
+def test_failed_claim_runs_a_plain_prefill_with_the_error(proxy: ProxyStub, early: PrefillRequests,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    params = _early(proxy, "x1")
+    req = Waiting("p", {**params, "proxy_request_id": "gone"})  # the proxy forgot it: 404
+    with caplog.at_level(logging.ERROR):
+        _until_ready(early, req)
+    assert req.kv_transfer_params == {"do_remote_decode": False, "do_remote_prefill": False}
+    assert caplog.text.count("request p was dispatched before its decode registered") == 1
+    assert "HTTP 404" in caplog.text
+    assert early.request_finished("p") is False  # nothing held
+    err = early.take_error("p")
+    assert err is not None and "HTTP 404" in err["remote_d2h_error"]
+
+
+def test_malformed_claim_params_fail_at_once(early: PrefillRequests) -> None:
+    req = Waiting("p", {"do_remote_decode": True, "claim_url": "ftp://x", "proxy_request_id": "x",
+                        "claim_token": "t"})
+    assert early.ready(req) is True and early.claiming == 0
+    err = early.take_error("p")
+    assert err is not None and "must be an http(s) URL" in err["remote_d2h_error"]
+
+
+def test_request_finished_while_claiming_cancels_the_claim(proxy: ProxyStub, early: PrefillRequests) -> None:
+    req = Waiting("p", _early(proxy, "x1"))
+    assert early.ready(req) is False
+    proxy.wait_calls(1)
+    assert early.request_finished("p") is False
+    assert early.claiming == 0 and early.take_error("p") is None
+    deadline = time.monotonic() + WAIT_S
+    while early.claims.pending:
+        assert time.monotonic() < deadline, "the cancelled claim still runs"
+        early.claims.wait(0.05)
+
+
+def test_no_claim_without_claim_url(early: PrefillRequests) -> None:
+    assert early.ready(Waiting("p", _params())) and early.ready(Waiting("q", None))
+    assert early.claiming == 0 and early.idle_wait(1.0) is False
