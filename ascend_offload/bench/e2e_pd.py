@@ -11,7 +11,11 @@ from minute to minute.
 
 * ``colocated``: one OpenAI server, no connector (the parity baseline);
 * ``ours``: prefill (``SfaRemoteD2HConnector`` producer) + decode (consumer)
-  behind our proxy (``python -m proxy.cli``), laid out as ``tests/e2e/test_pd_e2e.py``;
+  behind our proxy (``python -m proxy.cli --prefill-dispatch early``), laid out as
+  ``tests/e2e/test_pd_e2e.py``;
+* ``ours-registered`` (only when asked for in ``--setups``): the same with the
+  proxy's decode-first chain (``--prefill-dispatch registered``), to measure what
+  early dispatch is worth in the same run;
 * ``mooncake``: prefill + decode with vLLM's ``MooncakeConnector`` over TCP,
   behind a minimal aiohttp proxy in this module (vLLM's wheel ships none). The
   proxy follows the connector's flow: a ``transfer_id`` per request, prefill
@@ -84,7 +88,11 @@ SETTLE_S = 1.2
 # The goal: our median TTFT at most this fraction of MooncakeConnector's (same run, interleaved).
 TARGET_TTFT_RATIO = 0.8
 REQUEST_TIMEOUT_S = 180.0
-SETUPS = ("colocated", "ours", "mooncake")
+SETUPS = ("colocated", "ours", "mooncake", "ours-registered")
+# Our proxy's prefill dispatch per setup: "ours" as deployed (early: the prefill leaves with
+# the decode request and claims the registration), "ours-registered" the decode-first
+# chain (the prefill sent once the decode registered), to measure the difference.
+DISPATCH = {"ours": "early", "ours-registered": "registered"}
 # Lines meaning a KV load failed and vLLM recomputed (parity would then prove nothing).
 BAD_LOG = (
     "Recovered from KV load failure",
@@ -159,7 +167,7 @@ def _cluster(
             vllm("colocated", port, env, "0")
             entry, ports = f"http://127.0.0.1:{port}", [port]
             engine = entry
-        elif setup == "ours":
+        elif setup in DISPATCH:
             p_port, d_port, proxy_port, p_kv, d_kv = (free_port() for _ in range(5))
             extra = {"ack_timeout_s": 20, "request_timeout_s": 10, "registration_timeout_s": 20}
 
@@ -196,6 +204,8 @@ def _cluster(
                         "127.0.0.1",
                         "--decoder-ports",
                         str(d_port),
+                        "--prefill-dispatch",
+                        DISPATCH[setup],
                     ],
                     env,
                     log_dir,
@@ -634,6 +644,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sched_autogroup_enabled": _autogroup(),
             "servers_session": "the bench's own",
             "settle_s": SETTLE_S,
+            "prefill_dispatch": {s: DISPATCH[s] for s in setups if s in DISPATCH},
         },
         # The P/D setups run at the same time, their rounds alternated (block_order); the
         # colocated reference runs alone before them.
@@ -696,6 +707,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["target_ttft_ratio_met"] = bool(
             ratios["ours/mooncake TTFT median"] <= TARGET_TTFT_RATIO
         )
+    if "ours" in st and "ours-registered" in st:
+        ratios["ours/ours-registered TTFT median"] = _ratio(
+            st["ours"]["ttft_ms"]["median"], st["ours-registered"]["ttft_ms"]["median"]
+        )
     res["ratios"] = ratios
     return res
 
@@ -715,7 +730,9 @@ def _parser() -> argparse.ArgumentParser:
         help="send the prompt set this many times per setup; the P/D setups alternate round by round",
     )
     p.add_argument(
-        "--setups", default=",".join(SETUPS), help="comma list of colocated,ours,mooncake"
+        "--setups",
+        default=",".join(SETUPS[:3]),
+        help="comma list of colocated,ours,mooncake,ours-registered (default: the first three)",
     )
     p.add_argument(
         "--startup-s",

@@ -42,11 +42,12 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
                decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None,
-               worker_in_core: bool = True) -> Iterator[dict[str, Any]]:
+               proxy_args: tuple[str, ...] = (), worker_in_core: bool = True) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
     are functions of the role's kv port returning the transfer config dict; a ``None`` in
-    ``decode_env`` removes that variable from the decode's environment.
+    ``decode_env`` removes that variable from the decode's environment; ``proxy_args`` are
+    added to the proxy's command line.
 
     ``worker_in_core`` (default): a TP=1 engine runs its worker inside its engine-core
     process (vLLM's uni-process executor, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the API
@@ -75,7 +76,8 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
         servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
                                         str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
                                         str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                        str(d_port), "--register-timeout-s", str(REGISTER_TIMEOUT_S)],
+                                        str(d_port), "--register-timeout-s", str(REGISTER_TIMEOUT_S),
+                                        *proxy_args],
                               env, log_dir))
         deadline = time.monotonic() + STARTUP_S
         for port, server in zip((p_port, d_port, proxy_port), servers, strict=True):

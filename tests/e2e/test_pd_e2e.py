@@ -1,8 +1,11 @@
 """P/D end to end on vLLM CPU: proxy + prefill (producer) + decode (consumer) servers.
 
-Every request goes client -> our proxy -> decode (do_remote_prefill) -> metaserver
-registration -> prefill (max_tokens=1) -> decode pulls each layer over Mooncake
-TCP -> decode generates. Tokens must equal the colocated answer of one engine
+Every request goes client -> our proxy -> decode (do_remote_prefill) and, at the
+same time, prefill (max_tokens=1; the proxy's early dispatch, as the e2e-pd bench
+deploys it) -> decode registers with the metaserver -> prefill's connector claims
+that registration -> decode pulls each layer over Mooncake TCP -> decode generates.
+(The other P/D e2e files use the decode-first chain, ``--prefill-dispatch
+registered``, the proxy's default.) Tokens must equal the colocated answer of one engine
 (the prefill server itself answering plain requests, where the connector is
 inactive), for 20 prompts of 50-1500 tokens, streaming and not (the streamed
 pass repeats the prompts: decode then holds their full blocks in its prefix cache
@@ -59,6 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     with pd_cluster(tiny_model(4), tmp_path_factory.mktemp("pd-e2e"),
                     lambda port: rd2h_config("kv_producer", port, {**extra, "debug": {"pd_faults": FAULTS}}),
                     lambda port: rd2h_config("kv_consumer", port, extra),
+                    proxy_args=("--prefill-dispatch", "early"),
                     worker_in_core=False) as c:  # RD2H metadata crosses vLLM's worker boundary
         yield c
 
@@ -89,6 +93,27 @@ def test_pd_tokens_match_colocated(cluster: dict[str, Any]) -> None:
     assert streamed == baseline
     hits2 = metric(httpx.get(f"{cluster['decode']}/metrics", timeout=10).text, "vllm:prefix_cache_hits_total")
     assert hits2 - hits >= sum(len(p) // BLOCK_SIZE for p in PROMPTS) * BLOCK_SIZE - len(PROMPTS) * BLOCK_SIZE
+    assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
+
+
+def _claims_ok(cluster: dict[str, Any]) -> float:
+    """The proxy's successful claims so far (0 before the first: the labelled series is absent)."""
+    ok = 'ascend_offload_proxy_metaserver_claims_total{result="ok"} '
+    text = httpx.get(f"{cluster['proxy']}/metrics", timeout=10).text
+    return sum(float(line[len(ok):]) for line in text.splitlines() if line.startswith(ok))
+
+
+def test_concurrent_requests_claim_their_registrations(cluster: dict[str, Any]) -> None:
+    """Four requests at once: each prefill waits for (claims) its own decode's registration."""
+    model = cluster["model"]
+    prompts = PROMPTS[2:10]
+    since = log_sizes(cluster)
+    claimed = _claims_ok(cluster)
+    baseline = [complete(cluster["prefill"], _body(model, p, False)) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        pd = list(pool.map(lambda p: stream(cluster["proxy"], _body(model, p, True)), prompts))
+    assert [a.token_ids for a in pd] == [a.token_ids for a in baseline]
+    assert _claims_ok(cluster) - claimed == len(prompts)
     assert [line for b in BAD for line in log_lines(cluster, since, b)] == []
 
 
