@@ -461,12 +461,16 @@ class RemoteD2HConfig(_Strict):
     # (the claim's long-poll and retries); the proxy's own register deadline normally
     # ends such a request first.
     claim_timeout_s: float = _timeout(600.0)
+    # Prefill, early dispatch: a step that follows one that scheduled nothing may block up
+    # to this long (once, woken the moment the claim ends) for a held request's claim, so
+    # the request runs in that step instead of the next and vLLM does not spin empty steps
+    # polling the claims. A request arriving meanwhile waits at most this long. 0: no wait.
+    claim_wait_ms: float = Field(10.0, ge=0, le=100)
     read_retries: int = Field(1, ge=0)
-    # In a step that computes nothing, wait up to this long (woken the moment the awaited
-    # event happens) instead of returning at once: decode's workers while pulls are in
-    # flight, for a pull to end; prefill's scheduler while early-dispatched requests wait
-    # for their decode's registration, for a claim to end. vLLM would otherwise run ~1000
-    # empty steps a second only to poll, taking CPU from the request path. 0: poll every step.
+    # Decode: in a step that computes nothing while pulls are in flight, the worker waits
+    # up to this long for a pull to end (woken the moment one does) instead of returning
+    # at once; vLLM would otherwise run ~1000 empty steps a second only to poll for the
+    # KV, taking CPU from the prefill and the request path. 0: poll every step.
     idle_wait_ms: float = Field(2.0, ge=0, le=50)
     # Control plane (decode's ZMQ ROUTER). A file holding a shared secret: peers without it
     # cannot connect (CURVE keys derived from it); empty = no authentication (loopback/trusted net).

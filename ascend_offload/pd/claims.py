@@ -270,10 +270,16 @@ class Claims:
             self.counts["cancelled"] += 1
             self._loop.call_soon_threadsafe(self._cancel_task, c.ticket)
 
-    def wait(self, timeout_s: float) -> bool:
+    def wait(self, timeout_s: float, request_id: str | None = None) -> bool:
         """Block up to ``timeout_s`` until a claim ended whose outcome is not taken yet;
-        at once when there is one, or when no claim runs. True if there is one."""
+        at once when there is one, or when no claim runs. True if there is one. With
+        ``request_id``: until that request's claim ended (True), or it has none."""
         with self._cond:
+            if request_id is not None:
+                def ended() -> bool:
+                    c = self._claims.get(request_id)
+                    return c is None or c.outcome is not None
+                return self._cond.wait_for(ended, timeout_s) and request_id in self._ended
             return self._cond.wait_for(lambda: bool(self._ended) or not self._live, timeout_s) \
                 and bool(self._ended)
 

@@ -115,14 +115,19 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 class PrefillRequests:
     """Requests whose KV this prefill publishes to a decode: pending, sending."""
 
-    def __init__(self, transfer_protocol: str = "", *, claim_timeout_s: float = 600.0) -> None:
+    def __init__(self, transfer_protocol: str = "", *, claim_timeout_s: float = 600.0,
+                 claim_wait_s: float = 0.0) -> None:
         """``transfer_protocol``: this prefill's ``backend/protocol``; a decode advertising
         another is refused per request (empty: not checked). ``claim_timeout_s``: how long
-        an early-dispatched request waits for its decode's registration."""
+        an early-dispatched request waits for its decode's registration. ``claim_wait_s``:
+        how long :meth:`ready` may block, once per step that follows an idle one, for a
+        held request's claim to end (:meth:`end_step`)."""
         self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
         # a registration of more blocks is refused (check_registration): no larger answer is read
         self.claims = Claims(timeout_s=claim_timeout_s, max_answer_bytes=answer_max_bytes(MAX_BLOCKS))
         self._claiming: set[str] = set()  # early-dispatched requests whose claim runs
+        self.claim_wait_s = claim_wait_s
+        self._wait_budget = claim_wait_s  # what ready() may still block in this step
         self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
         self._sending: set[str] = set()
         self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
@@ -155,6 +160,13 @@ class PrefillRequests:
             self.claims.submit(rid, ticket.claim_url, ticket.proxy_request_id, ticket.claim_token)
             self._claiming.add(rid)
         outcome = self.claims.result(rid)
+        if outcome is None and self._wait_budget > 0:
+            # An otherwise idle scheduler waits here, not in an empty step: vLLM schedules
+            # only at step boundaries, so a claim ending during an empty step would wait
+            # for the next one (a worker round trip, ~2-3 ms on a loaded host).
+            wait, self._wait_budget = self._wait_budget, 0.0
+            self.claims.wait(wait, request_id=rid)
+            outcome = self.claims.result(rid)
         if outcome is None:
             return False
         self._claiming.discard(rid)
@@ -173,13 +185,12 @@ class PrefillRequests:
         self._errors[request.request_id] = f"claim of the decode registration failed: {exc}"
         request.kv_transfer_params = {"do_remote_decode": False, "do_remote_prefill": False}
 
-    def idle_wait(self, timeout_s: float) -> bool:
-        """A step that computes nothing while claims run: wait up to ``timeout_s`` for one
-        to end (at once if one has), so vLLM does not spin empty steps only to poll them.
-        True if one ended."""
-        if not self._claiming or timeout_s <= 0:
-            return False
-        return self.claims.wait(timeout_s)
+    def end_step(self, idle: bool) -> None:
+        """The scheduler built a step; ``idle``: it schedules nothing. The next step's
+        :meth:`ready` may then block up to ``claim_wait_s`` once, for a held request's
+        claim: at most one wait a step, only when nothing else would run, so vLLM neither
+        spins empty steps to poll the claims nor delays work for them."""
+        self._wait_budget = self.claim_wait_s if idle else 0.0
 
     def after_alloc(self, request: PromptProgress, params: Mapping[str, Any]) -> bool:
         """Track ``request`` until its prompt is computed; False if its registration is invalid."""

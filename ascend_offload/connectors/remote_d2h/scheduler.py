@@ -68,11 +68,11 @@ class RemoteD2HScheduler:
             else None
         )
         self.prefill = (
-            PrefillRequests(transfer_protocol(cfg), claim_timeout_s=cfg.claim_timeout_s)
+            PrefillRequests(transfer_protocol(cfg), claim_timeout_s=cfg.claim_timeout_s,
+                            claim_wait_s=cfg.claim_wait_ms / 1000)
             if settings.is_producer
             else None
         )
-        self._idle_wait_s = cfg.idle_wait_ms / 1000
         # Decode with sparse offload: request names for the attention, and the host-pool ledger.
         self.sparse = (
             SparseDecodeScheduler(sparse, kv_transfer_config)
@@ -191,9 +191,7 @@ class RemoteD2HScheduler:
             meta.send = self.prefill.take_sends(
                 scheduler_output.num_scheduled_tokens, self._block_ids
             )
-            if not any(scheduler_output.num_scheduled_tokens.values()):
-                # only requests waiting for their claims: no empty-step spin (idle_wait_ms)
-                self.prefill.idle_wait(self._idle_wait_s)
+            self.prefill.end_step(idle=not any(scheduler_output.num_scheduled_tokens.values()))
         return meta
 
     def request_finished(

@@ -56,7 +56,7 @@ def _proxy() -> Iterator[ProxyStub]:
 
 def _scheduler(producer: bool, consumer: bool) -> SfaRemoteD2HConnector:
     vc = _config(producer, consumer)
-    vc.kv_transfer_config.kv_connector_extra_config.update(claim_timeout_s=WAIT_S, idle_wait_ms=5)
+    vc.kv_transfer_config.kv_connector_extra_config.update(claim_timeout_s=WAIT_S, claim_wait_ms=5)
     return SfaRemoteD2HConnector(vc, KVConnectorRole.SCHEDULER)
 
 
@@ -88,7 +88,7 @@ def test_producer_holds_an_early_request_until_its_claim_ends(proxy: ProxyStub) 
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not schedulable yet
         proxy.wait_calls(1)
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-        assert _step(sched).send == []  # nothing scheduled: waits idle_wait_ms, then returns
+        assert _step(sched).send == []  # nothing scheduled: the next lookup may wait claim_wait_ms
         proxy.release("x1")
         assert _matched_until_claimed(sched, req) == (0, False)
         assert req.kv_transfer_params["remote_request_id"] == REG["remote_request_id"]

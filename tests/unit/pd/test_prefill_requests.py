@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -124,7 +125,7 @@ def _until_ready(reqs: PrefillRequests, req: Waiting) -> None:
     deadline = time.monotonic() + WAIT_S
     while not reqs.ready(req):
         assert time.monotonic() < deadline, "claim still pending"
-        reqs.idle_wait(0.5)
+        reqs.claims.wait(0.5, request_id=req.request_id)
 
 
 @pytest.fixture
@@ -139,7 +140,7 @@ def test_claimed_registration_replaces_the_params(proxy: ProxyStub, early: Prefi
     assert early.ready(req) is False and early.claiming == 1  # the claim started, decode not registered
     proxy.wait_calls(1)
     assert early.ready(req) is False
-    assert early.idle_wait(0.01) is False
+    assert early.claims.wait(0.01, request_id="p") is False
     proxy.release("x1")
     _until_ready(early, req)
     assert req.kv_transfer_params == {"do_remote_decode": True, "do_remote_prefill": False,
@@ -184,6 +185,26 @@ def test_request_finished_while_claiming_cancels_the_claim(proxy: ProxyStub, ear
         early.claims.wait(0.05)
 
 
+def test_a_step_after_an_idle_one_waits_once_for_the_claim(proxy: ProxyStub) -> None:
+    """The lookup blocks (once per step, only after an idle step) until the claim ends,
+    so the request runs in this step rather than an empty step later."""
+    reqs = PrefillRequests(claim_timeout_s=WAIT_S, claim_wait_s=WAIT_S)
+    try:
+        req, other = Waiting("p", _early(proxy, "x1")), Waiting("q", _early(proxy, "x2"))
+        reqs.end_step(idle=False)  # after a busy step: no wait
+        assert reqs.ready(req) is False and reqs.ready(other) is False
+        proxy.wait_calls(2)
+        reqs.end_step(idle=True)
+        timer = threading.Timer(0.2, proxy.release, ("x1",))
+        timer.start()
+        assert reqs.ready(req) is True  # blocked until released (WAIT_S is far longer)
+        assert req.kv_transfer_params["remote_request_id"] == REG["remote_request_id"]
+        assert reqs.ready(other) is False  # the step's one wait is spent: no second one
+        timer.join()
+    finally:
+        reqs.close()
+
+
 def test_no_claim_without_claim_url(early: PrefillRequests) -> None:
     assert early.ready(Waiting("p", _params())) and early.ready(Waiting("q", None))
-    assert early.claiming == 0 and early.idle_wait(1.0) is False
+    assert early.claiming == 0 and early.claims.wait(1.0) is False
