@@ -1,11 +1,10 @@
 """P/D end to end on vLLM CPU: proxy + prefill (producer) + decode (consumer) servers.
 
 Every request goes client -> our proxy -> decode (do_remote_prefill) and, at the
-same time, prefill (max_tokens=1; the proxy's early dispatch, as the e2e-pd bench
-deploys it) -> decode registers with the metaserver -> prefill's connector claims
-that registration -> decode pulls each layer over Mooncake TCP -> decode generates.
-(The other P/D e2e files use the decode-first chain, ``--prefill-dispatch
-registered``, the proxy's default.) Tokens must equal the colocated answer of one engine
+same time, prefill (max_tokens=1; the proxy's opt-in early dispatch, ``--prefill-dispatch
+early``) -> decode registers with the metaserver -> prefill's connector claims that
+registration -> decode pulls each layer over Mooncake TCP -> decode generates. (The
+other P/D e2e files use the decode-first chain, the proxy's default.) Tokens must equal the colocated answer of one engine
 (the prefill server itself answering plain requests, where the connector is
 inactive), for 20 prompts of 50-1500 tokens, streaming and not (the streamed
 pass repeats the prompts: decode then holds their full blocks in its prefix cache
