@@ -103,8 +103,8 @@ class ClaimAnswer(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_params: DecodeRegistration
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(AscendOffloadError):
+    """An answer body over its cap (internal: :func:`claim` turns it into a ClaimError)."""
 
 
 async def _read_capped(resp: httpx.Response, cap: int, *, truncate: bool = False) -> bytes:
