@@ -86,29 +86,22 @@ class MetaserverRoutes:
             return self._meta_reject(
                 ProxyError(403, f"metaserver: wrong registration_token for {p.id!r}", "forbidden"), "forbidden"
             )
-        if p.registered_params is not None:  # early dispatch: the prefill claims the params
-            if p.params is None:
-                try:
-                    p.params = msgspec.to_builtins(parse_params(env))
-                except ProxyError as e:
-                    return self._meta_reject(e, "malformed")
-                p.disarm_deadline()  # from here the prefill's own deadline applies
-                p.registered_params.set_result(p.params)
-                result = "registered"
-            else:
-                result = "duplicate"
-            self.metrics.registration(result)
-            return web.Response(body=_REGISTERED, headers=JSON_HEADERS)
-        if p.dispatched is None:
+        first = p.params is None  # else a retry after a lost answer: idempotent
+        if first:
             try:
                 p.params = msgspec.to_builtins(parse_params(env))
             except ProxyError as e:
                 return self._meta_reject(e, "malformed")
             p.disarm_deadline()  # from here the prefill's own deadline applies
+        assert p.params is not None
+        if p.registered_params is not None:  # early dispatch: the prefill claims the params
+            if first:
+                p.registered_params.set_result(p.params)
+            self.metrics.registration("registered" if first else "duplicate")
+            return web.Response(body=_REGISTERED, headers=JSON_HEADERS)
+        if first:
             self._dispatch(p, p.params)
-            result = "dispatched"
-        else:
-            result = "duplicate"  # a retry after a lost answer: idempotent
+        result = "dispatched" if first else "duplicate"
         assert p.dispatched is not None  # set by the dispatch
         try:
             await asyncio.shield(p.dispatched)
