@@ -40,7 +40,7 @@ import msgspec
 
 from ascend_offload.errors import AscendOffloadError
 from ascend_offload.pd.protocol import MAX_NAME
-from ascend_offload.pd.registration import ROLE_FLAGS, DecodeRegistration
+from ascend_offload.pd.registration import MIN_ATTEMPT_S, ROLE_FLAGS, DecodeRegistration
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 ANSWER_OVERHEAD = 16 * 1024
 ANSWER_BYTES_PER_BLOCK = 12
 ERROR_BODY_BYTES = 4096  # of a refusal's body, for its message
-MIN_ATTEMPT_S = 0.05  # the shortest time an attempt is given
 RETRY_STATUSES = frozenset({408, 429})  # 4xx worth another attempt (besides 5xx)
 MAX_URL = 2048
 MAX_BLOCKS = 1 << 20  # what a read_ready item can carry (protocol.ReadReady.src_blocks)
@@ -235,6 +234,16 @@ class Claims:
         """Claims whose task still runs (cancelled ones count until their task ended)."""
         with self._cond:
             return len(self._live)
+
+    def __contains__(self, request_id: object) -> bool:
+        """``request_id`` has a claim whose outcome is not taken yet (running or ended)."""
+        with self._cond:
+            return request_id in self._claims
+
+    def __len__(self) -> int:
+        """Claims whose outcome is not taken yet."""
+        with self._cond:
+            return len(self._claims)
 
     def submit(self, request_id: str, url: str, proxy_request_id: str, claim_token: str) -> None:
         """Start claiming decode's registration for ``request_id`` (replaces an earlier claim of it)."""

@@ -125,7 +125,6 @@ class PrefillRequests:
         self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
         # a registration of more blocks is refused (check_registration): no larger answer is read
         self.claims = Claims(timeout_s=claim_timeout_s, max_answer_bytes=answer_max_bytes(MAX_BLOCKS))
-        self._claiming: set[str] = set()  # early-dispatched requests whose claim runs
         self.claim_wait_s = claim_wait_s
         self._wait_budget = claim_wait_s  # what ready() may still block in this step
         self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
@@ -140,14 +139,14 @@ class PrefillRequests:
     @property
     def claiming(self) -> int:
         """Early-dispatched requests still waiting for their decode's registration."""
-        return len(self._claiming)
+        return len(self.claims)
 
     def ready(self, request: ClaimingRequest) -> bool:
         """Whether vLLM may schedule ``request`` now: False while its claim runs (started
         here the first time it is asked about). Once the claim ended its params are the
         registration (``do_remote_decode``), or, if it failed, a plain prefill's."""
         rid = request.request_id
-        if rid not in self._claiming:
+        if rid not in self.claims:
             params = request.kv_transfer_params
             if not wants_claim(params):
                 return True
@@ -158,7 +157,6 @@ class PrefillRequests:
                 self._claim_failed(request, exc)
                 return True
             self.claims.submit(rid, ticket.claim_url, ticket.proxy_request_id, ticket.claim_token)
-            self._claiming.add(rid)
         outcome = self.claims.result(rid)
         if outcome is None and self._wait_budget > 0:
             # An otherwise idle scheduler waits here, not in an empty step: vLLM schedules
@@ -169,7 +167,6 @@ class PrefillRequests:
             outcome = self.claims.result(rid)
         if outcome is None:
             return False
-        self._claiming.discard(rid)
         if isinstance(outcome, ClaimError):
             self._claim_failed(request, outcome)
         else:
@@ -246,9 +243,7 @@ class PrefillRequests:
     def request_finished(self, request_id: str) -> bool:
         """vLLM finished the request; True: its blocks must wait (decode still reads them)."""
         self._pending.pop(request_id, None)
-        if request_id in self._claiming:  # aborted while it waited for its decode
-            self._claiming.discard(request_id)
-            self.claims.cancel(request_id)
+        self.claims.cancel(request_id)  # if it was aborted while it waited for its decode
         return request_id in self._sending
 
     def take_error(self, request_id: str) -> dict[str, str] | None:
@@ -262,5 +257,4 @@ class PrefillRequests:
 
     def close(self) -> None:
         """Cancel the claims in flight (shutdown)."""
-        self._claiming.clear()
         self.claims.close()
