@@ -221,7 +221,6 @@ class Claims:
         self.counts: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._claims: dict[str, _Claim] = {}  # submitted, outcome not yet taken
-        self._ended: set[str] = set()  # of those, with an outcome
         self._live: set[object] = set()  # tickets whose task has not ended
         self._tasks: dict[object, asyncio.Task[None]] = {}  # loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -266,31 +265,27 @@ class Claims:
             if c.outcome is None:
                 return None
             del self._claims[request_id]
-            self._ended.discard(request_id)
             return c.outcome
 
     def cancel(self, request_id: str) -> None:
         """Forget ``request_id``'s claim and stop its task (its request finished or was aborted)."""
         with self._cond:
             c = self._claims.pop(request_id, None)
-            self._ended.discard(request_id)
             if c is None or c.outcome is not None or self._loop is None:
                 return
             self.counts["cancelled"] += 1
             self._loop.call_soon_threadsafe(self._cancel_task, c.ticket)
 
-    def wait(self, timeout_s: float, request_id: str | None = None) -> bool:
-        """Block up to ``timeout_s`` until a claim ended whose outcome is not taken yet;
-        at once when there is one, or when no claim runs. True if there is one. With
-        ``request_id``: until that request's claim ended (True), or it has none."""
+    def wait(self, timeout_s: float, request_id: str) -> bool:
+        """Block up to ``timeout_s`` until ``request_id``'s claim ended; True if it has an
+        outcome not taken yet (False at the timeout, or when the request has no claim)."""
         with self._cond:
-            if request_id is not None:
-                def ended() -> bool:
-                    c = self._claims.get(request_id)
-                    return c is None or c.outcome is not None
-                return self._cond.wait_for(ended, timeout_s) and request_id in self._ended
-            return self._cond.wait_for(lambda: bool(self._ended) or not self._live, timeout_s) \
-                and bool(self._ended)
+            def ended() -> bool:
+                c = self._claims.get(request_id)
+                return c is None or c.outcome is not None
+            self._cond.wait_for(ended, timeout_s)
+            c = self._claims.get(request_id)
+            return c is not None and c.outcome is not None
 
     def close(self) -> None:
         """Cancel every claim, close the client and stop the loop thread."""
@@ -303,7 +298,6 @@ class Claims:
                 if self._claims[rid].outcome is None:
                     self.counts["cancelled"] += 1
             self._claims.clear()
-            self._ended.clear()
         if loop is None or thread is None:
             return
         try:
@@ -368,7 +362,6 @@ class Claims:
         if c is None or c.ticket is not ticket:
             return  # cancelled meanwhile
         c.outcome = outcome
-        self._ended.add(request_id)
         self.counts["failed" if isinstance(outcome, ClaimError) else "claimed"] += 1
         self._cond.notify_all()
 
@@ -376,7 +369,6 @@ class Claims:
         self._tasks.pop(ticket, None)
         with self._cond:
             self._live.discard(ticket)
-            self._cond.notify_all()
 
     def _cancel_task(self, ticket: object) -> None:
         task = self._tasks.get(ticket)

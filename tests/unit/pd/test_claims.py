@@ -133,7 +133,7 @@ def outcome(claims: Claims, rid: str) -> DecodeRegistration | ClaimError:
     deadline = time.monotonic() + WAIT_S
     while (got := claims.result(rid)) is None:
         assert time.monotonic() < deadline, f"claim {rid} still pending"
-        claims.wait(0.5)
+        claims.wait(0.5, rid)
     return got
 
 
@@ -148,13 +148,14 @@ def test_held_claim_is_pending_until_decode_registers_and_wait_wakes(proxy: Prox
     claims.submit("r1", proxy.url, "p1", token)
     proxy.wait_calls(1)
     assert claims.result("r1") is None and claims.pending == 1
-    assert claims.wait(0.01) is False  # nothing ended
+    assert claims.wait(0.01, "r1") is False  # not ended yet
+    assert claims.wait(0.01, "r2") is False  # no such claim
 
     woke: list[tuple[bool, float]] = []
 
     def waiter() -> None:
         t0 = time.monotonic()
-        woke.append((claims.wait(WAIT_S), time.monotonic() - t0))
+        woke.append((claims.wait(WAIT_S, "r1"), time.monotonic() - t0))
 
     t = threading.Thread(target=waiter)
     t.start()
@@ -226,7 +227,7 @@ def test_deadline_ends_an_unanswered_claim(proxy: ProxyStub) -> None:
         token = proxy.expect("p1")  # never released
         short.submit("r1", proxy.url, "p1", token)
         t0 = time.monotonic()
-        assert short.wait(WAIT_S) is True and time.monotonic() - t0 < WAIT_S
+        assert short.wait(WAIT_S, "r1") is True and time.monotonic() - t0 < WAIT_S
         why = error(short, "r1")
         assert "no registration for proxy_request_id='p1' within 0.3s" in why
         assert short.pending == 0
@@ -256,7 +257,7 @@ def test_cancel_ends_the_task(proxy: ProxyStub, claims: Claims) -> None:
     deadline = time.monotonic() + WAIT_S
     while claims.pending:
         assert time.monotonic() < deadline, "cancelled claims still running"
-        claims.wait(0.05)
+        time.sleep(0.01)
     with pytest.raises(KeyError):
         claims.result("r0")
     proxy.release("p0", "p1", "p2")  # a late answer finds nobody
