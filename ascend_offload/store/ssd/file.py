@@ -240,20 +240,25 @@ class _SplitStaging:
     """A buffered read's landing area for a chunk of slots: one preadv puts slot ``i``'s
     header in ``heads[i]``, its payload in rows as wide as the page planes' rows, its
     padding in a shared sink, so verified payloads go to their pages as whole-row copies
-    (one native streaming copy a layer: ``native.copy_byte_rows``), not as column slices
-    of whole slots. Layers of one width (every layer's page the same size, the usual
-    case): the payloads lie whole one after another (slot ``i``'s layer ``l`` is row
-    ``i * layers + l``), so each is read into one buffer and hashed in one call. Layers of
-    several widths: one region a layer (slot ``i``'s layer ``l`` is row ``i`` of region ``l``)."""
+    (one native streaming copy for every layer of a chunk: ``native.copy_layer_rows``), not
+    as column slices of whole slots. Layers of one width (every layer's page the same size,
+    the usual case): the payloads lie whole one after another (slot ``i``'s layer ``l`` is
+    row ``i * layers + l``), so each is read into one buffer and hashed in one call; that
+    region starts ``HEADER_BYTES`` into a page, so every payload byte lands at the offset
+    within its page it has in the file, as in a plain read of whole slots (measured on
+    the AMD host of docs/benchmarks.md: the 1 MiB row's promote 0.54 -> 0.57 of a raw read,
+    medians of ten runs each). Layers of several widths: one region a layer (slot ``i``'s
+    layer ``l`` is row ``i`` of region ``l``)."""
 
     def __init__(self, widths: Sequence[int], slots: int, sink: memoryview | None) -> None:
         payload, n_layers = sum(widths), len(widths)
         one_width = len(set(widths)) == 1
         regions = [slots * fmt.HEADER_BYTES, *([slots * payload] if one_width else (slots * w for w in widths))]
         starts, off = [], 0
-        for size in regions:  # every region page-aligned: rows of 64-byte multiples stay line-aligned
-            starts.append(off)
-            off += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        for i, size in enumerate(regions):  # every region page-aligned: rows of 64-byte multiples stay line-aligned
+            lead = fmt.HEADER_BYTES if i == 1 and one_width else 0
+            starts.append(off + lead)
+            off += -(-(size + lead) // mmap.PAGESIZE) * mmap.PAGESIZE
         self.slots = slots
         self.map = mmap.mmap(-1, max(off, mmap.PAGESIZE))
         mv = memoryview(self.map)
@@ -278,9 +283,18 @@ class _SplitStaging:
                     for i in range(slots)]
         #: per layer: (source address, source rows, address of the slots' row numbers)
         self.addresses = [(t.data_ptr(), t.shape[0], idx.data_ptr()) for t, idx in self.sources]
+        #: the same rows for one native call over every layer: layer ``l``'s rows seen
+        #: from its first row, so one index list (``slot_rows``) serves every layer
+        if one_width:
+            flat = rows.view(-1)
+            self.layer_rows = [flat[layer * widths[0]:].view(-1, widths[0]) for layer in range(n_layers)]
+            self.slot_rows = seq * n_layers
+        else:
+            self.layer_rows = [t for t, _ in self.sources]
+            self.slot_rows = seq
 
     def close(self) -> None:
-        del self.heads, self.sources, self.payloads, self.iov
+        del self.heads, self.sources, self.payloads, self.iov, self.layer_rows, self.slot_rows
         with contextlib.suppress(BufferError):  # as _Staging.close
             self.map.close()
 
@@ -318,6 +332,11 @@ class RankTier:
                                  for _ in range(READ_AHEAD + 1)) if self.split else ()
         self._native = self.split and native.available()
         self._plane_addresses = [(p.data_ptr(), p.shape[0], p.shape[1]) for p in self._planes]
+        # one native call copies a chunk's rows of every layer: with 32 layers a call per
+        # layer cost ~1.5 ms of a 64 MiB promote in Python and ctypes (copy 4.6-5.4 ms ->
+        # 2.8-3.7 ms measured)
+        self._layer_tables = tuple(native.layer_table(list(zip(b.layer_rows, self._planes, strict=True)))
+                                   for b in self._split_bufs) if self._native and native.has_layer_copy() else ()
         self._read_bufs = () if self.split else tuple(_Staging(file.slot_bytes, per_chunk)
                                                       for _ in range(READ_AHEAD + 1))
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ssd-reader-r{rank}")
@@ -456,11 +475,20 @@ class RankTier:
 
     def _copy_split(self, buf: _SplitStaging, pages: Sequence[int]) -> None:
         """Payload rows ``0..len(pages)-1`` of ``buf`` -> ``pages`` in every layer plane: one
-        native streaming row copy a layer on addresses checked at start (ctypes releases the
-        GIL; :func:`device.copy_host_rows`' per-call checks cost ~10 us, 32 layers a chunk),
+        native streaming copy over every layer (tables built at start; the GIL released
+        once), else one native row copy a layer on addresses checked at start
+        (:func:`device.copy_host_rows`' per-call checks cost ~10 us, 32 layers a chunk),
         numpy's copy without the native library."""
         n = len(pages)
         if n == 0:
+            return
+        if self._native and self._layer_tables:
+            didx = native.int32_array(pages)
+            table = self._layer_tables[self._split_bufs.index(buf)]
+            rc = native.copy_layer_rows(table, len(self._planes), buf.slot_rows.data_ptr(),
+                                        didx.buffer_info()[0], n)
+            if rc < 0:
+                raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {self._planes[0].shape[0]})")
             return
         if self._native:
             didx = native.int32_array(pages)

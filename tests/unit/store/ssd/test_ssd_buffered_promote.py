@@ -1,6 +1,7 @@
 """Buffered promotes (store/ssd/file.py, ``RankTier.split``): each slot is scattered by
 one preadv over a per-layer staging, verified there, and only verified payloads are
-copied into their pages (native streaming row copy, numpy without the library). A
+copied into their pages (one native streaming copy over every layer, a native call per
+layer where the library lacks that, numpy without the library). A
 damaged slot is a miss whose page is never written and never committed; a slot the
 file is too short for fails that block alone."""
 
@@ -43,9 +44,11 @@ def buffered_tier(tmp_path: Path, pl: dict[str, torch.Tensor], slots: int, copy:
     assert t.split and not t.file.direct
     if copy == "numpy":
         t._native = False
-    elif not t._native:
+    elif not t._native or (copy == "layers" and not t._layer_tables):
         t.close()
-        pytest.skip("the native library is not available here")
+        pytest.skip("the native library (or its layer copy) is not available here")
+    elif copy == "rows":  # a library without the one-call layer copy: a call per layer
+        t._layer_tables = ()
     return t
 
 
@@ -64,7 +67,7 @@ def flip_payload_bit(path: Path, slot: int, offset: int) -> None:
 
 
 @pytest.mark.parametrize("layers", [LAYERS, (2048, 2048, 2048)])  # several widths / one width
-@pytest.mark.parametrize("copy", ["native", "numpy"])
+@pytest.mark.parametrize("copy", ["layers", "rows", "numpy"])
 def test_buffered_promote_lands_every_byte_in_its_page_across_chunks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str, layers: tuple[int, ...]) -> None:
     monkeypatch.setattr(ssd_file, "CHUNK_BYTES", 3 * fmt.slot_bytes(sum(layers)))  # 3 slots a chunk
@@ -82,7 +85,7 @@ def test_buffered_promote_lands_every_byte_in_its_page_across_chunks(
     t.close()
 
 
-@pytest.mark.parametrize("copy", ["native", "numpy"])
+@pytest.mark.parametrize("copy", ["layers", "rows", "numpy"])
 def test_buffered_promote_refuses_a_page_outside_the_planes(tmp_path: Path, copy: str) -> None:
     src = planes(4, seed=2)
     t = buffered_tier(tmp_path, src, 4, copy)
