@@ -291,9 +291,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ao_res_debug_dirty_words.argtypes = []
     lib.ao_copy_rows.restype = i64
     lib.ao_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
-    if hasattr(lib, "ao_copy_rows_layers"):  # an installed build of older sources lacks it
-        lib.ao_copy_rows_layers.restype = i64
-        lib.ao_copy_rows_layers.argtypes = [vp, i64, vp, vp, i64]
+    for name in ("ao_copy_rows_layers", "ao_copy_rows_strided"):
+        if hasattr(lib, name):  # an installed build of older sources lacks it
+            getattr(lib, name).restype = i64
+            getattr(lib, name).argtypes = [vp, i64, vp, vp, i64]
     for name in ("ao_dres_resolve", "ao_dres_gather"):  # fast-call shape too
         getattr(lib, name).restype = i64
         getattr(lib, name).argtypes = [vp, vp, vp]
@@ -398,6 +399,38 @@ def copy_layer_rows(table: ctypes.Array, layers: int, src_idx: int, dst_idx: int
     if lib is None or not hasattr(lib, "ao_copy_rows_layers"):
         raise RuntimeError("native layer row copy unavailable")
     return int(lib.ao_copy_rows_layers(ctypes.addressof(table), layers, src_idx, dst_idx, n))
+
+
+def has_strided_copy() -> bool:
+    """Whether the loaded library has :func:`copy_strided_rows`."""
+    lib = load()
+    return lib is not None and hasattr(lib, "ao_copy_rows_strided")
+
+
+def strided_table(layers: Sequence[tuple[torch.Tensor, int, int, torch.Tensor]]) -> ctypes.Array:
+    """The argument table of :func:`copy_strided_rows`: per layer ``(buffer, offset,
+    pitch, dst)``: source row ``i`` is the ``dst`` row size of bytes at ``offset + i *
+    pitch`` in the contiguous host ``buffer``, ``dst`` a contiguous 2-D host tensor.
+    Raw addresses: keep the tensors alive while the table is used."""
+    out = (ctypes.c_int64 * (6 * len(layers)))()
+    for i, (buf, offset, pitch, dst) in enumerate(layers):
+        row = dst.nbytes // dst.shape[0] if dst.shape[0] else 0
+        if not (buf.is_contiguous() and dst.is_contiguous()) or pitch < row or offset < 0:
+            raise ValueError(f"layer {i}: tensors not contiguous, or rows of {row} bytes at pitch {pitch}")
+        rows = (buf.nbytes - offset - row) // pitch + 1 if buf.nbytes >= offset + row else 0
+        out[6 * i: 6 * i + 6] = [buf.data_ptr() + offset, rows, pitch, dst.data_ptr(), dst.shape[0], row]
+    return out
+
+
+def copy_strided_rows(table: ctypes.Array, layers: int, src_idx: int, dst_idx: int, n: int) -> int:
+    """``dst_l[dst_idx[i]] = row src_idx[i] of layer l's source`` for every layer of a
+    :func:`strided_table`, in one native call (GIL released), one thread; int32 index
+    arrays at the addresses ``src_idx``/``dst_idx``. Returns 0, or -(i + 1) for the
+    first index pair out of range (nothing is copied then)."""
+    lib = load()
+    if lib is None or not hasattr(lib, "ao_copy_rows_strided"):
+        raise RuntimeError("native strided row copy unavailable")
+    return int(lib.ao_copy_rows_strided(ctypes.addressof(table), layers, src_idx, dst_idx, n))
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,

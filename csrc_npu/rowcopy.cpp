@@ -318,4 +318,36 @@ int64_t ao_copy_rows_layers(const int64_t* table, int64_t layers, const int32_t*
   return 0;
 }
 
+// Rows that sit at a pitch wider than themselves (a field of each record of a staging
+// buffer) into contiguous destination rows, every layer in one call, one thread:
+// dst_l[didx[i]] = the row_bytes at src_l + sidx[i] * src_pitch_l, whose entry in
+// ``table`` is {src, src_rows, src_pitch, dst, dst_rows, row_bytes} (int64).  Why:
+// the SSD tier's O_DIRECT promote reads whole slots (header, then each layer's row)
+// and a numpy copy a layer held the GIL 32-61 times a chunk.  A row at a time through
+// the same streaming kernels (rows here are kilobytes).  Returns 0, or -(i + 1) for
+// the first index pair out of range of some layer (checked before any byte moves).
+int64_t ao_copy_rows_strided(const int64_t* table, int64_t layers, const int32_t* sidx,
+                             const int32_t* didx, int64_t n) {
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* e = table + 6 * l;
+    if (e[2] < e[5] || e[5] < 0) return -1;  // rows would overlap: refuse the whole call
+    for (int64_t i = 0; i < n; ++i) {
+      if (sidx[i] < 0 || sidx[i] >= e[1] || didx[i] < 0 || didx[i] >= e[4]) return -(i + 1);
+    }
+  }
+  static const int32_t zero = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* e = table + 6 * l;
+    const auto* src = reinterpret_cast<const uint8_t*>(e[0]);
+    auto* dst = reinterpret_cast<uint8_t*>(e[3]);
+    const int64_t pitch = e[2], row = e[5];
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* s = src + int64_t(sidx[i]) * pitch;
+      uint8_t* d = dst + int64_t(didx[i]) * row;
+      pick_copy(s, d, row)(s, &zero, d, &zero, 0, 1, row);
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -339,6 +339,13 @@ class RankTier:
                                    for b in self._split_bufs) if self._native and native.has_layer_copy() else ()
         self._read_bufs = () if self.split else tuple(_Staging(file.slot_bytes, per_chunk)
                                                       for _ in range(READ_AHEAD + 1))
+        # whole slots (O_DIRECT): each layer's rows sit at the slot pitch; one native call
+        # copies a chunk's rows of every layer (a numpy copy a layer held the GIL each time)
+        self._slot_bytes_views = [torch.frombuffer(b.map, dtype=torch.uint8) for b in self._read_bufs]
+        self._slot_seq = torch.arange(per_chunk, dtype=torch.int32)
+        self._strided_tables = tuple(
+            native.strided_table([(view, a, file.slot_bytes, p) for p, (a, _b) in zip(self._planes, self._cols, strict=True)])
+            for view in self._slot_bytes_views) if self._read_bufs and native.has_strided_copy() else ()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"ssd-reader-r{rank}")
         self._lock = threading.Lock()
         self._spilled: Counter[int] = Counter()
@@ -503,7 +510,17 @@ class RankTier:
             dst_plane[idx] = src_rows.numpy()[slot_rows.numpy()[:n]]
 
     def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
+        """Payload rows of the first ``n`` whole slots of ``buf`` -> ``pages`` in every layer
+        plane: one native call for every layer, numpy's copy a layer without the library."""
         if n == 0:
+            return
+        if self._strided_tables:
+            didx = native.int32_array(pages[:n])
+            table = self._strided_tables[self._read_bufs.index(buf)]
+            rc = native.copy_strided_rows(table, len(self._planes), self._slot_seq.data_ptr(),
+                                          didx.buffer_info()[0], n)
+            if rc < 0:
+                raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {self._planes[0].shape[0]})")
             return
         idx = np.asarray(pages, dtype=np.int64)
         rows = buf.rows[:n]
@@ -521,6 +538,8 @@ class RankTier:
             return
         self._reader.shutdown(wait=True)
         self._write_buf.close()
+        self._strided_tables = ()
+        self._slot_bytes_views.clear()
         for buf in self._read_bufs:
             buf.close()
         for split in self._split_bufs:
