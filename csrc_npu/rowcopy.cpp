@@ -335,15 +335,15 @@ int64_t ao_copy_rows_strided(const int64_t* table, int64_t layers, const int32_t
       if (sidx[i] < 0 || sidx[i] >= e[1] || didx[i] < 0 || didx[i] >= e[4]) return -(i + 1);
     }
   }
+  // Record by record, its layers in table order: the source is read front to back
+  // (the hardware streams it), where layer by layer it jumped a pitch every row.
   static const int32_t zero = 0;
-  for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* e = table + 6 * l;
-    const auto* src = reinterpret_cast<const uint8_t*>(e[0]);
-    auto* dst = reinterpret_cast<uint8_t*>(e[3]);
-    const int64_t pitch = e[2], row = e[5];
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* s = src + int64_t(sidx[i]) * pitch;
-      uint8_t* d = dst + int64_t(didx[i]) * row;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t* e = table + 6 * l;
+      const int64_t row = e[5];
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(e[0]) + int64_t(sidx[i]) * e[2];
+      uint8_t* d = reinterpret_cast<uint8_t*>(e[3]) + int64_t(didx[i]) * row;
       pick_copy(s, d, row)(s, &zero, d, &zero, 0, 1, row);
     }
   }
