@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -490,12 +491,8 @@ class RankTier:
         if n == 0:
             return
         if self._native and self._layer_tables:
-            didx = native.int32_array(pages)
-            table = self._layer_tables[self._split_bufs.index(buf)]
-            rc = native.copy_layer_rows(table, len(self._planes), buf.slot_rows.data_ptr(),
-                                        didx.buffer_info()[0], n)
-            if rc < 0:
-                raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {self._planes[0].shape[0]})")
+            self._copy_layers(native.copy_layer_rows, self._layer_tables[self._split_bufs.index(buf)],
+                              buf.slot_rows.data_ptr(), pages)
             return
         if self._native:
             didx = native.int32_array(pages)
@@ -509,18 +506,23 @@ class RankTier:
         for (src_rows, slot_rows), dst_plane in zip(buf.sources, self._np_planes, strict=True):
             dst_plane[idx] = src_rows.numpy()[slot_rows.numpy()[:n]]
 
+    def _copy_layers(self, copy: Callable[[ctypes.Array[ctypes.c_int64], int, int, int, int], int],
+                     table: ctypes.Array[ctypes.c_int64], src_rows: int, pages: Sequence[int]) -> None:
+        """Rows ``0..len(pages)-1`` (int32 row numbers at ``src_rows``) -> ``pages`` in every
+        layer plane by one native ``copy`` over ``table``; a page out of range is named."""
+        didx = native.int32_array(pages)
+        rc = copy(table, len(self._planes), src_rows, didx.buffer_info()[0], len(pages))
+        if rc < 0:
+            raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {self._planes[0].shape[0]})")
+
     def _scatter(self, buf: _Staging, n: int, pages: Sequence[int]) -> None:
         """Payload rows of the first ``n`` whole slots of ``buf`` -> ``pages`` in every layer
         plane: one native call for every layer, numpy's copy a layer without the library."""
         if n == 0:
             return
         if self._strided_tables:
-            didx = native.int32_array(pages[:n])
-            table = self._strided_tables[self._read_bufs.index(buf)]
-            rc = native.copy_strided_rows(table, len(self._planes), self._slot_seq.data_ptr(),
-                                          didx.buffer_info()[0], n)
-            if rc < 0:
-                raise IndexError(f"SSD promote: page {pages[-rc - 1]} outside [0, {self._planes[0].shape[0]})")
+            self._copy_layers(native.copy_strided_rows, self._strided_tables[self._read_bufs.index(buf)],
+                              self._slot_seq.data_ptr(), pages[:n])
             return
         idx = np.asarray(pages, dtype=np.int64)
         rows = buf.rows[:n]
