@@ -37,6 +37,8 @@ def test_shared_tier_rows_report_the_zero_copy_ratio_and_parity(tmp_path: Path) 
     worst = result["shared_tier_zero_copy_worst_ratio"]
     assert isinstance(worst, float) and worst > 0
     assert result["shared_tier_multi_buffer_worst_ratio"] > 0
+    assert result["shared_tier_one_core_bound_worst_ratio"] == min(
+        min(r["one_core_bound_publish_ratio"], r["one_core_bound_fetch_ratio"]) for r in result["shared_tier_rows"])
     assert result["shared_tier_parity"] is True
     rows = result["shared_tier_rows"]
     assert [(r["layer_bytes"], r["layers"]) for r in rows] == list(SHARED_TIER_LAYOUTS)
