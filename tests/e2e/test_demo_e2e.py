@@ -45,8 +45,13 @@ def _carriers(token: str) -> list[int]:
 
 
 def _stop_signals_blocked(pid: int) -> int:
-    """SIGINT / SIGTERM bits of the process's blocked-signal mask (0 if it is gone)."""
+    """SIGINT / SIGTERM bits of the process's blocked-signal mask (0 if it is gone, or if
+    it is CPython's multiprocessing resource tracker: that one starts with both blocked, by
+    design, until its ``main`` has set them to be ignored; it ends when its parent does,
+    which ``_gone`` checks)."""
     try:
+        if b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return 0
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
