@@ -256,7 +256,7 @@ class _SplitStaging:
         one_width = len(set(widths)) == 1
         regions = [slots * fmt.HEADER_BYTES, *([slots * payload] if one_width else (slots * w for w in widths))]
         starts, off = [], 0
-        for i, size in enumerate(regions):  # every region page-aligned: rows of 64-byte multiples stay line-aligned
+        for i, size in enumerate(regions):  # each region on its own pages, line-aligned (the payloads 64 B in)
             lead = fmt.HEADER_BYTES if i == 1 and one_width else 0
             starts.append(off + lead)
             off += -(-(size + lead) // mmap.PAGESIZE) * mmap.PAGESIZE
