@@ -328,12 +328,15 @@ int64_t ao_copy_rows_layers(const int64_t* table, int64_t layers, const int32_t*
 // the first index pair out of range of some layer (checked before any byte moves).
 int64_t ao_copy_rows_strided(const int64_t* table, int64_t layers, const int32_t* sidx,
                              const int32_t* didx, int64_t n) {
+  int64_t src_rows = INT64_MAX, dst_rows = INT64_MAX;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* e = table + 6 * l;
     if (e[2] < e[5] || e[5] < 0) return -1;  // rows would overlap: refuse the whole call
-    for (int64_t i = 0; i < n; ++i) {
-      if (sidx[i] < 0 || sidx[i] >= e[1] || didx[i] < 0 || didx[i] >= e[4]) return -(i + 1);
-    }
+    if (e[1] < src_rows) src_rows = e[1];
+    if (e[4] < dst_rows) dst_rows = e[4];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (sidx[i] < 0 || sidx[i] >= src_rows || didx[i] < 0 || didx[i] >= dst_rows) return -(i + 1);
   }
   // Record by record, its layers in table order: the source is read front to back
   // (the hardware streams it), where layer by layer it jumped a pitch every row.
