@@ -466,6 +466,12 @@ class RemoteD2HConfig(_Strict):
     # the request runs in that step instead of the next and vLLM does not spin empty steps
     # polling the claims. A request arriving meanwhile waits at most this long. 0: no wait.
     claim_wait_ms: float = Field(10.0, ge=0, le=100)
+    # Prefill, early dispatch: schedule the request at once and let each worker claim its
+    # decode's registration while it computes, publishing the layers already written the
+    # moment it arrives (the forward starts before the decode registered). False: hold the
+    # request unscheduled until the scheduler claimed it. Layer sharing on the prefill
+    # (AscendMultiConnector) always holds: a shared buffer must be published before reuse.
+    claim_in_worker: bool = True
     read_retries: int = Field(1, ge=0)
     # Decode: in a step that computes nothing while pulls are in flight, the worker waits
     # up to this long for a pull to end (woken the moment one does) instead of returning

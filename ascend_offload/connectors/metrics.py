@@ -79,12 +79,18 @@ RD2H_COUNTERS: dict[str, str] = {
     "send_errors": "prefill: readiness items that could not be sent (endpoint unreachable, queue full)",
     "gate_holds": "prefill, layer sharing: reuse-gate slots held for decode's reads",
     "gate_hold_failures": "prefill, layer sharing: gate holds released with a failed or unanswered read",
+    "late_claims": "prefill, early dispatch: decode registrations a worker claimed for a request it "
+                   "computed before the decode registered",
+    "late_claim_failures": "prefill, early dispatch: such requests not sent (claim failed, or the "
+                           "registration was refused)",
 }
 
 # gauge name -> help text: state that must return to 0 when the engine is idle (leak checks).
 # Reported with the stats of a step, so they show the state at the engine's last step.
 RD2H_GAUGES: dict[str, str] = {
     "pending_slot_uses": "prefill: published slot uses still waiting for decode's answers or their deadline",
+    "late_sends_waiting": "prefill, early dispatch: computed requests whose decode registration is "
+                          "not claimed yet",
     "inflight_reads": "decode: reads submitted to reader threads and not answered yet",
     "parked_messages": "decode: readiness messages parked for requests not started yet",
     "active_requests": "decode: requests still being received",

@@ -142,6 +142,7 @@ class AscendMultiConnector(MultiConnector):
             store, rd2h = self._connectors[pair[0]], self._connectors[pair[1]]
             assert isinstance(store, AscendStoreConnector) and isinstance(rd2h, SfaRemoteD2HConnector)
             self._store, self._rd2h = store, rd2h
+            rd2h.hold_early_requests()
         #: the config index of each child, in invocation order
         self.config_index = canonical_order([i in stores for i in range(len(self._connectors))])
         self._connectors = [self._connectors[i] for i in self.config_index]

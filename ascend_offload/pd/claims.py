@@ -198,10 +198,15 @@ async def claim(
                      f"within {timeout_s:.1f}s ({attempts} attempt(s)): {last}")
 
 
+ClaimOutcome = DecodeRegistration | ClaimError
+OnEnd = Callable[[str, ClaimOutcome], None]
+
+
 @dataclasses.dataclass
 class _Claim:
     ticket: object  # this submission (a later one of the same request id is another)
-    outcome: DecodeRegistration | ClaimError | None = None
+    outcome: ClaimOutcome | None = None
+    on_end: OnEnd | None = None  # gets the outcome instead of result()
 
 
 class Claims:
@@ -244,18 +249,28 @@ class Claims:
         with self._cond:
             return len(self._claims)
 
-    def submit(self, request_id: str, url: str, proxy_request_id: str, claim_token: str) -> None:
-        """Start claiming decode's registration for ``request_id`` (replaces an earlier claim of it)."""
+    def submit(self, request_id: str, url: str, proxy_request_id: str, claim_token: str,
+               on_end: OnEnd | None = None) -> None:
+        """Start claiming decode's registration for ``request_id`` (replaces an earlier claim of it).
+
+        ``on_end``: called once with ``(request_id, outcome)`` when the claim ends, on the
+        loop thread (or on this one if the claims are closed), outside the lock; the
+        outcome is then not kept for :meth:`result`. Why: a prefill worker publishes the
+        layers it already computed the moment the registration arrives, not at its next
+        hook. Not called for a cancelled claim."""
         self.cancel(request_id)
         ticket = object()
         with self._cond:
-            self._claims[request_id] = _Claim(ticket)
+            self._claims[request_id] = _Claim(ticket, on_end=on_end)
             if self._closed:
-                self._end(request_id, ticket, ClaimError("claims closed (connector shutting down)"))
-                return
-            loop = self._ensure_loop()
-            self._live.add(ticket)
-            loop.call_soon_threadsafe(self._start, request_id, ticket, url, proxy_request_id, claim_token)
+                call = self._end(request_id, ticket, ClaimError("claims closed (connector shutting down)"))
+            else:
+                call = None
+                loop = self._ensure_loop()
+                self._live.add(ticket)
+                loop.call_soon_threadsafe(self._start, request_id, ticket, url, proxy_request_id, claim_token)
+        if call is not None:
+            call()
 
     def result(self, request_id: str) -> DecodeRegistration | ClaimError | None:
         """None while the claim runs; once it ended, its registration or error (taken: the
@@ -342,7 +357,7 @@ class Claims:
     async def _claim(self, request_id: str, ticket: object, url: str, proxy_request_id: str,
                      token: str) -> None:
         assert self._client is not None
-        outcome: DecodeRegistration | ClaimError
+        outcome: ClaimOutcome
         try:
             outcome = await claim(self._client, url, proxy_request_id, token, timeout_s=self.timeout_s,
                                   max_answer_bytes=self.max_answer_bytes, backoff_s=self.backoff_s,
@@ -354,16 +369,31 @@ class Claims:
             outcome = ClaimError(f"claim failed: {type(exc).__name__}: {exc}")
         with self._cond:
             self._live.discard(ticket)  # ended; the done callback covers cancelled tasks
-            self._end(request_id, ticket, outcome)
+            call = self._end(request_id, ticket, outcome)
+        if call is not None:
+            call()
 
-    def _end(self, request_id: str, ticket: object, outcome: DecodeRegistration | ClaimError) -> None:
-        """Record ``outcome`` if ``ticket`` is still the request's claim (caller holds the lock)."""
+    def _end(self, request_id: str, ticket: object, outcome: ClaimOutcome) -> Callable[[], None] | None:
+        """Record ``outcome`` if ``ticket`` is still the request's claim (caller holds the
+        lock); returns the claim's ``on_end`` call, to be made outside the lock."""
         c = self._claims.get(request_id)
         if c is None or c.ticket is not ticket:
-            return  # cancelled meanwhile
-        c.outcome = outcome
+            return None  # cancelled meanwhile
         self.counts["failed" if isinstance(outcome, ClaimError) else "claimed"] += 1
+        if c.on_end is not None:
+            del self._claims[request_id]  # handed over: nothing left for result()
+            on_end = c.on_end
+            return lambda: self._call(on_end, request_id, outcome)
+        c.outcome = outcome
         self._cond.notify_all()
+        return None
+
+    @staticmethod
+    def _call(on_end: OnEnd, request_id: str, outcome: ClaimOutcome) -> None:
+        try:
+            on_end(request_id, outcome)
+        except Exception:  # the loop thread serves every other claim: a failing callback is logged
+            log.exception("claims: on_end of %r failed", request_id)
 
     def _task_ended(self, ticket: object) -> None:
         self._tasks.pop(ticket, None)

@@ -14,11 +14,17 @@ error is returned in the request's ``kv_transfer_params``
 (``remote_d2h_error``); decode times out and recovers by its own policy.
 
 Early dispatch: a request whose params carry a ``claim_url`` arrived before its
-decode registered. It is held back (:meth:`PrefillRequests.ready` is False) while
-its claim (:mod:`ascend_offload.pd.claims`) waits for the registration; then its
-params become the registration and it follows the flow above. A failed claim is
-handled like a refused registration: logged once, a plain prefill, the error in
-its ``kv_transfer_params``.
+decode registered. By default (``claim_in_worker``) it is scheduled at once: in the
+step where its prompt finishes it becomes a :class:`LateSendJob`, and each worker
+claims the registration itself while it computes, publishing the layers already
+written the moment it arrives (:mod:`ascend_offload.pd.late_sends`); its blocks are
+held like any send's. Otherwise (layer sharing on the prefill: a layer's buffer is
+reused within the forward, so it must be published before the next layer) it is held
+back (:meth:`PrefillRequests.ready` is False) while the scheduler's claim
+(:mod:`ascend_offload.pd.claims`) waits for the registration; then its params become
+the registration and it follows the flow above. A claim refused at the boundary
+(malformed keys), or a scheduler's claim that failed, is handled like a refused
+registration: logged once, a plain prefill, the error in its ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,37 @@ class SendJob:
     kv_port: int
     d_tp: int
     dp_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LateSendJob:
+    """A request computed before its decode registered: its workers claim the registration
+    and publish to the decode it names (``claim_in_worker``)."""
+
+    request_id: str  # prefill's own id
+    block_ids: tuple[int, ...]  # all its prefill blocks: the registration's offset picks decode's
+    claim_url: str
+    proxy_request_id: str
+    claim_token: str = dataclasses.field(repr=False)  # a secret: never in a log line
+
+    @classmethod
+    def of(cls, request_id: str, block_ids: Sequence[int], ticket: ClaimTicket) -> LateSendJob:
+        return cls(request_id, tuple(block_ids), ticket.claim_url, ticket.proxy_request_id,
+                   ticket.claim_token)
+
+
+def send_job(rid: str, reg: DecodeRegistration, mine: Sequence[int] | None) -> SendJob:
+    """The send of request ``rid`` (its prefill blocks ``mine``, None if unknown) to the
+    decode ``reg`` names; ParamsError says why there is none."""
+    if mine is None:
+        raise ParamsError(f"no KV cache manager bound; cannot send {rid}")
+    want = len(reg.remote_block_ids)
+    src = tuple(mine[reg.remote_block_offset:reg.remote_block_offset + want])
+    if len(src) != want:
+        raise ParamsError(f"request {rid} has {len(mine)} prefill blocks from offset "
+                          f"{reg.remote_block_offset}; decode expects {want}")
+    return SendJob(rid, reg.remote_request_id, src, reg.remote_host, reg.remote_port,
+                   reg.remote_tp_size, reg.remote_dp_rank)
 
 
 class PromptProgress(Protocol):
@@ -116,18 +153,22 @@ class PrefillRequests:
     """Requests whose KV this prefill publishes to a decode: pending, sending."""
 
     def __init__(self, transfer_protocol: str = "", *, claim_timeout_s: float = 600.0,
-                 claim_wait_s: float = 0.0) -> None:
+                 claim_wait_s: float = 0.0, claim_in_worker: bool = False) -> None:
         """``transfer_protocol``: this prefill's ``backend/protocol``; a decode advertising
         another is refused per request (empty: not checked). ``claim_timeout_s``: how long
         an early-dispatched request waits for its decode's registration. ``claim_wait_s``:
         how long :meth:`ready` may block, once per step that follows an idle one, for a
-        held request's claim to end (:meth:`end_step`)."""
+        held request's claim to end (:meth:`end_step`). ``claim_in_worker``: schedule an
+        early-dispatched request at once; its workers claim the registration
+        (:class:`LateSendJob`)."""
+        self.claim_in_worker = claim_in_worker
+        self._tickets: dict[str, ClaimTicket] = {}  # claim_in_worker: early requests, until finished
         self.protocol = ProtocolGuard(transfer_protocol) if transfer_protocol else None
         # a registration of more blocks is refused (check_registration): no larger answer is read
         self.claims = Claims(timeout_s=claim_timeout_s, max_answer_bytes=answer_max_bytes(MAX_BLOCKS))
         self.claim_wait_s = claim_wait_s
         self._wait_budget = claim_wait_s  # what ready() may still block in this step
-        self._pending: dict[str, tuple[PromptProgress, DecodeRegistration]] = {}
+        self._pending: dict[str, tuple[PromptProgress, DecodeRegistration | ClaimTicket]] = {}
         self._sending: set[str] = set()
         self._errors: dict[str, str] = {}  # rejected requests -> why, until vLLM finishes them
 
@@ -146,6 +187,8 @@ class PrefillRequests:
         here the first time it is asked about). Once the claim ended its params are the
         registration (``do_remote_decode``), or, if it failed, a plain prefill's."""
         rid = request.request_id
+        if rid in self._tickets:
+            return True
         if rid not in self.claims:
             params = request.kv_transfer_params
             if not wants_claim(params):
@@ -155,6 +198,9 @@ class PrefillRequests:
                 ticket = ClaimTicket.from_params(params)
             except ClaimError as exc:
                 self._claim_failed(request, exc)
+                return True
+            if self.claim_in_worker:  # computed now; its workers claim the registration
+                self._tickets[rid] = ticket
                 return True
             self.claims.submit(rid, ticket.claim_url, ticket.proxy_request_id, ticket.claim_token)
         outcome = self.claims.result(rid)
@@ -191,6 +237,10 @@ class PrefillRequests:
 
     def after_alloc(self, request: PromptProgress, params: Mapping[str, Any]) -> bool:
         """Track ``request`` until its prompt is computed; False if its registration is invalid."""
+        ticket = self._tickets.get(request.request_id)
+        if ticket is not None:  # its workers claim the registration and check it
+            self._pending[request.request_id] = (request, ticket)
+            return True
         try:
             reg = DecodeRegistration.from_params(params)
             check_registration(reg)
@@ -206,43 +256,44 @@ class PrefillRequests:
         self._pending[request.request_id] = (request, reg)
         return True
 
-    def take_sends(self, scheduled: Mapping[str, int],
-                   block_ids: Callable[[str], Sequence[int] | None]) -> list[SendJob]:
+    def take_sends(self, scheduled: Mapping[str, int], block_ids: Callable[[str], Sequence[int] | None]
+                   ) -> list[SendJob | LateSendJob]:
         """Requests whose prompt finishes computing in this step (``scheduled``: tokens per
-        request), with their prefill blocks (``block_ids``: a request's blocks, None if unknown)."""
-        jobs = []
+        request), with their prefill blocks (``block_ids``: a request's blocks, None if
+        unknown): sends to registered decodes, and late sends (the workers claim first)."""
+        jobs: list[SendJob | LateSendJob] = []
         for rid, (req, reg) in list(self._pending.items()):
             n = scheduled.get(rid, 0)
             if not n or req.num_computed_tokens + n < req.num_prompt_tokens:
                 continue
             del self._pending[rid]
-            job = self._job(rid, reg, block_ids(rid))
-            if job is None:
-                self._errors[rid] = "prefill could not send its KV to decode (see the prefill's log)"
-            else:
-                log.debug("remote-d2h: %s prefill completes this step; %d blocks -> decode %s:%d as %s",
-                          rid, len(job.block_ids), job.host, job.kv_port, job.remote_request_id)
-                jobs.append(job)
+            mine = block_ids(rid)
+            if isinstance(reg, ClaimTicket):
+                if mine is None:
+                    log.error("remote-d2h: no KV cache manager bound; cannot send %s", rid)
+                    self._errors[rid] = "prefill could not send its KV to decode (see the prefill's log)"
+                    continue
+                log.debug("remote-d2h: %s prefill completes this step; %d blocks, decode not claimed yet",
+                          rid, len(mine))
+                jobs.append(LateSendJob.of(rid, mine, reg))
                 self._sending.add(rid)
+                continue
+            try:
+                job = send_job(rid, reg, mine)
+            except ParamsError as exc:
+                log.error("remote-d2h: %s", exc)
+                self._errors[rid] = "prefill could not send its KV to decode (see the prefill's log)"
+                continue
+            log.debug("remote-d2h: %s prefill completes this step; %d blocks -> decode %s:%d as %s",
+                      rid, len(job.block_ids), job.host, job.kv_port, job.remote_request_id)
+            jobs.append(job)
+            self._sending.add(rid)
         return jobs
-
-    @staticmethod
-    def _job(rid: str, reg: DecodeRegistration, mine: Sequence[int] | None) -> SendJob | None:
-        if mine is None:
-            log.error("remote-d2h: no KV cache manager bound; cannot send %s", rid)
-            return None
-        want = len(reg.remote_block_ids)
-        src = tuple(mine[reg.remote_block_offset:reg.remote_block_offset + want])
-        if len(src) != want:
-            log.error("remote-d2h: request %s has %d prefill blocks from offset %d; decode expects %d",
-                      rid, len(mine), reg.remote_block_offset, want)
-            return None
-        return SendJob(rid, reg.remote_request_id, src, reg.remote_host, reg.remote_port,
-                       reg.remote_tp_size, reg.remote_dp_rank)
 
     def request_finished(self, request_id: str) -> bool:
         """vLLM finished the request; True: its blocks must wait (decode still reads them)."""
         self._pending.pop(request_id, None)
+        self._tickets.pop(request_id, None)
         self.claims.cancel(request_id)  # if it was aborted while it waited for its decode
         return request_id in self._sending
 

@@ -194,6 +194,14 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         if self.prefill is not None:
             self.prefill.start(self._region, [main for main, _ in pairs])
 
+    def hold_early_requests(self) -> None:
+        """Layer sharing on this prefill (``AscendMultiConnector``, every role): an
+        early-dispatched request is held until the scheduler claimed its registration.
+        Why: a shared layer buffer is reused within the forward, so every layer must be
+        published as it is written, which needs the decode's blocks before the forward."""
+        if self.scheduler is not None and self.scheduler.prefill is not None:
+            self.scheduler.prefill.claim_in_worker = False
+
     def attach_reuse_gate(self, pipeline: SlotSharing) -> None:
         """Layer sharing on this prefill: decode's reads hold each layer's buffer
         (see :meth:`PrefillWorker.attach_reuse_gate`). Called by ``AscendMultiConnector``."""

@@ -6,6 +6,12 @@ that layer to the decode ranks that read it; a request's blocks are freed only
 after decode answered for every layer or the ack deadline passed (the
 scheduler's ``request_finished`` delays the free until this worker says so).
 
+A request computed before its decode registered (early dispatch, ``claim_in_worker``)
+arrives as a late send: this rank claims the registration while it computes and
+publishes the layers already written the moment it arrives, from the claims' thread
+(:mod:`ascend_offload.pd.late_sends`); the producers and the request maps are shared
+with that thread under one lock.
+
 With layer sharing (``AscendMultiConnector``) a layer's physical buffer is
 reused within the forward, so decode's reads hold the buffer's reuse-gate slot
 (:meth:`PrefillWorker.attach_reuse_gate`).
@@ -14,6 +20,7 @@ reused within the forward, so decode's reads hold the buffer's reuse-gate slot
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,8 +30,11 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.remote_d2h.kv_region import KVRegion
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
+from ascend_offload.pd.late_sends import LateSends
+from ascend_offload.pd.prefill_requests import SendJob
 from ascend_offload.pd.slot_sharing import ReadGate, SlotSharing
 from ascend_offload.pd.topology import Topology, TopologyError
+from ascend_offload.transfer.base import transfer_protocol
 
 if TYPE_CHECKING:
     from ascend_offload.pd.producer import Producer, SlotRelease
@@ -43,8 +53,11 @@ class PrefillWorker:
         self._prepare = prepare
         self._region: KVRegion | None = None
         self._layer_index: dict[str, int] = {}
+        # Producers and the request maps below: also written by the claims' thread (late sends).
+        self._lock = threading.Lock()
         self._producers: dict[int, Producer] = {}  # decode TP size -> producer
         self._step_sends: dict[int, list[str]] = {}  # decode TP size -> decode ids sent this step
+        self._step_late: list[str] = []  # our ids of this step's late sends
         self._step_blocks: list[int] = []  # blocks of this step's sends (staged KV: copied out per layer)
         self._by_remote: dict[tuple[int, str], str] = {}  # (decode tp, decode id) -> our id
         self._own: dict[str, tuple[int, str]] = {}  # our id -> (decode tp, decode id)
@@ -57,6 +70,9 @@ class PrefillWorker:
         self.gate_holds = 0
         self.gate_hold_failures = 0
         self.withheld_layers = 0  # layers not published after a failed store load of their step
+        cfg = settings.cfg
+        self._late = LateSends(start=self._start_late, publish=self._publish_late,
+                               transfer_protocol=transfer_protocol(cfg), claim_timeout_s=cfg.claim_timeout_s)
 
     def start(self, region: KVRegion, names: Sequence[str]) -> None:
         """Publish from ``region``; ``names`` in model order give the layer indices on the wire."""
@@ -64,6 +80,10 @@ class PrefillWorker:
         self._layer_index = {n: i for i, n in enumerate(names)}
 
     def _producer(self, d_tp: int) -> Producer:
+        with self._lock:
+            return self._producer_locked(d_tp)
+
+    def _producer_locked(self, d_tp: int) -> Producer:
         prod = self._producers.get(d_tp)
         if prod is None:
             from ascend_offload.pd.producer import Producer
@@ -148,25 +168,59 @@ class PrefillWorker:
     # ------------------------------------------------------------------ per step
 
     def apply(self, meta: RemoteD2HMetadata) -> None:
-        """Hand this step's send jobs to the producers (before the first layer is saved)."""
-        from ascend_offload.pd.producer import DecodeTarget
-
+        """Hand this step's send jobs to the producers (before the first layer is saved), and
+        start claiming the registrations of its late sends."""
         step: defaultdict[int, list[str]] = defaultdict(list)
         blocks: set[int] = set()
         for job in meta.send:
+            if not self._add_send(job):
+                with self._lock:
+                    self._send_done.add(job.request_id)
+                continue
+            step[job.d_tp].append(job.remote_request_id)
+            blocks.update(job.block_ids)
+        late: list[str] = []
+        for lj in meta.late_send:
+            if self._gate is not None:  # the scheduler holds such requests with layer sharing
+                log.error("%s: request %s computed before its decode registered, with layer sharing on "
+                          "this prefill; not sent (decode recomputes)", NAME, lj.request_id)
+                with self._lock:
+                    self._send_done.add(lj.request_id)
+                continue
+            self._late.add(lj)
+            late.append(lj.request_id)
+            blocks.update(lj.block_ids)
+        self._step_sends = dict(step)
+        self._step_late = late
+        self._step_blocks = sorted(blocks)
+
+    def _add_send(self, job: SendJob) -> bool:
+        """Announce ``job`` to its producer and map its ids; False (logged) if it cannot be served."""
+        from ascend_offload.pd.producer import DecodeTarget
+
+        key = (job.d_tp, job.remote_request_id)
+        with self._lock:
+            self._by_remote[key] = job.request_id
+            self._own[job.request_id] = key
             try:
-                self._producer(job.d_tp).add_request(
+                self._producer_locked(job.d_tp).add_request(
                     job.remote_request_id, job.block_ids, DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
             except (ValueError, TopologyError) as exc:
                 log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
-                self._send_done.add(job.request_id)
-                continue
-            self._by_remote[(job.d_tp, job.remote_request_id)] = job.request_id
-            self._own[job.request_id] = (job.d_tp, job.remote_request_id)
-            step[job.d_tp].append(job.remote_request_id)
-            blocks.update(job.block_ids)
-        self._step_sends = dict(step)
-        self._step_blocks = sorted(blocks)
+                del self._by_remote[key], self._own[job.request_id]
+                return False
+        return True
+
+    def _start_late(self, job: SendJob, layers: Sequence[int]) -> bool:
+        """A late send's registration arrived (claims' thread): announce it, publish ``layers``."""
+        if not self._add_send(job):
+            return False
+        for layer in layers:
+            self._publish_late(job, layer)
+        return True
+
+    def _publish_late(self, job: SendJob, layer: int) -> None:
+        self._producers[job.d_tp].publish_layer(layer, unique_slot=True, request_ids=[job.remote_request_id])
 
     def _publish(self, layer: int, name: str | None = None) -> None:
         failed = self._failed_requests(name)
@@ -177,6 +231,8 @@ class PrefillWorker:
         device.synchronize()  # the layer's KV must be in memory before decode may read it
         if self._region is not None:  # device KV behind a host-only engine: copy the blocks out
             self._region.stage_out(layer, self._step_blocks)
+        if self._step_late:
+            self._late.written(layer, self._step_late)
         if self._gate is not None and held is None:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
                       "published on a private slot", NAME, name)
@@ -220,7 +276,7 @@ class PrefillWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Publish ``layer_name`` as soon as it is written (``use_layerwise``)."""
-        if self._step_sends and self.settings.cfg.use_layerwise:
+        if (self._step_sends or self._step_late) and self.settings.cfg.use_layerwise:
             idx = self._layer_index.get(layer_name)
             if idx is None:
                 log.error("%s: unknown layer %r; not published", NAME, layer_name)
@@ -229,44 +285,54 @@ class PrefillWorker:
 
     def wait_for_save(self) -> None:
         """End of the forward: publish every layer now unless published per layer."""
-        if self._step_sends and not self.settings.cfg.use_layerwise:
+        if (self._step_sends or self._step_late) and not self.settings.cfg.use_layerwise:
             assert self._region is not None
             for i in range(len(self._region.layers)):
                 self._publish(i)
         if self._gate_tokens:
             self._release_gate_tokens()
+        if self._step_late:
+            self._late.end_step(self._step_late)
         self._step_sends = {}
+        self._step_late = []
         self._step_blocks = []
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: vLLM finished them *and* decode answered every
-        published layer (or the ack deadline passed)."""
-        mine = {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
-        self._seen_finished |= mine
-        for rid in mine:
-            key = self._own.get(rid)
-            if key is not None:
-                self._producers[key[0]].abort_request(key[1])  # no-op unless layers were never published
-        for d_tp, prod in self._producers.items():
-            for o in prod.finished():
-                own = self._by_remote.pop((d_tp, o.request_id), None)
-                if own is None:
-                    continue
-                self._own.pop(own, None)
-                self._send_done.add(own)
-                if not o.ok:
-                    log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
-        ready = self._send_done & self._seen_finished
-        self._send_done -= ready
-        self._seen_finished -= ready
+        published layer (or the ack deadline passed). A late send whose registration has not
+        arrived yet is held until its claim ends."""
+        failed = self._late.take_failed()
+        # Asked before the maps: a late send leaves ``_late`` only after it is mapped.
+        late = {rid for rid in finished_req_ids if rid in self._late}
+        with self._lock:
+            self._send_done |= failed
+            mine = late | {rid for rid in finished_req_ids if rid in self._own or rid in self._send_done}
+            self._seen_finished |= mine
+            for rid in mine:
+                key = self._own.get(rid)
+                if key is not None:
+                    self._producers[key[0]].abort_request(key[1])  # no-op unless layers were never published
+            for d_tp, prod in self._producers.items():
+                for o in prod.finished():
+                    own = self._by_remote.pop((d_tp, o.request_id), None)
+                    if own is None:
+                        continue
+                    self._own.pop(own, None)
+                    self._send_done.add(own)
+                    if not o.ok:
+                        log.warning("%s: decode did not read layers %s of %s", NAME, o.failed_layers, own)
+            ready = self._send_done & self._seen_finished
+            self._send_done -= ready
+            self._seen_finished -= ready
         return ready
 
     def totals(self) -> dict[str, int]:
         """Monotonic counters of this rank's publishing (connector metrics)."""
         out = {"layers_published": 0, "acks": 0, "acks_late": 0, "ack_timeouts": 0, "failed_answers": 0,
                "send_errors": 0, "rejected_messages": 0,
-               "gate_holds": self.gate_holds, "gate_hold_failures": self.gate_hold_failures}
-        for prod in self._producers.values():
+               "gate_holds": self.gate_holds, "gate_hold_failures": self.gate_hold_failures,
+               "late_claims": self._late.claimed, "late_claim_failures": self._late.failures}
+        for prod in list(self._producers.values()):
             st = prod.stats
             for key, value in (("layers_published", st.published_items), ("acks", st.acked),
                                ("acks_late", st.stale), ("ack_timeouts", st.timed_out),
@@ -277,8 +343,10 @@ class PrefillWorker:
 
     def gauges(self) -> dict[str, int]:
         """Published slot uses still waiting for decode's answers or their deadline (0 when idle)."""
-        return {"pending_slot_uses": sum(len(p.pending_slots()) for p in self._producers.values())}
+        return {"pending_slot_uses": sum(len(p.pending_slots()) for p in list(self._producers.values())),
+                "late_sends_waiting": self._late.waiting}
 
     def close(self) -> None:
-        for prod in self._producers.values():
+        self._late.close()
+        for prod in list(self._producers.values()):
             prod.close()

@@ -5,8 +5,9 @@ bookkeeping of :mod:`ascend_offload.pd.decode_requests` (decode) and
 Only the translation lives here: a request's blocks come from vLLM's KV cache
 manager, the step's scheduled tokens from ``SchedulerOutput``, and the result
 goes into :class:`RemoteD2HMetadata`. A prefill request dispatched before its decode
-registered is answered ``None`` (not schedulable; vLLM asks again next step) until its
-claim ended (:meth:`PrefillRequests.ready`).
+registered is scheduled at once and its workers claim the registration
+(``claim_in_worker``), or, held for the scheduler's claim, answered ``None`` (not
+schedulable; vLLM asks again next step) until its claim ended (:meth:`PrefillRequests.ready`).
 
 Hybrid residency on a sparse decode (``sparse_offload.hybrid``): a pulled request is
 placed when its pull is registered (:class:`~ascend_offload.sparse.hybrid.ResidentBook`, pinned), so its main KV
@@ -27,7 +28,7 @@ from ascend_offload.connectors.remote_d2h.settings import Settings
 from ascend_offload.connectors.sparse_decode.scheduler import SparseDecodeScheduler
 from ascend_offload.connectors.sparse_decode.settings import SparseDecodeSettings
 from ascend_offload.pd.decode_requests import DecodeRequests, wants_remote_prefill
-from ascend_offload.pd.prefill_requests import PrefillRequests, wants_remote_decode
+from ascend_offload.pd.prefill_requests import PrefillRequests, SendJob, wants_remote_decode
 from ascend_offload.pd.registration import Registrar
 from ascend_offload.sparse.hybrid import ResidentBook
 from ascend_offload.transfer.base import transfer_protocol
@@ -69,7 +70,7 @@ class RemoteD2HScheduler:
         )
         self.prefill = (
             PrefillRequests(transfer_protocol(cfg), claim_timeout_s=cfg.claim_timeout_s,
-                            claim_wait_s=cfg.claim_wait_ms / 1000)
+                            claim_wait_s=cfg.claim_wait_ms / 1000, claim_in_worker=cfg.claim_in_worker)
             if settings.is_producer
             else None
         )
@@ -188,9 +189,11 @@ class RemoteD2HScheduler:
                 for r in scheduler_output.scheduled_new_reqs:
                     book.unpin(r.req_id)
         if self.prefill is not None:
-            meta.send = self.prefill.take_sends(
-                scheduler_output.num_scheduled_tokens, self._block_ids
-            )
+            for job in self.prefill.take_sends(scheduler_output.num_scheduled_tokens, self._block_ids):
+                if isinstance(job, SendJob):
+                    meta.send.append(job)
+                else:
+                    meta.late_send.append(job)
             self.prefill.end_step(idle=not any(scheduler_output.num_scheduled_tokens.values()))
         return meta
 

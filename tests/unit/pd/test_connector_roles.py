@@ -1,7 +1,8 @@
 """SfaRemoteD2HConnector carries only its role's state: the scheduler process gets the
 scheduler bookkeeping, a decode rank the decode worker, a prefill rank the prefill worker
 (kv_both: both workers over one KV region). The scheduler side of an early-dispatched
-prefill request: held back until its claim ends, against a real HTTP claim server."""
+prefill request: scheduled at once and handed to the workers as a late send (the
+default), or held back until its claim ends, against a real HTTP claim server."""
 
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ def _proxy() -> Iterator[ProxyStub]:
     yield from running_proxy()
 
 
-def _scheduler(producer: bool, consumer: bool) -> SfaRemoteD2HConnector:
+def _scheduler(producer: bool, consumer: bool, claim_in_worker: bool = False) -> SfaRemoteD2HConnector:
     vc = _config(producer, consumer)
-    vc.kv_transfer_config.kv_connector_extra_config.update(claim_timeout_s=WAIT_S, claim_wait_ms=5)
+    vc.kv_transfer_config.kv_connector_extra_config.update(claim_timeout_s=WAIT_S, claim_wait_ms=5,
+                                                           claim_in_worker=claim_in_worker)
     return SfaRemoteD2HConnector(vc, KVConnectorRole.SCHEDULER)
 
 
@@ -120,5 +122,43 @@ def test_consumer_ignores_claims(proxy: ProxyStub) -> None:
         req = _early_request(proxy, "x1")
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert proxy.calls["x1"] == 0
+    finally:
+        sched.shutdown()
+
+
+def test_producer_schedules_an_early_request_at_once_and_hands_the_claim_to_its_workers(
+        proxy: ProxyStub) -> None:
+    sched = _scheduler(True, False, claim_in_worker=True)
+    try:
+        req = _early_request(proxy, "x1")
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # schedulable now
+        sched.update_state_after_alloc(req, None, 0)
+        sched.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
+        assert _step(sched, {req.request_id: 16}).late_send == []  # chunk 1 of 32 tokens
+        req.num_computed_tokens = 16
+        meta = _step(sched, {req.request_id: 16})
+        assert meta.send == [] and not meta.empty
+        (job,) = meta.late_send
+        assert (job.request_id, job.block_ids, job.claim_url, job.proxy_request_id) == (
+            req.request_id, (5, 6, 7), proxy.url, "x1")
+        assert job.claim_token == proxy.tokens["x1"] and job.claim_token not in repr(meta)
+        assert proxy.calls["x1"] == 0  # the scheduler never claims it
+        assert sched.request_finished(req, [5, 6, 7]) == (True, None)  # held until the workers report
+        sched.update_connector_output(SimpleNamespace(finished_recving=None,
+                                                      finished_sending={req.request_id}))
+        assert sched.request_finished(req, [5, 6, 7]) == (False, None)
+    finally:
+        sched.shutdown()
+
+
+def test_a_malformed_claim_runs_as_a_plain_prefill(proxy: ProxyStub) -> None:
+    sched = _scheduler(True, False, claim_in_worker=True)
+    try:
+        req = _early_request(proxy, "x1")
+        req.kv_transfer_params["claim_url"] = "ftp://x"
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, None, 0)
+        held, params = sched.request_finished(req, [1])
+        assert held is False and params is not None and "claim_url" in params["remote_d2h_error"]
     finally:
         sched.shutdown()

@@ -64,7 +64,8 @@ def test_held_request_starts_no_store_load(proxy: ProxyStub, store_first: bool) 
 
     rd2h = {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
             "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
-            "kv_connector_extra_config": {"host": "127.0.0.1", "claim_timeout_s": WAIT_S}}
+            "kv_connector_extra_config": {"host": "127.0.0.1", "claim_timeout_s": WAIT_S,
+                                          "claim_in_worker": False}}
     multi = _multi([_child("s", 16), rd2h] if store_first else [rd2h, _child("s", 16)])
     try:
         store = next(c for c in multi.sub_connectors if isinstance(c, AscendStoreConnector))
@@ -83,5 +84,27 @@ def test_held_request_starts_no_store_load(proxy: ProxyStub, store_first: bool) 
             time.sleep(0.01)
         assert got == (4 * BLOCK, False) and store.scheduler.index.stats().pinned_objects == 4
         assert req.kv_transfer_params["remote_request_id"] == "dec-1"
+    finally:
+        multi.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_layer_sharing_holds_early_requests_for_the_schedulers_claim(layerwise: bool) -> None:
+    """With a layer-sharing store beside it, the producer cannot compute before its decode's
+    blocks are known (a shared buffer is published before reuse): claim_in_worker is off."""
+    from ascend_offload.connectors.remote_d2h import SfaRemoteD2HConnector
+    from tests.unit.core.test_multi_order import _child, _multi
+
+    rd2h = {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "ascend_offload.connectors.remote_d2h",
+            "kv_connector_extra_config": {"host": "127.0.0.1"}}
+    store = _child("s", 16)
+    store["kv_connector_extra_config"]["use_layerwise"] = layerwise
+    multi = _multi([store, rd2h])
+    try:
+        producer = next(c for c in multi.sub_connectors if isinstance(c, SfaRemoteD2HConnector))
+        assert producer.cfg.claim_in_worker  # the default
+        assert producer.scheduler is not None and producer.scheduler.prefill is not None
+        assert producer.scheduler.prefill.claim_in_worker is not layerwise
     finally:
         multi.shutdown()

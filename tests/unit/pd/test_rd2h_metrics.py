@@ -47,6 +47,7 @@ def test_deltas_reach_prometheus_counters() -> None:
     conn.decode.consumer, conn.decode.sparse, conn.decode.landed_resident = cons, None, 2
     conn.prefill = PrefillWorker.__new__(PrefillWorker)
     conn.prefill.gate_holds, conn.prefill.gate_hold_failures = 4, 1
+    conn.prefill._late = SimpleNamespace(claimed=3, failures=1, waiting=2)
     conn.prefill._producers = {1: SimpleNamespace(stats=ProducerStats(published_items=6, acked=5, stale=1,
                                                                        timed_out=1, rejected=1),
                                                       pending_slots=lambda: dict(state["slots"]))}
@@ -55,9 +56,10 @@ def test_deltas_reach_prometheus_counters() -> None:
     assert first.data == {"layers_pulled": 6, "bytes_pulled": 6144, "read_descriptors": 3, "read_failures": 1,
                           "rejected_messages": 3, "layers_published": 6, "acks": 5, "acks_late": 1,
                           "ack_timeouts": 1, "gate_holds": 4, "gate_hold_failures": 1,
+                          "late_claims": 3, "late_claim_failures": 1,
                           "resident_pulls": 2,
                           "inflight_reads": 2, "parked_messages": 1, "active_requests": 1,
-                          "pending_slot_uses": 1}
+                          "pending_slot_uses": 1, "late_sends_waiting": 2}
     assert set(first.data) <= set(RD2H_COUNTERS) | set(RD2H_GAUGES)
     assert conn.get_kv_connector_stats() is None  # nothing new since
     cons.stats.reads += 2
