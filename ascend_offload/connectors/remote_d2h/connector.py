@@ -208,6 +208,14 @@ class SfaRemoteD2HConnector(ConnectorMetrics, KVConnectorBase_V1):
         assert self.prefill is not None, f"{NAME}: attach_reuse_gate needs a kv_producer worker"
         self.prefill.attach_reuse_gate(pipeline)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A prefill rank applies the step's metadata now, before the forward: the claims
+        of its late sends then wait at the proxy while the model computes, instead of
+        starting at the first layer's save."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.prefill is not None:
+            self._prepare()
+
     def _prepare(self) -> None:
         """Apply this step's metadata once, from whichever hook runs first.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from ascend_offload.config import ConfigError
 from ascend_offload.connectors.remote_d2h.kv_region import KVRegion
 from ascend_offload.connectors.remote_d2h.metadata import RemoteD2HMetadata
 from ascend_offload.connectors.remote_d2h.settings import NAME, Settings
+from ascend_offload.pd._loop import HANDOFF_S
 from ascend_offload.pd.late_sends import LateSends
 from ascend_offload.pd.prefill_requests import SendJob
 from ascend_offload.pd.slot_sharing import ReadGate, SlotSharing
@@ -233,6 +235,11 @@ class PrefillWorker:
             self._region.stage_out(layer, self._step_blocks)
         if self._step_late:
             self._late.written(layer, self._step_late)
+            if self._late.waiting:
+                # The claims' thread may hold an answer, waiting for the GIL (and, pinned
+                # with this thread, for the CPU): step aside so it publishes now, not at
+                # the interpreter's switch interval.
+                time.sleep(HANDOFF_S)
         if self._gate is not None and held is None:
             log.error("%s: layer %r has no reuse-gate token (store connector not saving it?); "
                       "published on a private slot", NAME, name)

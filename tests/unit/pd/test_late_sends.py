@@ -234,3 +234,22 @@ def test_layers_and_claims_racing_publish_each_layer_once(proxy: ProxyStub) -> N
         assert published == Counter({(f"p{i}", layer): 1 for i in range(n) for layer in range(layers)})
     finally:
         late.close()
+
+
+def test_the_claim_starts_when_the_step_is_bound_before_any_layer(
+        monkeypatch: pytest.MonkeyPatch, proxy: ProxyStub) -> None:
+    """vLLM binds the step's metadata before the forward: the claim waits at the proxy while
+    the model computes, instead of starting at the first layer's save."""
+    with _ranks(monkeypatch, False) as r:
+        proxy.expect("x1", answer=_registration(r["port"]))
+        conn = r["pre"]
+        conn.bind_connector_metadata(RemoteD2HMetadata(late_send=[_late_job(proxy, "x1")]))
+        proxy.wait_calls(1)  # no hook of the forward has run yet
+        proxy.release("x1")
+        _until("claimed", lambda: conn.prefill.totals()["late_claims"] == 1)
+        for name in NAMES:
+            conn.save_kv_layer(name, None, None)
+        conn.wait_for_save()
+        _received(r["dec"])
+        _released(conn.prefill, {"p1"}, {"p1"})
+        assert conn.prefill.totals()["layers_published"] == LAYERS
