@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -464,6 +464,30 @@ def _loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgids: Iterable[int]) -> dict[int, float]:
+    """CPU seconds (user + system, every thread) used so far by the live processes of each
+    process group in ``pgids``. Why per group: a server's API process, engine core and
+    workers share its group (``harness.servers.Server``), so one number covers the server."""
+    want = set(pgids)
+    out = dict.fromkeys(want, 0.0)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = raw[raw.rindex(b")") + 2 :].split()  # after "pid (comm) "
+        pgrp = int(fields[2])
+        if pgrp in want:
+            out[pgrp] += (int(fields[11]) + int(fields[12])) * _TICK_S
+    return out
+
+
 def _summarise(out: dict[str, Any], results: list[Result]) -> None:
     """Per-setup figures from its requests: errors, TTFT/TPOT percentiles, best-of-rounds TTFT."""
     out["requests"] = [asdict(r) for r in results]
@@ -538,18 +562,29 @@ def run_interleaved(
             before[s] = _prompt_sources(client, engine)
         load_start = _loadavg()
         results: dict[str, list[Result]] = {s: [] for s in setups}
+        cpu: dict[str, dict[str, float]] = {s: {sv.name: 0.0 for sv in live[s][2]} for s in setups}
         for rnd, s in block_order(setups, rounds):
             if len(setups) > 1:
                 time.sleep(settle_s)
-            url = live[s][0]
+            url, _engine, servers = live[s]
+            cpu0 = group_cpu_s(sv.proc.pid for sv in servers)
             for i, p in enumerate(prompts):
                 r = _stream_one(client, url, _body(model, p, output_tokens))
                 r.prompt, r.round = i, rnd
                 results[s].append(r)
+            cpu1 = group_cpu_s(sv.proc.pid for sv in servers)
+            for sv in servers:
+                cpu[s][sv.name] += cpu1[sv.proc.pid] - cpu0[sv.proc.pid]
         load_end = _loadavg()
         for s, (_url, engine, servers) in live.items():
             out = outs[s]
             out["loadavg_start"], out["loadavg_end"] = load_start, load_end
+            n = max(1, len(results[s]))
+            # CPU each server used per measured request (its block's time, the request's
+            # path and the busy-waits of its pinned workers alike): on a host with fewer
+            # cores than busy processes this, not the overlap, bounds TTFT.
+            out["cpu_ms_per_request"] = {k: round(v * 1000 / n, 1) for k, v in cpu[s].items()}
+            out["cpu_ms_per_request"]["total"] = round(sum(cpu[s].values()) * 1000 / n, 1)
             after = _prompt_sources(client, engine)
             # Prompt tokens of the measured requests on the generating engine, by where they came from.
             out["engine_prompt_tokens"] = {k: after[k] - before[s].get(k, 0.0) for k in after}
@@ -599,6 +634,15 @@ def report(res: dict[str, Any]) -> str:
             f"{name}: generating engine's prompt tokens by source: "
             + ", ".join(f"{k} {int(v)}" for k, v in sorted(src.items()))
         )
+    for name, s in res["setups"].items():
+        cpu = dict(s.get("cpu_ms_per_request", {}))
+        if cpu:
+            total = cpu.pop("total")
+            rows.append(
+                f"{name}: CPU ms per request {total:.1f} ("
+                + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                + ")"
+            )
     for k, v in res["ratios"].items():
         rows.append(f"{k:<40} {v:6.2f}")
     if "target_ttft_ours_le_mooncake" in res:

@@ -146,6 +146,7 @@ def test_percentile_and_report() -> None:
         "bad_log_count": 0,
         "loadavg_start": 1.0,
         "loadavg_end": 1.5,
+        "cpu_ms_per_request": {"prefill": 4.0, "decode": 6.5, "total": 10.5},
     }
     text = e2e_pd.report(
         {
@@ -157,6 +158,24 @@ def test_percentile_and_report() -> None:
         }
     )
     assert "ours" in text and "met" in text and "<= 0.8): NOT met" in text
+    assert "ours: CPU ms per request 10.5 (prefill 4.0, decode 6.5)" in text
+
+
+def test_group_cpu_counts_every_process_of_the_group() -> None:
+    """A child in a process group of its own burns CPU: its group's count grows by about
+    that much, and a group with no process counts 0."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, process_group=0)
+    try:
+        pgid = child.pid
+        deadline = time.monotonic() + 60
+        while (used := e2e_pd.group_cpu_s([pgid])[pgid]) < 0.3:
+            assert time.monotonic() < deadline, used
+            time.sleep(0.05)
+        assert used < 5.0  # the burn and the interpreter's start, not another group's time
+        assert e2e_pd.group_cpu_s([2**22 + 7]) == {2**22 + 7: 0.0}
+    finally:
+        child.communicate(b"\n", timeout=60)
 
 
 def test_block_order_alternates_rounds() -> None:
