@@ -146,8 +146,9 @@ class LateSends:
                             del self._late[rid]
                         return
                     why = f"cannot send to decode {job.host}:{job.kv_port} (see the log above)"
+            # logged before the worker can see the failure (and free the blocks)
+            log.error("remote-d2h: request %s was computed before its decode registered and %s; "
+                      "decode will not get its KV", rid, why)
             del self._late[rid]
             self._failed.add(rid)
             self.failures += 1
-        log.error("remote-d2h: request %s was computed before its decode registered and %s; "
-                  "decode will not get its KV", rid, why)

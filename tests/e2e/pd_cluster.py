@@ -42,12 +42,15 @@ def rd2h_config(role: str, port: int, extra: dict[str, Any]) -> dict[str, Any]:
 def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                prefill_args: tuple[str, ...] = (), prefill_env: dict[str, str] | None = None,
                decode_args: tuple[str, ...] = (), decode_env: dict[str, str | None] | None = None,
-               proxy_args: tuple[str, ...] = (), worker_in_core: bool = True) -> Iterator[dict[str, Any]]:
+               proxy_args: tuple[str, ...] = (), worker_in_core: bool = True,
+               early_proxy: bool = False) -> Iterator[dict[str, Any]]:
     """Start prefill (prefix caching off, core 0), decode (core 1) and the proxy; yield
     their URLs and ``servers`` by name; stop them all. ``prefill_kv`` / ``decode_kv``
     are functions of the role's kv port returning the transfer config dict; a ``None`` in
     ``decode_env`` removes that variable from the decode's environment; ``proxy_args`` are
-    added to the proxy's command line.
+    added to the proxy's command line. ``early_proxy``: a second proxy over the same
+    backends with ``--prefill-dispatch early`` (``proxy_early``), so one cluster serves
+    both flows.
 
     ``worker_in_core`` (default): a TP=1 engine runs its worker inside its engine-core
     process (vLLM's uni-process executor, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the API
@@ -73,17 +76,23 @@ def pd_cluster(model: str, log_dir: Path, prefill_kv: Any, decode_kv: Any, *,
                               {k: v for k, v in {**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
                                                  **(decode_env or {})}.items() if v is not None},
                               log_dir))
-        servers.append(Server("proxy", [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
-                                        str(proxy_port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
-                                        str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                                        str(d_port), "--register-timeout-s", str(REGISTER_TIMEOUT_S),
-                                        *proxy_args],
-                              env, log_dir))
+        ports = [p_port, d_port]
+        proxies = {"proxy": (proxy_port, proxy_args)}
+        if early_proxy:
+            proxies["proxy_early"] = (free_port(), ("--prefill-dispatch", "early"))
+        for name, (port, args) in proxies.items():
+            servers.append(Server(name, [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port",
+                                         str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+                                         str(p_port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
+                                         str(d_port), "--register-timeout-s", str(REGISTER_TIMEOUT_S), *args],
+                                  env, log_dir))
+            ports.append(port)
         deadline = time.monotonic() + STARTUP_S
-        for port, server in zip((p_port, d_port, proxy_port), servers, strict=True):
+        for port, server in zip(ports, servers, strict=True):
             wait_health(f"http://127.0.0.1:{port}/health", servers, deadline, serving=server)
-        yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "proxy": f"http://127.0.0.1:{proxy_port}",
-               "decode": f"http://127.0.0.1:{d_port}", "servers": {s.name: s for s in servers}}
+        yield {"model": model, "prefill": f"http://127.0.0.1:{p_port}", "decode": f"http://127.0.0.1:{d_port}",
+               **{name: f"http://127.0.0.1:{port}" for name, (port, _) in proxies.items()},
+               "servers": {s.name: s for s in servers}}
     finally:
         stop_all(servers)
 

@@ -13,7 +13,10 @@ so a TP=2 engine must answer exactly like a TP=1 one.
   through our proxy: prefill member 0 sends the replicated main KV into decode's host
   pool, the two members send disjoint halves of each request's indexer blocks into
   decode's device cache. Tokens equal the prefill engine's own plain answer, and no
-  load failed (parity after a silent recompute would prove nothing).
+  load failed (parity after a silent recompute would prove nothing). The same requests
+  again through a second proxy with early dispatch: the prefill computes before the
+  decode registered and each of its two ranks claims the registration itself (two
+  claims per request at the proxy), with the same tokens.
 
 Two cores: a TP=2 engine binds one OpenMP thread per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 """
@@ -120,7 +123,17 @@ def test_prefill_tp2_feeds_decode_tp1(model_dir: str, baseline: list[list[int]],
     pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.e2e.pd_cluster import body, complete, log_lines, log_sizes, pd_cluster, rd2h_config
+    import httpx
+
+    from tests.e2e.pd_cluster import (
+        body,
+        complete,
+        log_lines,
+        log_sizes,
+        metric,
+        pd_cluster,
+        rd2h_config,
+    )
 
     extra = {"ack_timeout_s": 60, "request_timeout_s": 60, "registration_timeout_s": 30}
     pool_gb = (4096 + 512) * N_LAYERS * ROW_BYTES / 2**30 + 1e-9
@@ -132,16 +145,22 @@ def test_prefill_tp2_feeds_decode_tp1(model_dir: str, baseline: list[list[int]],
                     lambda port: rd2h_config("kv_consumer", port, decode_extra),
                     prefill_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
                     prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS))) as c:
+                    decode_args=("--no-enable-prefix-caching", "--max-num-seqs", str(MAX_SEQS)),
+                    early_proxy=True) as c:
         model = c["model"]
         since = log_sizes(c)
         reqs = [body(model, p, False, k, return_token_ids=True) for p, k in zip(PROMPTS, MAX_TOKENS, strict=True)]
         plain = [complete(c["prefill"], r) for r in reqs]
         with ThreadPoolExecutor(3) as pool:
             pd = list(pool.map(lambda r: complete(c["proxy"], r), reqs))
+            early = list(pool.map(lambda r: complete(c["proxy_early"], r), reqs))
         problems = [line for b in bad for line in log_lines(c, since, b)]
         pulled = log_lines(c, {k: 0 for k in since}, "into a host pool of")
+        claims = metric(httpx.get(f"{c['proxy_early']}/metrics", timeout=10).text,
+                        'ascend_offload_proxy_metaserver_claims_total{result="ok"}')
     assert [list(a.token_ids or ()) for a in plain] == baseline  # TP=2 prefill answers like TP=1
     assert [a.token_ids for a in pd] == [a.token_ids for a in plain]
+    assert [a.token_ids for a in early] == [a.token_ids for a in plain]
+    assert claims == 2 * len(reqs)  # each prefill rank claimed each registration itself
     assert problems == []
     assert pulled, "decode did not pull into its host pool"

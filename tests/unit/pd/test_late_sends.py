@@ -12,6 +12,7 @@ thread are each published exactly once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -155,9 +156,18 @@ def test_layers_written_before_the_claim_are_published_when_it_arrives(
     (None, {"transfer_protocol": "memfabric/sdma"}, "transfer protocol mismatch"),
 ], ids=["refused-claim", "blocks-do-not-line-up", "other-protocol"])
 def test_a_failed_or_refused_claim_sends_nothing_and_frees_the_blocks(
-        monkeypatch: pytest.MonkeyPatch, proxy: ProxyStub, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch, proxy: ProxyStub,
         token: str | None, answer: dict[str, Any] | None, why: str) -> None:
-    with _ranks(monkeypatch, False) as r:
+    # a handler of our own: the connector routes ascend_offload.* to vLLM's handlers
+    # (not to the root's, where pytest's caplog listens)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logger = logging.getLogger("ascend_offload.pd.late_sends")
+    logger.addHandler(handler)
+    with contextlib.ExitStack() as stack:
+        stack.callback(logger.removeHandler, handler)
+        r = stack.enter_context(_ranks(monkeypatch, False))
         proxy.expect("x1", answer=_registration(r["port"], **(answer or {})))
         pre = r["pre"].prefill
         pre.apply(RemoteD2HMetadata(late_send=[_late_job(proxy, "x1", token)]))
@@ -169,7 +179,7 @@ def test_a_failed_or_refused_claim_sends_nothing_and_frees_the_blocks(
         totals = pre.totals()
         assert (totals["late_claims"], totals["late_claim_failures"], totals["layers_published"]) == (0, 1, 0)
         assert pre.gauges() == {"pending_slot_uses": 0, "late_sends_waiting": 0}
-        (line,) = [rec.getMessage() for rec in caplog.records if "computed before its decode" in rec.message]
+        (line,) = [rec.getMessage() for rec in seen if "computed before its decode" in rec.getMessage()]
         assert "p1" in line and why in line and "t" * 32 not in line  # the request and why, never the token
 
 
