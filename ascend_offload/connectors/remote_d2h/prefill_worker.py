@@ -82,10 +82,8 @@ class PrefillWorker:
         self._layer_index = {n: i for i, n in enumerate(names)}
 
     def _producer(self, d_tp: int) -> Producer:
-        with self._lock:
-            return self._producer_locked(d_tp)
-
-    def _producer_locked(self, d_tp: int) -> Producer:
+        """The producer for decode TP size ``d_tp``, built on first use (callers hold
+        ``_lock``: the claims' thread may build one too)."""
         prod = self._producers.get(d_tp)
         if prod is None:
             from ascend_offload.pd.producer import Producer
@@ -205,7 +203,7 @@ class PrefillWorker:
             self._by_remote[key] = job.request_id
             self._own[job.request_id] = key
             try:
-                self._producer_locked(job.d_tp).add_request(
+                self._producer(job.d_tp).add_request(
                     job.remote_request_id, job.block_ids, DecodeTarget(job.host, job.kv_port, job.d_tp, job.dp_rank))
             except (ValueError, TopologyError) as exc:
                 log.error("%s: cannot send %s to decode: %s", NAME, job.request_id, exc)
