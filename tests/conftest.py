@@ -21,6 +21,20 @@ import pytest
 
 ALLOW_ENV = "ASCEND_OFFLOAD_TEST_ALLOW_MISSING"
 
+# One OpenMP thread per process, unless the caller chose a number. Why: an in-process
+# engine's worker is not bound by vLLM (its binding needs the worker process), so torch
+# would run its forward on one OpenMP thread per core, and on a 2-core machine those
+# threads wait at every barrier for a core that the other test worker's engine holds
+# (the same three engine files with two test workers: 180 s with torch's default of
+# two threads, 123 s with one). vLLM's bound workers and the P/D servers use one
+# thread per core they are given either way. Set here, before the test workers start
+# (they inherit it, and torch reads it when it loads); a process that loaded torch
+# already is set directly.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
 
 def _imports(*modules: str) -> Callable[[], str | None]:
     def check() -> str | None:
