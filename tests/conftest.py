@@ -144,13 +144,10 @@ ENGINE_SERVERS = (
     "tests/e2e/test_demo_e2e.py",
     "tests/reliability/test_soak.py",
     "tests/e2e/test_joint_sparse_e2e.py",
-    "tests/e2e/test_store_mooncake_engines.py",
     "tests/e2e/test_pd_layerwise_e2e.py",
-    "tests/e2e/test_store_e2e.py",
     "tests/e2e/test_pd_e2e.py",
     "tests/integration/test_proxy_vllm.py",
     "tests/e2e/test_pd_hybrid_e2e.py",
-    "tests/e2e/test_config_errors_e2e.py",
 )
 ENGINE_GROUP = "engine-servers"
 # First in collection order (``--no-loadscope-reorder`` keeps it): the engine-server unit,
@@ -160,6 +157,12 @@ SLOW_FIRST = (
     *ENGINE_SERVERS,
     "tests/e2e/test_sparse_spec_e2e.py",
     "tests/e2e/test_sparse_decode_e2e.py",
+    # multi-process engines light enough to run beside the server unit: they even out
+    # the two workers' ends (with one OpenMP thread per process the other files take
+    # ~300 s less than the unit)
+    "tests/e2e/test_store_mooncake_engines.py",
+    "tests/e2e/test_store_e2e.py",
+    "tests/e2e/test_config_errors_e2e.py",
 )
 
 
