@@ -131,7 +131,7 @@ def _environment_restored_after_each_file() -> Iterator[None]:
         core.get_kv_cache_configs = hooked
 
 
-# Files that start vLLM API servers or multi-process engines. Each keeps several processes
+# Files that start vLLM API servers or the heaviest multi-process engines. Each keeps several processes
 # busy (vLLM's shared-memory queues busy-wait for 1 s after each message), so on two cores
 # such a file slows down several times over beside other engine work (the sparse P/D
 # preemption file: 87 s alone, 304-312 s in make test). Under ``--dist loadfile`` these
