@@ -131,10 +131,10 @@ def _environment_restored_after_each_file() -> Iterator[None]:
         core.get_kv_cache_configs = hooked
 
 
-# Files that start vLLM API servers or the heaviest multi-process engines. Each keeps several processes
-# busy (vLLM's shared-memory queues busy-wait for 1 s after each message), so on two cores
-# such a file slows down several times over beside other engine work (the sparse P/D
-# preemption file: 87 s alone, 304-312 s in make test). Under ``--dist loadfile`` these
+# Files that start vLLM API servers or the heaviest multi-process engines. Each keeps
+# several processes busy (vLLM's shared-memory queues busy-wait for 1 s after each
+# message), so on two cores such a file slows down several times over beside other
+# engine work (the sparse P/D preemption file: 87 s alone, 294-319 s in make test). Under ``--dist loadfile`` these
 # files are one work unit (:func:`pytest_xdist_make_scheduler`), run one after another by
 # one worker, so no two of them overlap, while the other worker takes the remaining files,
 # each a unit of its own as before (make test on the 2-core VM: 1416 s before, 1218 s).
@@ -158,8 +158,8 @@ SLOW_FIRST = (
     "tests/e2e/test_sparse_spec_e2e.py",
     "tests/e2e/test_sparse_decode_e2e.py",
     # multi-process engines light enough to run beside the server unit: they even out
-    # the two workers' ends (with one OpenMP thread per process the other files take
-    # ~300 s less than the unit)
+    # the two workers' ends (test time per worker on the 2-vCPU VM: 773 s for the unit and
+    # 954 s for the rest with them here; 1,068 s and 783 s with them in the unit)
     "tests/e2e/test_store_mooncake_engines.py",
     "tests/e2e/test_store_e2e.py",
     "tests/e2e/test_config_errors_e2e.py",
